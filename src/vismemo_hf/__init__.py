@@ -1,0 +1,35 @@
+"""vismemo-hf: approximate visual KV-cache reuse for Qwen-VL models in transformers.
+
+    import vismemo_hf
+    vismemo_hf.enable(model)
+    out = model.generate(**inputs, past_key_values=vismemo_hf.VisMemoCache(), max_new_tokens=64)
+
+Data path, one file per step: ``lookup`` -> ``policies`` (make an ``ImagePlan``) ->
+``runner`` + ``cache`` + ``attention`` (execute) -> ``store``.
+"""
+
+from .cache import VisMemoCache, VisMemoLayer
+from .hooks import enable
+from .plan import CacheEvent, HitKind, ImageFeatures, ImagePlan, WarmupSignals
+from .policies import RoutingPolicy, available_policies, get_policy, register_policy
+from .store import Entry, VisMemoStore, default_store
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CacheEvent",
+    "Entry",
+    "HitKind",
+    "ImageFeatures",
+    "ImagePlan",
+    "RoutingPolicy",
+    "VisMemoCache",
+    "VisMemoLayer",
+    "VisMemoStore",
+    "WarmupSignals",
+    "available_policies",
+    "default_store",
+    "enable",
+    "get_policy",
+    "register_policy",
+]

@@ -1,0 +1,59 @@
+"""The attention function ``enable()`` installs ("vismemo"): SDPA plus two duties.
+
+1. On a layer whose slots are not the plain sequence (reused / masked tokens), build the
+   mask from the slots' request columns instead of the model's positional mask.
+2. During warmup, record the observation window's attention probabilities (SDPA does not
+   return them) for the policy.
+
+With any other cache (or none) it is exactly SDPA, so an enabled model still serves
+ordinary requests unchanged.
+"""
+
+from __future__ import annotations
+
+from contextvars import ContextVar
+
+import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+ATTENTION_NAME = "vismemo"
+
+#: the VisMemoCache of the forward pass in progress (set by the hooks enable() installs)
+ACTIVE_CACHE: ContextVar = ContextVar("vismemo_active_cache", default=None)
+
+
+def window_probabilities(module, query, key, mask, rows, scaling) -> torch.Tensor:
+    """Softmax attention of the query ``rows`` (B, W) over all keys: (B, heads, W, S)."""
+    idx = rows[:, None, :, None].expand(-1, query.shape[1], -1, query.shape[-1])
+    q = query.gather(2, idx).float()
+    k = repeat_kv(key, getattr(module, "num_key_value_groups", 1)).float()
+    scores = torch.matmul(q, k.transpose(-1, -2)) * (scaling if scaling is not None else query.shape[-1] ** -0.5)
+    if mask is not None:
+        m = mask.gather(2, rows[:, None, :, None].expand(-1, mask.shape[1], -1, mask.shape[-1]))
+        scores = scores.masked_fill(~m, float("-inf")) if m.dtype == torch.bool else scores + m.float()
+    return torch.softmax(scores, dim=-1)
+
+
+def vismemo_attention_forward(module, query, key, value, attention_mask, scaling=None, **kwargs):
+    cache = ACTIVE_CACHE.get()
+    layer_idx = getattr(module, "layer_idx", None)
+    if cache is None or layer_idx is None or layer_idx >= len(cache.layers):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
+    layer = cache.layers[layer_idx]
+    if layer.query_columns is not None:
+        attention_mask = layer.attention_mask(cache.valid_columns)
+    out = sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
+    capture = cache._capture
+    if capture is not None and capture[0] == layer_idx:
+        probs = window_probabilities(module, query, key, attention_mask, capture[1], scaling)
+        cache.captured[layer_idx] = (probs, layer.columns)
+    return out
+
+
+def register() -> None:
+    """Register the attention function and its mask function under ``ATTENTION_NAME``."""
+    AttentionInterface.register(ATTENTION_NAME, vismemo_attention_forward)
+    # Without a registered mask function transformers builds no mask at all for a custom name.
+    AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)

@@ -1,0 +1,216 @@
+"""``VisMemoCache``: a ``DynamicCache`` whose layers may hold reused and skip masked visual tokens.
+
+Each layer stores K/V slots plus, once it differs from the plain layout, the request
+column of every slot (``columns``, -1 for an empty slot). The attention function
+(``attention.py``) turns those columns into the layer's mask, so masked tokens stay out
+of attention in prefill and in every decoding step, and reused tokens are attended
+where a full prefill would have attended them.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
+
+from .plan import CacheEvent
+from .policies import RoutingPolicy, get_policy
+from .store import VisMemoStore, default_store
+
+
+class VisMemoLayer(DynamicLayer):
+    """One decoder layer's K/V slots; ``columns is None`` means slot i holds request column i."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.columns: torch.Tensor | None = None  # (B, S) long
+        self.query_columns: torch.Tensor | None = None  # (B, q) columns of the current forward's queries
+
+    @property
+    def mapped(self) -> bool:
+        return self.columns is not None
+
+    def _materialise_columns(self, batch: int, device) -> torch.Tensor:
+        if self.columns is None:
+            n = self.get_seq_length()
+            self.columns = torch.arange(n, device=device).expand(batch, n).clone()
+        return self.columns
+
+    def preload(self, keys: torch.Tensor, values: torch.Tensor, columns: torch.Tensor) -> None:
+        """Add reused K/V slots (B, H, R, D) at request ``columns`` (B, R) before the layer computes."""
+        if not self.is_initialized:
+            self.lazy_initialization(keys, values)
+        cols = self._materialise_columns(keys.shape[0], keys.device)
+        self.keys = torch.cat([self.keys, keys], dim=-2) if self.keys.numel() else keys
+        self.values = torch.cat([self.values, values], dim=-2) if self.values.numel() else values
+        self.columns = torch.cat([cols, columns.to(cols.device)], dim=1)
+
+    def update(self, key_states, value_states, *args, columns: torch.Tensor, contiguous: bool, **kwargs):
+        """Append computed K/V at request ``columns`` (B, q); ``contiguous``: they continue the sequence."""
+        if contiguous and not self.mapped:
+            self.query_columns = None
+            return super().update(key_states, value_states)
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        cols = self._materialise_columns(key_states.shape[0], key_states.device)
+        columns = columns.to(cols.device)
+        self.keys = torch.cat([self.keys, key_states], dim=-2) if self.keys.numel() else key_states
+        self.values = torch.cat([self.values, value_states], dim=-2) if self.values.numel() else value_states
+        self.columns = torch.cat([cols, columns], dim=1)
+        self.query_columns = columns
+        return self.keys, self.values
+
+    def attention_mask(self, valid_columns: torch.Tensor | None) -> torch.Tensor:
+        """(B, 1, q, S) boolean mask: a query sees a slot whose column is not after its own and not padding."""
+        kc, qc = self.columns, self.query_columns
+        allowed = (kc[:, None, :] <= qc[:, :, None]) & (kc[:, None, :] >= 0)
+        if valid_columns is not None:
+            allowed &= valid_columns.gather(1, kc.clamp(min=0))[:, None, :]
+        # queries with nothing to see (padding, filler rows) attend everything: finite output, never used
+        allowed |= ~allowed.any(-1, keepdim=True)
+        return allowed[:, None]
+
+    def slot_of(self, columns: torch.Tensor, row: int) -> torch.Tensor:
+        """Slot index of each request column in ``row`` (the columns must be stored)."""
+        if not self.mapped:
+            return columns
+        table = torch.full((int(self.columns[row].max()) + 2,), -1, dtype=torch.long, device=self.columns.device)
+        ok = self.columns[row] >= 0
+        table[self.columns[row][ok]] = torch.nonzero(ok).flatten()
+        slots = table[columns.to(table.device).clamp(max=table.numel() - 1)]
+        if (slots < 0).any():
+            raise RuntimeError("requested columns are not stored in this layer")
+        return slots
+
+    def crop(self, tokens_to_remove: int) -> None:
+        super().crop(tokens_to_remove)
+        if self.mapped and tokens_to_remove:
+            self.columns = self.columns[:, : -abs(tokens_to_remove)]
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        super().reorder_cache(beam_idx)
+        if self.mapped:
+            self.columns = self.columns.index_select(0, beam_idx.to(self.columns.device))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        super().batch_repeat_interleave(repeats)
+        if self.mapped:
+            self.columns = self.columns.repeat_interleave(repeats, dim=0)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        super().batch_select_indices(indices)
+        if self.mapped:
+            self.columns = self.columns[indices]
+
+
+class VisMemoCache(DynamicCache):
+    """Cache that looks every image of a request up in ``store`` and reuses what it may.
+
+    Use it like a ``DynamicCache`` on a model passed to ``vismemo_hf.enable`` first:
+    ``model.generate(**inputs, past_key_values=VisMemoCache())``. ``events`` holds one
+    ``CacheEvent`` per image seen. Extra keyword arguments are options of the policy.
+    """
+
+    def __init__(
+        self,
+        store: VisMemoStore | None = None,
+        policy: str | RoutingPolicy = "vismemo",
+        warmup_layers: int = 3,
+        recompute_ratio: float = 0.3,
+        reuse_ratio: float = 0.1,
+        tau: float = 0.8,
+        top_k: int = 5,
+        tau_fine: float | None = None,
+        store_misses: bool = True,
+        **policy_options,
+    ):
+        Cache.__init__(self, layer_class_to_replicate=VisMemoLayer)
+        self.store = store if store is not None else default_store()
+        if isinstance(policy, RoutingPolicy):
+            self.policy = get_policy(policy, **policy_options)
+        else:
+            self.policy = get_policy(
+                policy,
+                warmup_layers=warmup_layers,
+                recompute_ratio=recompute_ratio,
+                reuse_ratio=reuse_ratio,
+                **policy_options,
+            )
+        if not 0.0 <= tau <= 1.0 or top_k < 0:
+            raise ValueError("tau must lie in [0, 1] and top_k be >= 0")
+        self.tau = tau
+        self.top_k = top_k
+        self.tau_fine = tau if tau_fine is None else tau_fine
+        self.store_misses = store_misses
+        self.events: list[CacheEvent] = []
+        self._length = 0
+        self._valid: torch.Tensor | None = None  # (B, columns) False at padding
+        self._incoming: torch.Tensor | None = None  # (B, q) columns the runner computes; None = continuation
+        self._in_forward = False
+        self._pending = None  # PrefillRequest set by lookup, consumed by the runner
+        self._capture = None  # (layer, window rows (B, W), row validity (B, W)) while warmup collects attention
+        self.captured: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
+
+    # -- transformers Cache API ----------------------------------------------------------------
+    def layer(self, layer_idx: int) -> VisMemoLayer:
+        while len(self.layers) <= layer_idx:
+            self.layers.append(VisMemoLayer())
+        return self.layers[layer_idx]
+
+    def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+        if not self._in_forward:
+            raise RuntimeError(
+                "VisMemoCache is used by a model that was not prepared: call vismemo_hf.enable(model) once "
+                "before generate() (without it every image would silently get a full prefill)"
+            )
+        if self._incoming is None:  # a continuation: the next columns in order
+            q = key_states.shape[-2]
+            cols = torch.arange(self._length, self._length + q, device=key_states.device)
+            return self.layer(layer_idx).update(
+                key_states, value_states, columns=cols.expand(key_states.shape[0], q), contiguous=True
+            )
+        return self.layer(layer_idx).update(key_states, value_states, columns=self._incoming, contiguous=False)
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self._length
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
+        return self._length + query_length, 0
+
+    def crop(self, tokens_to_remove: int) -> None:
+        super().crop(tokens_to_remove)
+        self._length -= abs(tokens_to_remove)
+
+    def reset(self) -> None:
+        super().reset()
+        self.layers = []
+        self._length = 0
+        self._valid = None
+
+    # -- forward bookkeeping (driven by the hooks enable() installs) -----------------------------
+    def _begin_forward(self, attention_mask: torch.Tensor | None) -> None:
+        self._in_forward = True
+        self._incoming = None
+        if attention_mask is not None and attention_mask.ndim == 2 and not bool(attention_mask.all()):
+            self._valid = attention_mask.bool()
+        else:
+            self._valid = None
+
+    def _end_forward(self, new_tokens: int) -> None:
+        self._in_forward = False
+        self._incoming = None
+        self._capture = None
+        self._pending = None
+        self._length += new_tokens
+        for layer in self.layers:
+            layer.query_columns = None
+
+    @property
+    def valid_columns(self) -> torch.Tensor | None:
+        return self._valid
+
+    def summary(self) -> dict:
+        """Counts of this cache's events by hit kind."""
+        out = {"exact": 0, "approximate": 0, "miss": 0}
+        for e in self.events:
+            out[str(e.kind)] += 1
+        return out

@@ -1,0 +1,135 @@
+"""What differs between the supported model families, behind one small adapter."""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+
+import torch
+from transformers.modeling_outputs import BaseModelOutputWithPooling
+
+# Processor normalisation of each family (needed to recover pixels for patch entropy).
+_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
+_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+_HALF = (0.5, 0.5, 0.5)
+
+FAMILIES = {
+    "qwen2_vl": {"image_mean": _CLIP_MEAN, "image_std": _CLIP_STD, "deepstack": False},
+    "qwen2_5_vl": {"image_mean": _CLIP_MEAN, "image_std": _CLIP_STD, "deepstack": False},
+    "qwen3_vl": {"image_mean": _HALF, "image_std": _HALF, "deepstack": True},
+}
+
+
+def model_family(model) -> str:
+    family = getattr(getattr(model, "config", None), "model_type", None)
+    if family not in FAMILIES or not hasattr(getattr(model, "model", None), "language_model"):
+        raise ValueError(
+            f"vismemo supports Qwen2-VL, Qwen2.5-VL and Qwen3-VL (model_type {', '.join(FAMILIES)}) "
+            f"loaded as *ForConditionalGeneration; got {type(model).__name__} (model_type={family!r})"
+        )
+    return family
+
+
+def model_fingerprint(model, samples_per_tensor: int = 64) -> str:
+    """Hash of the architecture and a strided sample of every weight tensor.
+
+    Cheap enough for 8B+ models (a few values per tensor) and different for any other
+    initialisation or fine-tune that touches the sampled tensors.
+    """
+    h = hashlib.sha256()
+    h.update(type(model).__name__.encode())
+    h.update(model.config.to_json_string(use_diff=False).encode())
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            h.update(f"{name}:{tuple(p.shape)}:{p.dtype}".encode())
+            if p.device.type == "meta" or p.numel() == 0:
+                continue
+            flat = p.detach().reshape(-1)
+            step = max(1, flat.numel() // samples_per_tensor)
+            h.update(flat[::step][:samples_per_tensor].float().cpu().numpy().tobytes())
+    return h.hexdigest()[:32]
+
+
+@dataclass
+class ModelAdapter:
+    """Handles on one enabled model: its parts, geometry and identity."""
+
+    model: torch.nn.Module
+    family: str
+    fingerprint: str
+    image_mean: tuple = field(default=_CLIP_MEAN)
+    image_std: tuple = field(default=_CLIP_STD)
+
+    @classmethod
+    def for_model(cls, model, image_mean=None, image_std=None) -> "ModelAdapter":
+        family = model_family(model)
+        spec = FAMILIES[family]
+        return cls(
+            model=model,
+            family=family,
+            fingerprint=model_fingerprint(model),
+            image_mean=tuple(image_mean or spec["image_mean"]),
+            image_std=tuple(image_std or spec["image_std"]),
+        )
+
+    # -- parts -----------------------------------------------------------------------------
+    @property
+    def base(self):
+        return self.model.model
+
+    @property
+    def text(self):
+        return self.model.model.language_model
+
+    @property
+    def has_deepstack(self) -> bool:
+        return FAMILIES[self.family]["deepstack"]
+
+    # -- geometry --------------------------------------------------------------------------
+    @property
+    def vision_config(self):
+        return self.model.config.vision_config
+
+    @property
+    def merge(self) -> int:
+        return self.vision_config.spatial_merge_size
+
+    @property
+    def image_token_id(self) -> int:
+        return self.model.config.image_token_id
+
+    @property
+    def num_layers(self) -> int:
+        return self.model.config.text_config.num_hidden_layers
+
+    def entropy_kwargs(self) -> dict:
+        vc = self.vision_config
+        return dict(
+            channels=getattr(vc, "in_channels", getattr(vc, "in_chans", 3)),
+            temporal_patch=vc.temporal_patch_size,
+            patch=vc.patch_size,
+            merge=vc.spatial_merge_size,
+            image_mean=self.image_mean,
+            image_std=self.image_std,
+        )
+
+    # -- vision encoder --------------------------------------------------------------------
+    def encode(self, get_image_features, pixel_values, grids) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        """Run the vision tower once over several images: per image (embeds (N, d), deepstack (k, N, d) | None)."""
+        out = get_image_features(pixel_values, grids, return_dict=True)
+        embeds = list(out.pooler_output)
+        if not self.has_deepstack:
+            return [(e, None) for e in embeds]
+        per_layer = [list(level) for level in out.deepstack_features]
+        return [(e, torch.stack([level[i] for level in per_layer])) for i, e in enumerate(embeds)]
+
+    def encoder_outputs(self, per_image: list[tuple[torch.Tensor, torch.Tensor | None]]):
+        """The ``mm_encoder_outputs["image"]`` object the model's forward expects."""
+        embeds = tuple(e for e, _ in per_image)
+        if not self.has_deepstack:
+            return BaseModelOutputWithPooling(pooler_output=embeds)
+        from transformers.models.qwen3_vl.modeling_qwen3_vl import BaseModelOutputWithDeepstackFeatures
+
+        levels = per_image[0][1].shape[0]
+        deepstack = [tuple(d[level] for _, d in per_image) for level in range(levels)]
+        return BaseModelOutputWithDeepstackFeatures(pooler_output=embeds, deepstack_features=deepstack)

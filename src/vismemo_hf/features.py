@@ -1,0 +1,78 @@
+"""Per-image features used by lookup and routing (METHOD §1, §2.1).
+
+All functions take one image's slice of the processor output: ``pixels`` are its rows of
+``pixel_values`` (one row per ViT patch, merge windows contiguous) and ``grid`` is its
+``image_grid_thw`` row ``(t, h, w)`` in pre-merge patches.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+
+import torch
+import torch.nn.functional as F
+
+ENTROPY_BINS = 32
+
+
+def token_grid(grid: tuple[int, int, int], merge: int) -> tuple[int, int, int]:
+    t, h, w = grid
+    return t, h // merge, w // merge
+
+
+def exact_key(fingerprint: str, pixels: torch.Tensor, grid: tuple[int, int, int]) -> str:
+    """Hash of (model fingerprint, preprocessed pixel bytes, grid): equal keys mean the same image for the same model."""
+    data = pixels.detach().to("cpu").contiguous()
+    h = hashlib.sha256()
+    h.update(fingerprint.encode())
+    h.update(repr((tuple(int(g) for g in grid), str(data.dtype), tuple(data.shape))).encode())
+    h.update(data.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def patch_entropy(
+    pixels: torch.Tensor,
+    *,
+    channels: int,
+    temporal_patch: int,
+    patch: int,
+    merge: int,
+    image_mean,
+    image_std,
+) -> torch.Tensor:
+    """Normalised Shannon entropy in [0, 1] of each visual token's 8-bit luma histogram (32 bins).
+
+    Undoes the processor's normalisation, takes the first temporal frame of the token's
+    merge x merge patches and histograms its luma.
+    """
+    x = pixels.detach().float().cpu().reshape(-1, channels, temporal_patch, patch, patch)[:, :, 0]
+    mean = torch.as_tensor(image_mean, dtype=torch.float32).view(1, -1, 1, 1)
+    std = torch.as_tensor(image_std, dtype=torch.float32).view(1, -1, 1, 1)
+    rgb = (x * std + mean).clamp(0, 1)
+    if channels == 3:
+        luma = 0.299 * rgb[:, 0] + 0.587 * rgb[:, 1] + 0.114 * rgb[:, 2]
+    else:
+        luma = rgb.mean(1)
+    levels = (luma * 255).round().clamp(0, 255).to(torch.long)
+    bins = (levels * ENTROPY_BINS // 256).reshape(-1, merge * merge * patch * patch)
+    counts = torch.zeros(bins.shape[0], ENTROPY_BINS).scatter_add_(1, bins, torch.ones_like(bins, dtype=torch.float32))
+    p = counts / counts.sum(1, keepdim=True)
+    ent = -(p * torch.log2(p.clamp_min(1e-12))).sum(1)
+    return (ent / math.log2(ENTROPY_BINS)).clamp(0, 1)
+
+
+def region_descriptors(embeds: torch.Tensor, grid: tuple[int, int, int], merge: int) -> torch.Tensor:
+    """Four unit-norm descriptors: the mean of L2-normalised token embeddings over each 2x2 region."""
+    t, h, w = token_grid(grid, merge)
+    e = F.normalize(embeds.detach().float().cpu(), dim=-1).reshape(t, h, w, -1)
+    hs, ws = math.ceil(h / 2), math.ceil(w / 2)
+    rows = [slice(0, hs), slice(hs, h) if h > hs else slice(0, hs)]
+    cols = [slice(0, ws), slice(ws, w) if w > ws else slice(0, ws)]
+    desc = torch.stack([e[:, r, c].reshape(-1, e.shape[-1]).mean(0) for r in rows for c in cols])
+    return F.normalize(desc, dim=-1)
+
+
+def token_cosine(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Per-position cosine similarity of two (N, d) embedding tensors."""
+    return F.cosine_similarity(a.detach().float().cpu(), b.detach().float().cpu(), dim=-1)

@@ -1,0 +1,90 @@
+"""``enable(model)``: install the lookup hook, the prefill runner and the attention function."""
+
+from __future__ import annotations
+
+import types
+
+from . import attention
+from .cache import VisMemoCache
+from .families import ModelAdapter
+from .lookup import DeferredImageFeatures, lookup_request
+from .runner import run_prefill
+
+
+def _cache_of(kwargs) -> VisMemoCache | None:
+    cache = kwargs.get("cache", kwargs.get("past_key_values"))
+    return cache if isinstance(cache, VisMemoCache) else None
+
+
+def enable(model, *, image_mean=None, image_std=None):
+    """Prepare a Qwen2-VL / Qwen2.5-VL / Qwen3-VL model for ``VisMemoCache``; returns the model.
+
+    Idempotent (a second call refreshes the model fingerprint, e.g. after loading new
+    weights). Attention runs through SDPA. ``image_mean`` / ``image_std`` override the
+    family's processor normalisation (used to recover pixels for patch entropy).
+    """
+    adapter = ModelAdapter.for_model(model, image_mean=image_mean, image_std=image_std)
+    previous = getattr(model, "_vismemo", None)
+    if previous is not None:
+        previous.fingerprint, previous.image_mean, previous.image_std = (
+            adapter.fingerprint, adapter.image_mean, adapter.image_std)
+        return model
+    attention.register()
+    adapter.text.config._attn_implementation = attention.ATTENTION_NAME
+    base, text = adapter.base, adapter.text
+    get_image_features = base.get_image_features
+
+    def deferred_image_features(pixel_values, image_grid_thw=None, **kwargs):
+        kwargs.setdefault("return_dict", True)
+        return DeferredImageFeatures(get_image_features, pixel_values, image_grid_thw, kwargs)
+    text_forward = text.forward
+
+    def before(module, args, kwargs):
+        cache = _cache_of(kwargs)
+        if cache is None:
+            return None
+        cache._begin_forward(kwargs.get("attention_mask"))
+        token = attention.ACTIVE_CACHE.set(cache)
+        cache._context_token = token
+        encoded = dict(kwargs.get("mm_encoder_outputs") or {})
+        deferred = encoded.get("image")
+        deferred = deferred if isinstance(deferred, DeferredImageFeatures) and not deferred.resolved else None
+        if kwargs.get("pixel_values") is not None:
+            pixels, grids = kwargs["pixel_values"], kwargs["image_grid_thw"]
+        elif deferred is not None:  # generate() asked for the encoder before the prefill
+            pixels, grids = deferred.pixel_values, deferred.image_grid_thw
+        else:
+            return args, kwargs
+        request, outputs = lookup_request(
+            model._vismemo, cache, kwargs.get("input_ids"), pixels, grids, get_image_features
+        )
+        cache._pending = request
+        if deferred is not None:
+            deferred.provide(outputs)
+        encoded["image"] = outputs
+        return args, {**kwargs, "pixel_values": None, "mm_encoder_outputs": encoded}
+
+    def after(module, args, kwargs, output):
+        cache = _cache_of(kwargs)
+        if cache is None or not cache._in_forward:
+            return None
+        ids = kwargs.get("input_ids")
+        new_tokens = ids.shape[1] if ids is not None else kwargs["inputs_embeds"].shape[1]
+        cache._end_forward(new_tokens)
+        attention.ACTIVE_CACHE.reset(cache._context_token)
+        return None
+
+    def forward(self, *args, **kwargs):
+        cache = _cache_of(kwargs)
+        if cache is not None and cache._pending is not None:
+            request, cache._pending = cache._pending, None
+            kwargs = {k: v for k, v in kwargs.items() if k != "past_key_values"}
+            return run_prefill(model._vismemo, request, **{**kwargs, "cache": cache})
+        return text_forward(*args, **kwargs)
+
+    base.get_image_features = deferred_image_features
+    base.register_forward_pre_hook(before, with_kwargs=True)
+    base.register_forward_hook(after, with_kwargs=True, always_call=True)
+    text.forward = types.MethodType(forward, text)
+    model._vismemo = adapter
+    return model

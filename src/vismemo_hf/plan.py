@@ -1,0 +1,139 @@
+"""Plans: what happens to each visual token of one image at each decoder layer.
+
+A plan is plain data made by a routing policy (``policies/``) and executed by the
+runner (``runner.py``). Token indices are positions inside the image (0..N-1), so a
+plan does not depend on where the image sits in the request.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+import torch
+
+
+class HitKind(str, Enum):
+    EXACT = "exact"
+    APPROXIMATE = "approximate"
+    MISS = "miss"
+
+    def __str__(self) -> str:  # prints as "exact", not "HitKind.EXACT"
+        return self.value
+
+
+def _index(values) -> torch.Tensor:
+    return torch.as_tensor(values, dtype=torch.long).reshape(-1)
+
+
+@dataclass
+class ImagePlan:
+    """Routing of one image.
+
+    Layers ``< warmup_layers`` compute every visual token. From ``warmup_layers`` on,
+    ``recompute`` tokens are computed, ``reuse`` tokens take their K/V from the alias
+    entry and ``mask`` tokens are left out of attention (prefill and decoding).
+    ``recompute``, ``reuse`` and ``mask`` partition ``range(n_tokens)``.
+    """
+
+    kind: HitKind
+    n_tokens: int
+    warmup_layers: int
+    recompute: torch.Tensor
+    reuse: torch.Tensor
+    mask: torch.Tensor
+    alias: str | None = None
+
+    def __post_init__(self) -> None:
+        self.kind = HitKind(self.kind)
+        self.recompute, self.reuse, self.mask = (_index(x) for x in (self.recompute, self.reuse, self.mask))
+        seen = torch.cat([self.recompute, self.reuse, self.mask])
+        if seen.numel() != self.n_tokens or torch.unique(seen).numel() != self.n_tokens:
+            raise ValueError(
+                f"plan sets must partition the {self.n_tokens} visual tokens: got |R|={self.recompute.numel()}, "
+                f"|B|={self.reuse.numel()}, |M|={self.mask.numel()} with overlaps or gaps"
+            )
+        if seen.numel() and (seen.min() < 0 or seen.max() >= self.n_tokens):
+            raise ValueError(f"plan indices out of range 0..{self.n_tokens - 1}")
+        if self.warmup_layers < 0:
+            raise ValueError("warmup_layers must be >= 0")
+        if self.kind is not HitKind.MISS and self.alias is None and self.reuse.numel():
+            raise ValueError("a plan that reuses tokens needs an alias")
+
+    def computed_at(self, layer: int) -> torch.Tensor:
+        """Visual tokens whose hidden states go through ``layer``."""
+        if layer < self.warmup_layers:
+            return torch.arange(self.n_tokens)
+        return self.recompute
+
+    def reused_at(self, layer: int) -> torch.Tensor:
+        """Visual tokens whose K/V at ``layer`` come from the alias entry."""
+        if layer < self.warmup_layers:
+            return self.reuse[:0]
+        return self.reuse
+
+    @classmethod
+    def exact(cls, n_tokens: int, alias: str) -> "ImagePlan":
+        """Every visual token reused at every layer; only text is computed."""
+        return cls(HitKind.EXACT, n_tokens, 0, _index([]), torch.arange(n_tokens), _index([]), alias)
+
+    @classmethod
+    def full(cls, kind: HitKind, n_tokens: int, alias: str | None = None) -> "ImagePlan":
+        """Every visual token computed at every layer (a miss, or a policy that reuses nothing)."""
+        return cls(kind, n_tokens, 0, torch.arange(n_tokens), _index([]), _index([]), alias)
+
+
+@dataclass
+class ImageFeatures:
+    """What routing may know about an image without touching K/V: identity, encoder output, patch entropy."""
+
+    key: str
+    grid: tuple[int, int, int]
+    embeds: torch.Tensor
+    entropy: torch.Tensor
+
+    @property
+    def n_tokens(self) -> int:
+        return self.embeds.shape[0]
+
+
+@dataclass
+class WarmupSignals:
+    """What the warmup layers observed for one image.
+
+    ``attention``: (warmup layers, heads, window rows, N) attention probabilities from the
+    observation-window queries to this image's visual tokens (rows of the softmax over all
+    keys, not renormalised).
+    """
+
+    attention: torch.Tensor | None = None
+
+
+@dataclass
+class CacheEvent:
+    """Record of one image of one request: what was found and what it cost (milliseconds)."""
+
+    kind: HitKind
+    alias: str | None
+    key: str
+    row: int
+    n_tokens: int
+    recomputed: int
+    reused: int
+    masked: int
+    score: float | None = None
+    timings: dict[str, float] = field(default_factory=dict)
+
+    def as_dict(self) -> dict:
+        return {
+            "kind": str(self.kind),
+            "alias": self.alias,
+            "key": self.key,
+            "row": self.row,
+            "n_tokens": self.n_tokens,
+            "recomputed": self.recomputed,
+            "reused": self.reused,
+            "masked": self.masked,
+            "score": self.score,
+            "timings": dict(self.timings),
+        }

@@ -1,0 +1,12 @@
+"""Routing policies, one per file, selected by name: ``VisMemoCache(policy="vismemo")``.
+
+A policy turns (new image, alias, warmup signals) into an ``ImagePlan``; it never touches
+the model or the store. Register a new one with ``@register_policy``.
+"""
+
+from __future__ import annotations
+
+from .base import RoutingPolicy, available_policies, get_policy, register_policy
+from . import vismemo  # noqa: F401  (registers "vismemo")
+
+__all__ = ["RoutingPolicy", "available_policies", "get_policy", "register_policy"]

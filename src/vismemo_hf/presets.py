@@ -1,0 +1,73 @@
+"""Model presets (``configs/models/*.yaml``): geometries to build random-weight models from.
+
+A preset names a ``text_config`` and a ``vision_config`` (flat for a single family, or
+one block per family for family-agnostic geometries like ``tiny``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+from transformers import Qwen2_5_VLConfig, Qwen2VLConfig, Qwen3VLConfig
+
+from .families import FAMILIES
+
+CONFIG_CLASSES = {"qwen2_vl": Qwen2VLConfig, "qwen2_5_vl": Qwen2_5_VLConfig, "qwen3_vl": Qwen3VLConfig}
+
+def config_dir() -> Path:
+    """``configs/`` of a source checkout, or its copy inside an installed wheel."""
+    here = Path(__file__).resolve().parent
+    for candidate in (here / "configs", here.parents[1] / "configs"):
+        if candidate.is_dir():
+            return candidate
+    raise FileNotFoundError("vismemo configs/ folder not found next to the package or in the source tree")
+
+
+def config_path(name: str) -> Path:
+    """``name`` is a file path or the stem of a file in ``configs/``'s ``models`` folder."""
+    if Path(name).suffix in (".yaml", ".yml") and Path(name).exists():
+        return Path(name)
+    path = config_dir() / "models" / f"{name}.yaml"
+    if not path.exists():
+        available = sorted(p.stem for p in path.parent.glob("*.yaml"))
+        raise ValueError(f"unknown model preset {name!r}; available: {', '.join(available)}")
+    return path
+
+
+def load_preset(name: str) -> dict:
+    return yaml.safe_load(config_path(name).read_text())
+
+
+def preset_config(name: str, family: str | None = None, tokenizer=None):
+    """A transformers config for preset ``name`` in ``family`` (default: the preset's own).
+
+    With ``tokenizer``, vocabulary size and special token ids come from it (offline
+    tokenizers); otherwise the real models' ids apply.
+    """
+    preset = load_preset(name)
+    family = family or preset.get("family")
+    if family not in FAMILIES:
+        raise ValueError(f"preset {name!r} needs a family, one of {', '.join(FAMILIES)}")
+    if preset.get("family") not in (None, family):
+        raise ValueError(f"preset {name!r} is a {preset['family']} geometry, not {family}")
+    text = dict(preset["text_config"])
+    vision = dict(preset["vision_config"].get(family, preset["vision_config"]))
+    if any(k in FAMILIES for k in vision):
+        raise ValueError(f"preset {name!r} has no vision tower for {family}")
+    rope = {"rope_type": "default", "rope_theta": float(text.pop("rope_theta")),
+            "mrope_section": list(text.pop("mrope_section"))}
+    if family == "qwen3_vl":
+        rope["mrope_interleaved"] = True
+    text.update(rope_parameters=rope, vocab_size=len(tokenizer) if tokenizer is not None else preset["vocab_size"])
+    if family == "qwen2_vl":
+        vision["hidden_size"] = text["hidden_size"]
+    else:
+        vision["out_hidden_size"] = text["hidden_size"]
+    kwargs = {"text_config": text, "vision_config": vision}
+    if tokenizer is not None:
+        ids = tokenizer.convert_tokens_to_ids
+        kwargs.update(image_token_id=ids("<|image_pad|>"), video_token_id=ids("<|video_pad|>"),
+                      vision_start_token_id=ids("<|vision_start|>"), vision_end_token_id=ids("<|vision_end|>"))
+        text.update(bos_token_id=None, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    return CONFIG_CLASSES[family](**kwargs)

@@ -1,0 +1,26 @@
+"""Moving cached keys to a new position offset.
+
+Shifting the text before an image by delta shifts all three M-RoPE coordinates (t, h, w)
+of its tokens by delta, so every rotary channel pair j turns by delta * inv_freq[j]
+whatever section it belongs to: a plain RoPE rotation. It is applied to keys that are
+already rotated (and scaled by ``attention_scaling``), so its own cos/sin are unscaled.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def rerotate(keys: torch.Tensor, delta: int, inv_freq: torch.Tensor) -> torch.Tensor:
+    """Rotate RoPE'd ``keys`` (..., head_dim) by ``delta`` positions."""
+    if delta == 0:
+        return keys
+    angle = float(delta) * inv_freq.to(device=keys.device, dtype=torch.float64)
+    angle = torch.cat([angle, angle]).to(torch.float32)
+    k = keys.float()
+    return (k * angle.cos() + _rotate_half(k) * angle.sin()).to(keys.dtype)

@@ -1,0 +1,329 @@
+"""Steps 2-4 of the data path for one prefill: plan, execute layer by layer, store misses.
+
+Replaces the language model's forward when a ``PrefillRequest`` is pending. Layers are
+called one by one (no copy of the model's code): at each layer only the "active"
+columns (text, and the visual tokens the plans compute there) go through it, so reused
+and masked tokens cost no attention-query or FFN work; reused K/V are preloaded into the
+cache layer, re-rotated to this request's offset.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+from transformers.modeling_outputs import BaseModelOutputWithPast
+
+from .lookup import ImageState, PrefillRequest, _guarded
+from .plan import HitKind, WarmupSignals
+from .rope import rerotate
+from .store import Entry
+
+logger = logging.getLogger(__name__)
+
+OBSERVATION_FALLBACK = 16  # window size when no text follows the last image
+
+
+def _pad(rows: list[torch.Tensor], fill: int, device) -> torch.Tensor:
+    width = max((r.numel() for r in rows), default=0)
+    out = torch.full((len(rows), width), fill, dtype=torch.long, device=device)
+    for i, r in enumerate(rows):
+        out[i, : r.numel()] = r
+    return out
+
+
+class PrefillRunner:
+    def __init__(self, adapter, cache, request: PrefillRequest, inputs_embeds, attention_mask, position_ids):
+        self.adapter, self.cache, self.request = adapter, cache, request
+        self.policy = cache.policy
+        self.text = adapter.text
+        self.batch, self.length, self.hidden_size = inputs_embeds.shape
+        self.device = inputs_embeds.device
+        if position_ids is None:
+            raise ValueError("VisMemo prefill needs the model's 3-D position ids")
+        if position_ids.ndim == 2:
+            position_ids = position_ids[None].expand(3, -1, -1)
+        self.positions = position_ids[-3:]
+        self.valid = attention_mask.bool() if attention_mask is not None and attention_mask.ndim == 2 else None
+        if self.valid is not None and bool(self.valid.all()):
+            self.valid = None
+        self.rows = [[img for img in request.images if img.row == b] for b in range(self.batch)]
+        if self.policy.warmup_layers >= adapter.num_layers and any(
+            i.kind is HitKind.APPROXIMATE for i in request.images
+        ):
+            raise ValueError(
+                f"warmup_layers={self.policy.warmup_layers} leaves no layer to reuse in a {adapter.num_layers}-layer model"
+            )
+
+    # -- early stage: plans that need no warmup, and fetches ---------------------------------------
+    def _fetch(self, img: ImageState, tokens: torch.Tensor, first_layer: int) -> bool:
+        t0 = time.perf_counter()
+        if img.kind is HitKind.EXACT:
+            kv = img.alias_entry.kv[tokens][:, first_layer:]
+        else:
+            kv = _guarded(
+                "read",
+                lambda: self.cache.store.get_tokens(img.alias.key, self.adapter.fingerprint, tokens, first_layer),
+                None,
+            )
+        ok = kv is not None and kv.shape[:2] == (tokens.numel(), self.adapter.num_layers - first_layer)
+        if ok:
+            kv = kv.to(self.device)
+            keys = kv[:, :, 0].permute(1, 2, 0, 3)  # (L', H, |B|, D)
+            values = kv[:, :, 1].permute(1, 2, 0, 3)
+            keys = rerotate(keys, img.offset - img.alias_offset, self.text.rotary_emb.inv_freq)
+            img.fetched = (keys, values, first_layer)
+        img.timings["fetch"] = img.timings.get("fetch", 0.0) + (time.perf_counter() - t0) * 1e3
+        return ok
+
+    def _demote(self, img: ImageState) -> None:
+        logger.warning("vismemo: alias K/V of %s unavailable; running a full prefill of the image", img.features.key[:12])
+        img.kind, img.alias, img.alias_entry, img.score, img.fetched = HitKind.MISS, None, None, None, None
+        img.plan = self.policy.miss_plan(img.features)
+
+    def prepare(self) -> None:
+        for img in self.request.images:
+            img.offset = int(self.positions[0, img.row, img.start])
+            if img.kind is HitKind.EXACT:
+                img.plan = self.policy.exact_plan(img.features, img.alias.key)
+            elif img.kind is HitKind.MISS:
+                img.plan = self.policy.miss_plan(img.features)
+            else:
+                t0 = time.perf_counter()
+                img.reuse = self.policy.reuse_set(img.features, img.alias).sort().values
+                img.timings["plan"] = (time.perf_counter() - t0) * 1e3
+                if img.reuse.numel() and not self._fetch(img, img.reuse, self.policy.warmup_layers):
+                    self._demote(img)
+            if img.plan is not None and img.plan.reuse.numel() and img.fetched is None:
+                if not self._fetch(img, img.plan.reuse, img.plan.warmup_layers):
+                    self._demote(img)
+
+    def _finish_plans(self, layer: int) -> None:
+        for img in self.request.images:
+            if img.plan is not None or self.policy.warmup_layers != layer:
+                continue
+            t0 = time.perf_counter()
+            signals = WarmupSignals(torch.stack(img.attention) if img.attention else None)
+            img.plan = self.policy.plan(img.features, img.alias, img.reuse, signals)
+            img.timings["plan"] = img.timings.get("plan", 0.0) + (time.perf_counter() - t0) * 1e3
+            if not torch.equal(img.plan.reuse, img.reuse if img.fetched is not None else img.plan.reuse[:0]):
+                img.fetched = None
+                if img.plan.reuse.numel() and not self._fetch(img, img.plan.reuse, img.plan.warmup_layers):
+                    self._demote(img)
+
+    # -- per-layer schedule -------------------------------------------------------------------------
+    def _active(self, layer: int) -> torch.Tensor:
+        """(B, A) request columns computed at ``layer``; -1 pads short rows."""
+        rows = []
+        for b in range(self.batch):
+            keep = torch.ones(self.length, dtype=torch.bool)
+            for img in self.rows[b]:
+                keep[img.start : img.start + img.n_tokens] = False
+                tokens = img.plan.computed_at(layer) if img.plan is not None else torch.arange(img.n_tokens)
+                keep[img.columns(tokens)] = True
+            rows.append(torch.nonzero(keep).flatten())
+        return _pad(rows, -1, self.device)
+
+    def _reused(self, layer: int):
+        """Reused K/V at ``layer``: keys, values (B, H, R, D) and their columns (B, R), or None."""
+        per_row = []
+        for b in range(self.batch):
+            parts = []
+            for img in self.rows[b]:
+                if img.plan is None or img.fetched is None:
+                    continue
+                tokens = img.plan.reused_at(layer)
+                if tokens.numel() == 0:
+                    continue
+                keys, values, first = img.fetched
+                parts.append((keys[layer - first], values[layer - first], img.columns(tokens).to(self.device)))
+            per_row.append(parts)
+        if not any(per_row):
+            return None
+        width = max(sum(p[2].numel() for p in parts) for parts in per_row)
+        ref = next(p for parts in per_row for p in parts)[0]
+        heads, dim = ref.shape[0], ref.shape[-1]
+        keys = ref.new_zeros(self.batch, heads, width, dim)
+        values = ref.new_zeros(self.batch, heads, width, dim)
+        cols = torch.full((self.batch, width), -1, dtype=torch.long, device=self.device)
+        for b, parts in enumerate(per_row):
+            if parts:
+                n = sum(p[2].numel() for p in parts)
+                keys[b, :, :n] = torch.cat([p[0] for p in parts], dim=1)
+                values[b, :, :n] = torch.cat([p[1] for p in parts], dim=1)
+                cols[b, :n] = torch.cat([p[2] for p in parts])
+        return keys, values, cols
+
+    def _window_columns(self) -> list[torch.Tensor]:
+        """Observation window per row: text after the row's last image, else its last 16 real tokens."""
+        out = []
+        for b in range(self.batch):
+            valid = self.valid[b].cpu() if self.valid is not None else torch.ones(self.length, dtype=torch.bool)
+            if not self.rows[b]:
+                out.append(torch.empty(0, dtype=torch.long))
+                continue
+            end = max(img.start + img.n_tokens for img in self.rows[b])
+            cols = torch.nonzero(valid[end:]).flatten() + end
+            if cols.numel() == 0:
+                cols = torch.nonzero(valid).flatten()[-OBSERVATION_FALLBACK:]
+            out.append(cols)
+        return out
+
+    def _causal_mask(self) -> torch.Tensor:
+        cols = torch.arange(self.length, device=self.device)
+        allowed = (cols[None, :] <= cols[:, None])[None].expand(self.batch, -1, -1).clone()
+        if self.valid is not None:
+            allowed &= self.valid[:, None, :]
+            allowed |= ~allowed.any(-1, keepdim=True)
+        return allowed[:, None]
+
+    # -- execution ------------------------------------------------------------------------------------
+    def run(self, inputs_embeds, visual_pos_masks=None, deepstack_visual_embeds=None) -> BaseModelOutputWithPast:
+        cache, text = self.cache, self.text
+        t_start = time.perf_counter()
+        self.prepare()
+        cos, sin = text.rotary_emb(inputs_embeds, self.positions)
+        all_columns = torch.arange(self.length, device=self.device).expand(self.batch, -1)
+        active, hidden = all_columns, inputs_embeds
+        pos_cos, pos_sin = cos, sin
+        final = inputs_embeds.clone()
+        identity_mask = None
+        capture_rows = self._window_columns() if self.policy.needs_attention else None
+        deepstack_rank = None
+        if deepstack_visual_embeds is not None and visual_pos_masks is not None:
+            flat = visual_pos_masks.reshape(-1).long()
+            deepstack_rank = (flat.cumsum(0) - 1).reshape(visual_pos_masks.shape).masked_fill(~visual_pos_masks, -1)
+        t_warm_end = None
+        for layer_idx, decoder_layer in enumerate(text.layers):
+            self._finish_plans(layer_idx)
+            pending = [i for i in self.request.images if i.plan is None]
+            if not pending and t_warm_end is None:
+                t_warm_end = time.perf_counter()
+            new_active = self._active(layer_idx)
+            if not torch.equal(new_active, active):
+                hidden, pos_cos, pos_sin = self._shrink(active, new_active, hidden, final, cos, sin)
+                active = new_active
+            reused = self._reused(layer_idx)
+            cache_layer = cache.layer(layer_idx)
+            identity = reused is None and active.shape == all_columns.shape and torch.equal(active, all_columns)
+            mask = None
+            if reused is not None:
+                cache_layer.preload(*reused)
+            capturing = capture_rows is not None and bool(pending)
+            if identity:
+                cache._incoming = None
+                if capturing or self.valid is not None:
+                    identity_mask = identity_mask if identity_mask is not None else self._causal_mask()
+                    mask = identity_mask
+            else:
+                cache._incoming = active
+            if capturing:
+                cache._capture = (layer_idx, *self._window_rows(active, capture_rows))
+            hidden = decoder_layer(
+                hidden,
+                attention_mask=mask,
+                position_ids=None,
+                cache=cache,
+                use_cache=True,
+                position_embeddings=(pos_cos, pos_sin),
+            )
+            if capturing:
+                self._collect_attention(layer_idx, pending)
+                cache._capture = None
+            if deepstack_rank is not None and layer_idx < len(deepstack_visual_embeds):
+                hidden = self._add_deepstack(hidden, active, deepstack_rank, deepstack_visual_embeds[layer_idx])
+        cache._incoming = None
+        self._scatter(active, hidden, final)
+        hidden = text.norm(final)
+        t_end = time.perf_counter()
+        t_warm_end = t_warm_end or t_end
+        self._store_misses()
+        for img in self.request.images:
+            img.timings["warmup"] = (t_warm_end - t_start) * 1e3 if img.kind is HitKind.APPROXIMATE else 0.0
+            img.timings["recompute"] = (t_end - t_warm_end) * 1e3
+            cache.events.append(img.event())
+            _guarded("stats", lambda k=img.kind: cache.store.record(k), None)
+        return BaseModelOutputWithPast(last_hidden_state=hidden, cache=cache)
+
+    def _scatter(self, active, hidden, final) -> None:
+        ok = active >= 0
+        rows = torch.arange(self.batch, device=self.device)[:, None].expand_as(active)
+        final[rows[ok], active[ok]] = hidden[ok].to(final.dtype)
+
+    def _shrink(self, active, new_active, hidden, final, cos, sin):
+        """Carry hidden states from ``active`` to its subset ``new_active``; park the dropped ones in ``final``."""
+        self._scatter(active, hidden, final)
+        where = torch.full((self.batch, self.length), -1, dtype=torch.long, device=self.device)
+        ok = active >= 0
+        rows = torch.arange(self.batch, device=self.device)[:, None].expand_as(active)
+        where[rows[ok], active[ok]] = torch.nonzero(ok)[:, 1]
+        idx = where.gather(1, new_active.clamp(min=0))
+        if bool(((idx < 0) & (new_active >= 0)).any()):
+            raise RuntimeError("a plan computes a token at a layer after one where it was not computed")
+        idx = idx.clamp(min=0)
+        hidden = hidden.gather(1, idx[..., None].expand(-1, -1, hidden.shape[-1]))
+        cols = new_active.clamp(min=0)[..., None].expand(-1, -1, cos.shape[-1])
+        return hidden, cos.gather(1, cols), sin.gather(1, cols)
+
+    def _window_rows(self, active, window_columns):
+        """Positions of the observation-window columns inside the active set: (B, W) and validity."""
+        where = torch.full((self.batch, self.length), -1, dtype=torch.long, device=self.device)
+        ok = active >= 0
+        rows = torch.arange(self.batch, device=self.device)[:, None].expand_as(active)
+        where[rows[ok], active[ok]] = torch.nonzero(ok)[:, 1]
+        idx = _pad([where[b, c.to(self.device)] for b, c in enumerate(window_columns)], -1, self.device)
+        return idx.clamp(min=0), idx >= 0
+
+    def _collect_attention(self, layer_idx: int, pending: list[ImageState]) -> None:
+        probs, _ = self.cache.captured.pop(layer_idx)
+        window_valid = self.cache._capture[2]
+        cache_layer = self.cache.layers[layer_idx]
+        for img in pending:
+            slots = cache_layer.slot_of(img.columns(torch.arange(img.n_tokens, device=self.device)), img.row)
+            rows = probs[img.row][:, window_valid[img.row]]
+            img.attention.append(rows[..., slots].cpu())
+
+    def _add_deepstack(self, hidden, active, rank, embeds):
+        r = rank.gather(1, active.clamp(min=0)).masked_fill(active < 0, -1)
+        ok = r >= 0
+        if not bool(ok.any()):
+            return hidden
+        hidden = hidden.clone()
+        hidden[ok] = hidden[ok] + embeds[r[ok]].to(hidden.device, hidden.dtype)
+        return hidden
+
+    def _store_misses(self) -> None:
+        cache = self.cache
+        if not cache.store_misses:
+            return
+        done = set()
+        for img in self.request.images:
+            key = img.features.key
+            if img.kind is not HitKind.MISS or key in done:
+                continue
+            done.add(key)
+            cols = img.columns(torch.arange(img.n_tokens, device=self.device))
+            per_layer = []
+            for layer in cache.layers:
+                slots = layer.slot_of(cols, img.row)
+                per_layer.append(torch.stack([layer.keys[img.row][:, slots], layer.values[img.row][:, slots]]))
+            kv = torch.stack(per_layer).permute(3, 0, 1, 2, 4).contiguous()  # (N, L, 2, H, D)
+            entry = Entry(
+                key=key,
+                fingerprint=self.adapter.fingerprint,
+                grid=img.features.grid,
+                embeds=img.embeds.detach(),
+                deepstack=img.deepstack.detach() if img.deepstack is not None else None,
+                descriptors=img.descriptors,
+                entropy=img.features.entropy,
+                kv=kv.detach(),
+                offset=img.offset,
+            )
+            _guarded("write", lambda e=entry: cache.store.put(e), None)
+
+
+def run_prefill(adapter, request, *, cache, inputs_embeds, attention_mask=None, position_ids=None,
+                visual_pos_masks=None, deepstack_visual_embeds=None, **_ignored) -> BaseModelOutputWithPast:
+    runner = PrefillRunner(adapter, cache, request, inputs_embeds, attention_mask, position_ids)
+    return runner.run(inputs_embeds, visual_pos_masks, deepstack_visual_embeds)

@@ -1,0 +1,86 @@
+"""Tiny random Qwen-VL models with offline processors, for tests, the demo and trying the library.
+
+``tiny_model(family)`` returns ``(model, processor)`` built from ``configs/models/tiny.yaml``
+with a byte-level tokenizer and the family's real processor classes and chat template, so
+the code that drives them drives a real checkpoint too.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .presets import preset_config
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
+                  "<|image_pad|>", "<|video_pad|>"]
+
+# The chat template of Qwen2-VL / Qwen2.5-VL (a default system turn); Qwen3-VL's has none.
+_QWEN2_TEMPLATE = (
+    "{% set image_count = namespace(value=0) %}{% for message in messages %}"
+    "{% if loop.first and message['role'] != 'system' and add_system_prompt is not defined %}"
+    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}"
+    "<|im_start|>{{ message['role'] }}\n{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for content in message['content'] %}"
+    "{% if content['type'] == 'image' or 'image' in content %}{% set image_count.value = image_count.value + 1 %}"
+    "{% if add_vision_id %}Picture {{ image_count.value }}: {% endif %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif 'text' in content %}{{ content['text'] }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+_QWEN3_TEMPLATE = _QWEN2_TEMPLATE.replace(
+    "{% if loop.first and message['role'] != 'system' and add_system_prompt is not defined %}"
+    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}", "")
+
+FAMILY_PATCH = {"qwen2_vl": 14, "qwen2_5_vl": 14, "qwen3_vl": 16}
+
+
+def byte_tokenizer():
+    """A Qwen2 tokenizer over the 256 byte symbols (no merges) plus Qwen's special tokens."""
+    from transformers import Qwen2Tokenizer
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    symbols = bytes_to_unicode()
+    vocab = {symbols[b]: b for b in range(256)}
+    for tok in SPECIAL_TOKENS:
+        vocab[tok] = len(vocab)
+    tok = Qwen2Tokenizer(vocab=vocab, merges=[], unk_token=None, eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    tok.add_special_tokens({"additional_special_tokens": SPECIAL_TOKENS[1:]})
+    return tok
+
+
+def offline_processor(family: str, tokenizer=None, min_tokens: int = 4, max_tokens: int = 256):
+    """The family's processor with local image/video processors and ``tokenizer`` (default: byte-level)."""
+    from transformers import (Qwen2_5_VLProcessor, Qwen2VLImageProcessor, Qwen2VLProcessor,
+                              Qwen3VLProcessor)
+    from transformers.models.qwen2_vl.video_processing_qwen2_vl import Qwen2VLVideoProcessor
+    from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
+
+    tokenizer = tokenizer or byte_tokenizer()
+    patch = FAMILY_PATCH[family]
+    token_px = patch * 2
+    size = {"shortest_edge": min_tokens * token_px**2, "longest_edge": max_tokens * token_px**2}
+    if family == "qwen3_vl":
+        image = Qwen2VLImageProcessor(size=size, patch_size=16, image_mean=[0.5] * 3, image_std=[0.5] * 3)
+        return Qwen3VLProcessor(image_processor=image, tokenizer=tokenizer,
+                                video_processor=Qwen3VLVideoProcessor(), chat_template=_QWEN3_TEMPLATE)
+    image = Qwen2VLImageProcessor(size=size, patch_size=14)
+    cls = Qwen2VLProcessor if family == "qwen2_vl" else Qwen2_5_VLProcessor
+    return cls(image_processor=image, tokenizer=tokenizer, video_processor=Qwen2VLVideoProcessor(),
+               chat_template=_QWEN2_TEMPLATE)
+
+
+def build_model(preset: str, family: str | None = None, seed: int = 0, dtype=torch.float32, tokenizer=None):
+    """A random-weight model of ``preset`` (eval mode, SDPA attention)."""
+    from transformers import AutoModelForImageTextToText
+
+    config = preset_config(preset, family, tokenizer=tokenizer)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(seed)
+    model = AutoModelForImageTextToText.from_config(config, dtype=dtype)
+    return model.eval()
+
+
+def tiny_model(family: str = "qwen2_vl", seed: int = 0):
+    """``(model, processor)``: a tiny random ``family`` model in fp32 with an offline processor."""
+    processor = offline_processor(family)
+    model = build_model("tiny", family, seed=seed, tokenizer=processor.tokenizer)
+    return model, processor
