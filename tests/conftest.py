@@ -1,0 +1,69 @@
+import functools
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+import vismemo_hf
+from vismemo_hf import synthetic
+from vismemo_hf.testing import tiny_model
+
+FAMILIES = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"]
+
+
+@functools.lru_cache(maxsize=None)
+def _enabled_tiny(family: str, seed: int = 0):
+    model, processor = tiny_model(family, seed=seed)
+    vismemo_hf.enable(model)
+    return model, processor
+
+
+@pytest.fixture(params=FAMILIES)
+def family(request):
+    return request.param
+
+
+@pytest.fixture
+def tiny(family):
+    return _enabled_tiny(family)
+
+
+@pytest.fixture
+def qwen2():
+    return _enabled_tiny("qwen2_vl")
+
+
+def build_inputs(processor, images, question="What is the value of row 1?", prefix="", batch=None):
+    """Processor inputs for one request (``images`` then ``question``), or a batch of (images, question, prefix)."""
+    requests = batch or [(images, question, prefix)]
+    texts, all_images = [], []
+    for imgs, q, pre in requests:
+        content = ([{"type": "text", "text": pre}] if pre else []) + [{"type": "image"} for _ in imgs]
+        content.append({"type": "text", "text": q})
+        texts.append(processor.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True))
+        all_images.extend(imgs)
+    processor.tokenizer.padding_side = "left"
+    return processor(text=texts, images=all_images or None, return_tensors="pt", padding=True)
+
+
+def noise_image(seed=0, size=(224, 168)):
+    rng = np.random.RandomState(seed)
+    return Image.fromarray((rng.rand(size[1], size[0], 3) * 255).astype("uint8"))
+
+
+def generate(model, inputs, cache, new_tokens=3):
+    with torch.no_grad():
+        out = model.generate(**inputs, past_key_values=cache, max_new_tokens=new_tokens, do_sample=False,
+                             output_scores=True, return_dict_in_generate=True)
+    return out.sequences[:, inputs["input_ids"].shape[1]:], torch.stack(out.scores, 1)
+
+
+@pytest.fixture
+def pages():
+    return {
+        "base": synthetic.page(1),
+        "edit": synthetic.edited(1, row=2, value="9999"),
+        "shift": synthetic.shifted(synthetic.page(1), 2),
+        "noise": noise_image(0),
+    }

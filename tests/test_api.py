@@ -1,0 +1,90 @@
+"""Public surface and clear errors."""
+
+import pytest
+import torch
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+import vismemo_hf
+from vismemo_hf import HitKind
+from vismemo_hf.testing import tiny_model
+
+from conftest import build_inputs, generate
+
+
+def test_forgetting_enable_is_a_clear_error(pages):
+    model, processor = tiny_model("qwen2_vl", seed=3)
+    inputs = build_inputs(processor, [pages["base"]])
+    with pytest.raises(RuntimeError, match=r"vismemo_hf\.enable\(model\)"):
+        model.generate(**inputs, past_key_values=vismemo_hf.VisMemoCache(store=vismemo_hf.VisMemoStore()),
+                       max_new_tokens=1)
+
+
+def test_unsupported_model_names_the_families():
+    model = Qwen2ForCausalLM(Qwen2Config(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=1))
+    with pytest.raises(ValueError, match="Qwen2-VL, Qwen2.5-VL and Qwen3-VL"):
+        vismemo_hf.enable(model)
+
+
+def test_enable_is_idempotent_and_plain_caches_still_work(qwen2, pages):
+    model, processor = qwen2
+    assert vismemo_hf.enable(model) is model
+    inputs = build_inputs(processor, [pages["base"]])
+    from transformers import DynamicCache
+
+    tokens, _ = generate(model, inputs, DynamicCache(), 2)
+    assert tokens.shape == (1, 2)
+
+
+def test_events_record_kinds_counts_and_timings(qwen2, pages):
+    model, processor = qwen2
+    store = vismemo_hf.VisMemoStore()
+    generate(model, build_inputs(processor, [pages["base"]]), vismemo_hf.VisMemoCache(store=store), 1)
+    cache = vismemo_hf.VisMemoCache(store=store)
+    generate(model, build_inputs(processor, [pages["edit"]]), cache, 1)
+    (event,) = cache.events
+    assert event.kind is HitKind.APPROXIMATE and event.alias is not None
+    assert event.recomputed + event.reused + event.masked == event.n_tokens
+    assert set(event.timings) >= {"lookup", "encoder", "warmup", "fetch", "plan", "recompute"}
+    assert all(v >= 0 for v in event.timings.values())
+    assert event.as_dict()["kind"] == "approximate"
+    stats = store.stats()
+    assert stats["hits"] == {"exact": 0, "approximate": 1, "miss": 1}
+    assert stats["tiers"]["device"]["entries"] == 1 == stats["entries"]
+
+
+def test_bad_options_are_rejected():
+    with pytest.raises(ValueError):
+        vismemo_hf.VisMemoCache(tau=1.5)
+    with pytest.raises(TypeError):
+        vismemo_hf.VisMemoCache(not_an_option=1)
+    with pytest.raises(ValueError):
+        vismemo_hf.VisMemoStore(device_bytes=-1)
+
+
+def test_warmup_longer_than_model_is_rejected(qwen2, pages):
+    model, processor = qwen2
+    store = vismemo_hf.VisMemoStore()
+    generate(model, build_inputs(processor, [pages["base"]]), vismemo_hf.VisMemoCache(store=store), 1)
+    with pytest.raises(ValueError, match="warmup_layers"):
+        generate(model, build_inputs(processor, [pages["edit"]]),
+                 vismemo_hf.VisMemoCache(store=store, warmup_layers=99), 1)
+
+
+def test_exact_hits_skip_the_vision_tower(qwen2, pages):
+    model, processor = qwen2
+    store = vismemo_hf.VisMemoStore()
+    calls = []
+    hook = model.model.visual.register_forward_hook(lambda *a: calls.append(1))
+    try:
+        inputs = build_inputs(processor, [pages["base"]])
+        generate(model, inputs, vismemo_hf.VisMemoCache(store=store), 1)
+        assert len(calls) == 1
+        cache = vismemo_hf.VisMemoCache(store=store)
+        generate(model, inputs, cache, 1)
+        assert cache.events[0].kind is HitKind.EXACT and len(calls) == 1
+        with torch.no_grad():  # a direct forward (no generate) takes the same path
+            model(**inputs, past_key_values=vismemo_hf.VisMemoCache(store=store), use_cache=True)
+        assert len(calls) == 1
+    finally:
+        hook.remove()

@@ -1,0 +1,103 @@
+"""Two-stage lookup: exact, approximate with the right alias, miss; grid, tau and k respected."""
+
+import pytest
+import torch
+
+import vismemo_hf
+from vismemo_hf import HitKind, synthetic
+from vismemo_hf.features import patch_entropy, region_descriptors
+from vismemo_hf.store import DescriptorIndex
+
+from conftest import build_inputs, generate, noise_image
+
+
+def _kind(model, processor, store, image, **opts):
+    cache = vismemo_hf.VisMemoCache(store=store, **opts)
+    generate(model, build_inputs(processor, [image]), cache, 1)
+    return cache.events[0]
+
+
+def test_identical_edit_unrelated_and_other_grid(tiny, pages):
+    model, processor = tiny
+    store = vismemo_hf.VisMemoStore()
+    base = _kind(model, processor, store, pages["base"])
+    # a second, similar form (same layout, other text) stored as a competitor: tau=1 forces a miss
+    other_page = _kind(model, processor, store, synthetic.page(5), tau=1.0)
+    assert base.kind is HitKind.MISS and other_page.kind is HitKind.MISS and len(store) == 2
+    assert _kind(model, processor, store, pages["base"]).kind is HitKind.EXACT
+    edit = _kind(model, processor, store, pages["edit"])
+    assert edit.kind is HitKind.APPROXIMATE and edit.alias == base.key
+    only_base = vismemo_hf.VisMemoStore()
+    base_again = _kind(model, processor, only_base, pages["base"])
+    shift = _kind(model, processor, only_base, pages["shift"])
+    assert shift.kind is HitKind.APPROXIMATE and shift.alias == base_again.key
+    assert _kind(model, processor, store, pages["noise"]).kind is HitKind.MISS
+    # the same page at another size has another grid: never a candidate, even with tau = 0
+    bigger = pages["base"].resize((280, 224))
+    assert _kind(model, processor, store, bigger, tau=0.0, tau_fine=0.0).kind is HitKind.MISS
+
+
+def test_tau_is_respected(qwen2, pages):
+    model, processor = qwen2
+    store = vismemo_hf.VisMemoStore()
+    _kind(model, processor, store, pages["base"])
+    edit = _kind(model, processor, store, pages["edit"])
+    assert edit.kind is HitKind.APPROXIMATE
+    strict = _kind(model, processor, store, pages["edit"], tau=min(0.99999, edit.score + 1e-4))
+    assert strict.kind is HitKind.MISS
+    assert _kind(model, processor, store, pages["shift"], top_k=0).kind is HitKind.MISS
+
+
+def test_descriptor_index_all_regions_top_k_and_grid():
+    torch.manual_seed(0)
+    index = DescriptorIndex()
+    query = torch.nn.functional.normalize(torch.randn(4, 8), dim=-1)
+    near = [torch.nn.functional.normalize(query + 0.05 * i * torch.randn(4, 8), dim=-1) for i in range(1, 7)]
+    for i, d in enumerate(near):
+        index.add("fp", (1, 4, 4), f"k{i}", d)
+    one_region_off = query.clone()
+    one_region_off[2] = -query[2]
+    index.add("fp", (1, 4, 4), "bad", one_region_off)
+    index.add("fp", (1, 4, 6), "othergrid", query)
+    index.add("other-model", (1, 4, 4), "othermodel", query)
+    found = index.search("fp", (1, 4, 4), query, tau=0.8, top_k=3)
+    assert len(found) == 3
+    assert [k for k, _ in found] == sorted([k for k, _ in found], key=lambda k: -dict(found)[k])
+    assert all(k.startswith("k") for k, _ in found)
+    everything = [k for k, _ in index.search("fp", (1, 4, 4), query, tau=0.0, top_k=100)]
+    assert "bad" not in everything and "othergrid" not in everything and "othermodel" not in everything
+    index.remove("fp", (1, 4, 4), "k0")
+    assert "k0" not in [k for k, _ in index.search("fp", (1, 4, 4), query, tau=0.0, top_k=100)]
+
+
+def test_region_descriptors_are_region_means():
+    e = torch.zeros(16, 3)
+    e[:, 0] = 1.0
+    grid = (1, 8, 8)  # 4x4 tokens after a 2x2 merge
+    tokens = e.reshape(4, 4, 3)
+    tokens[2:, 2:] = torch.tensor([0.0, 1.0, 0.0])  # bottom-right region differs
+    d = region_descriptors(tokens.reshape(16, 3), grid, 2)
+    assert torch.allclose(d[0], torch.tensor([1.0, 0, 0])) and torch.allclose(d[3], torch.tensor([0, 1.0, 0]))
+
+
+@pytest.mark.parametrize("merge,patch", [(2, 14), (2, 16)])
+def test_patch_entropy_blank_is_zero_and_noise_is_high(merge, patch):
+    mean, std = (0.5, 0.5, 0.5), (0.5, 0.5, 0.5)
+    blank = torch.ones(2 * merge * merge, 3 * 2 * patch * patch)  # white in normalised units
+    noise = torch.rand(2 * merge * merge, 3 * 2 * patch * patch) * 2 - 1
+    h_blank = patch_entropy(blank, channels=3, temporal_patch=2, patch=patch, merge=merge, image_mean=mean, image_std=std)
+    h_noise = patch_entropy(noise, channels=3, temporal_patch=2, patch=patch, merge=merge, image_mean=mean, image_std=std)
+    assert h_blank.shape == (2,) and torch.all(h_blank == 0)
+    assert torch.all(h_noise > 0.9) and torch.all(h_noise <= 1.0)
+
+
+def test_document_entropy_separates_blank_from_text(qwen2):
+    _, processor = qwen2
+    x = processor.image_processor(images=[synthetic.page(1)], return_tensors="pt")
+    h = patch_entropy(x.pixel_values, channels=3, temporal_patch=2, patch=14, merge=2,
+                      image_mean=processor.image_processor.image_mean, image_std=processor.image_processor.image_std)
+    assert h.min() == 0.0 and h.max() > 0.2
+    noise = processor.image_processor(images=[noise_image()], return_tensors="pt")
+    hn = patch_entropy(noise.pixel_values, channels=3, temporal_patch=2, patch=14, merge=2,
+                       image_mean=processor.image_processor.image_mean, image_std=processor.image_processor.image_std)
+    assert hn.min() > h.max()

@@ -1,0 +1,107 @@
+"""Reused K/V is really read, moved to the new offset, and only ever from the same model."""
+
+import torch
+from transformers import DynamicCache
+
+import vismemo_hf
+from vismemo_hf import HitKind
+from vismemo_hf.rope import rerotate
+
+from conftest import _enabled_tiny, build_inputs, generate
+
+
+def _layer0_visual_keys(model, inputs):
+    cache = DynamicCache()
+    with torch.no_grad():
+        model(**inputs, past_key_values=cache, use_cache=True)
+    visual = (inputs["input_ids"][0] == model.config.image_token_id).nonzero().flatten()
+    return cache.layers[0].keys[0][:, visual]  # (H, N, D)
+
+
+def test_rerotated_keys_equal_fresh_keys_at_another_offset(tiny, pages):
+    model, processor = tiny
+    store = vismemo_hf.VisMemoStore()
+    short = build_inputs(processor, [pages["base"]])
+    cache = vismemo_hf.VisMemoCache(store=store)
+    generate(model, short, cache, 1)
+    entry = store.get(cache.events[0].key, model._vismemo.fingerprint)
+    inv_freq = model.model.language_model.rotary_emb.inv_freq
+    for prefix in ["a much longer text before the image, " * 3, "x"]:
+        longer = build_inputs(processor, [pages["base"]], prefix=prefix)
+        fresh = _layer0_visual_keys(model, longer)
+        positions, _ = model.model.get_rope_index(longer["input_ids"], longer["mm_token_type_ids"],
+                                                  image_grid_thw=longer["image_grid_thw"])
+        start = (longer["input_ids"][0] == model.config.image_token_id).nonzero()[0, 0]
+        delta = int(positions[0, 0, start]) - entry.offset
+        assert delta != 0
+        moved = rerotate(entry.kv[:, 0, 0].transpose(0, 1), delta, inv_freq)
+        assert (moved - fresh).abs().max() <= 1e-5
+        assert (entry.kv[:, 0, 0].transpose(0, 1) - fresh).abs().max() > 1e-3  # the rotation mattered
+
+
+def test_exact_hit_with_other_prefix_is_reused_and_close(tiny, pages):
+    model, processor = tiny
+    store = vismemo_hf.VisMemoStore()
+    generate(model, build_inputs(processor, [pages["base"]]), vismemo_hf.VisMemoCache(store=store), 1)
+    inputs = build_inputs(processor, [pages["base"]], prefix="Please look carefully. ")
+    cache = vismemo_hf.VisMemoCache(store=store)
+    _, scores = generate(model, inputs, cache, 1)
+    assert cache.events[0].kind is HitKind.EXACT
+    _, ref = generate(model, inputs, DynamicCache(), 1)
+    # visual K/V computed after other text: not identical, but the re-rotated reuse stays close
+    assert (scores - ref).abs().max() < 0.5 * ref.abs().max()
+
+
+def test_perturbing_the_stored_alias_changes_the_output(qwen2, pages):
+    model, processor = qwen2
+    store = vismemo_hf.VisMemoStore()
+    inputs = build_inputs(processor, [pages["base"]])
+    first = vismemo_hf.VisMemoCache(store=store)
+    generate(model, inputs, first, 1)
+    _, clean = generate(model, inputs, vismemo_hf.VisMemoCache(store=store), 1)
+    entry = store.get(first.events[0].key, model._vismemo.fingerprint)
+    entry.kv[:, 3:] += 0.5 * torch.randn_like(entry.kv[:, 3:])
+    cache = vismemo_hf.VisMemoCache(store=store)
+    _, dirty = generate(model, inputs, cache, 1)
+    assert cache.events[0].kind is HitKind.EXACT
+    assert (dirty - clean).abs().max() > 1e-3
+
+
+def test_approximate_hit_reads_reused_tokens(qwen2, pages):
+    model, processor = qwen2
+    store = vismemo_hf.VisMemoStore()
+    first = vismemo_hf.VisMemoCache(store=store)
+    generate(model, build_inputs(processor, [pages["base"]]), first, 1)
+    inputs = build_inputs(processor, [pages["edit"]])
+    opts = dict(store=store, recompute_ratio=0.0, reuse_ratio=0.5, entropy_threshold=1.0, guard_cosine=None)
+    c1 = vismemo_hf.VisMemoCache(**opts)
+    _, clean = generate(model, inputs, c1, 1)
+    assert c1.events[0].reused > 0
+    before = store.stats()["bytes_read_sparse"]
+    entry = store.get(first.events[0].key, model._vismemo.fingerprint)
+    entry.kv[:, 3:] += 0.5 * torch.randn_like(entry.kv[:, 3:])
+    c2 = vismemo_hf.VisMemoCache(**opts)
+    _, dirty = generate(model, inputs, c2, 1)
+    assert c2.events[0].kind is HitKind.APPROXIMATE and c2.events[0].alias == first.events[0].key
+    assert store.stats()["bytes_read_sparse"] > before
+    assert (dirty - clean).abs().max() > 1e-3
+
+
+def test_miss_then_same_request_is_exact_and_other_weights_never_hit(pages):
+    model, processor = _enabled_tiny("qwen2_vl")
+    other, _ = _enabled_tiny("qwen2_vl", seed=1)
+    assert other._vismemo.fingerprint != model._vismemo.fingerprint
+    store = vismemo_hf.VisMemoStore()
+    inputs = build_inputs(processor, [pages["base"]])
+    kinds = []
+    for m in (model, model, other, other):
+        cache = vismemo_hf.VisMemoCache(store=store)
+        generate(m, inputs, cache, 1)
+        kinds.append(cache.events[0].kind)
+    assert kinds == [HitKind.MISS, HitKind.EXACT, HitKind.MISS, HitKind.EXACT]
+    # the edited page is approximate for each model only against its own entry
+    cache = vismemo_hf.VisMemoCache(store=store)
+    generate(other, build_inputs(processor, [pages["edit"]]), cache, 1)
+    assert cache.events[0].kind is HitKind.APPROXIMATE
+    alias = store.peek(cache.events[0].alias, other._vismemo.fingerprint)
+    assert alias is not None and store.peek(alias.key, model._vismemo.fingerprint) is None
