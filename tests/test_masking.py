@@ -45,3 +45,23 @@ def test_late_layers_hold_only_text_recomputed_and_reused_tokens(qwen2, pages):
         else:
             assert layer.keys.shape[-2] == length - event.masked
             assert layer.columns.shape[1] == length - event.masked
+
+
+def test_partial_recompute_equals_reference_that_hides_the_mask_set(tiny, pages):
+    """From layer W only R (and text) is computed and M is hidden; with beta = 0 nothing is reused, so a
+    full forward that hides M's keys from layer W on must agree (Qwen3-VL: deepstack reaches R at layer 1)."""
+    model, processor = tiny
+    store = vismemo_hf.VisMemoStore()
+    generate(model, build_inputs(processor, [pages["base"]]), vismemo_hf.VisMemoCache(store=store), 1)
+    inputs = build_inputs(processor, [pages["edit"]])
+    cache = vismemo_hf.VisMemoCache(store=store, recompute_ratio=0.5, reuse_ratio=0.0, warmup_layers=1)
+    tokens, scores = generate(model, inputs, cache, 3)
+    plan = cache.events[0].plan
+    assert plan.recompute.numel() == (plan.n_tokens + 1) // 2 and plan.mask.numel() == plan.n_tokens // 2
+    start = int((inputs["input_ids"][0] == model.config.image_token_id).nonzero()[0, 0])
+    hide = torch.zeros_like(inputs["input_ids"], dtype=torch.bool)
+    hide[0, start + plan.mask] = True
+    for step in range(tokens.shape[1]):
+        ext = extend(inputs, tokens[:, :step])
+        ref = masked_logits(model, ext, 1, torch.cat([hide, torch.zeros(1, step, dtype=torch.bool)], 1))
+        assert (scores[:, step] - ref).abs().max() <= 1e-4, f"decoding step {step}"

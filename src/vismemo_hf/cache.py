@@ -9,6 +9,8 @@ where a full prefill would have attended them.
 
 from __future__ import annotations
 
+import time
+
 import torch
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
@@ -189,6 +191,7 @@ class VisMemoCache(DynamicCache):
     # -- forward bookkeeping (driven by the hooks enable() installs) -----------------------------
     def _begin_forward(self, attention_mask: torch.Tensor | None) -> None:
         self._in_forward = True
+        self._forward_start = (time.perf_counter(), len(self.events))
         self._incoming = None
         if attention_mask is not None and attention_mask.ndim == 2 and not bool(attention_mask.all()):
             self._valid = attention_mask.bool()
@@ -196,6 +199,11 @@ class VisMemoCache(DynamicCache):
             self._valid = None
 
     def _end_forward(self, new_tokens: int) -> None:
+        """Close a forward pass; its new events get the whole pass's wall time as ``prefill``."""
+        started, first_event = self._forward_start
+        elapsed = (time.perf_counter() - started) * 1e3
+        for event in self.events[first_event:]:
+            event.timings["prefill"] = elapsed
         self._in_forward = False
         self._incoming = None
         self._capture = None

@@ -63,6 +63,7 @@ class ImageState:
             masked=plan.mask.numel(),
             score=self.score,
             timings=dict(self.timings),
+            plan=plan,
         )
 
 
@@ -125,11 +126,11 @@ def image_spans(input_ids: torch.Tensor, image_token_id: int, counts: list[int])
 
 
 def _guarded(what: str, fn, default):
-    """A store fault degrades to a miss, never to an exception in serving."""
+    """Run a store call; a fault is logged and gives ``default`` (a miss, no entry stored), never an error."""
     try:
         return fn()
-    except Exception as err:  # noqa: BLE001 - any store failure must become a miss
-        logger.warning("vismemo: store %s failed (%s: %s); treating as a miss", what, type(err).__name__, err)
+    except Exception as err:  # noqa: BLE001 - any store failure must degrade, not break serving
+        logger.warning("vismemo: store %s failed (%s: %s); continuing without it", what, type(err).__name__, err)
         return default
 
 

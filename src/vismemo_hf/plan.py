@@ -123,6 +123,7 @@ class CacheEvent:
     masked: int
     score: float | None = None
     timings: dict[str, float] = field(default_factory=dict)
+    plan: ImagePlan | None = field(default=None, repr=False)
 
     def as_dict(self) -> dict:
         return {

@@ -56,3 +56,18 @@ def shifted(img: Image.Image, dx: int = 2, dy: int = 0) -> Image.Image:
     if dy > 0:
         draw.rectangle((0, 0, img.width, dy - 1), fill="white")
     return moved
+
+
+def chart(seed: int, size: tuple[int, int] = (224, 168)) -> Image.Image:
+    """A bar-chart panel on a dark background: a page unrelated to the forms."""
+    rng = random.Random(seed)
+    img = Image.new("RGB", size, (20, 24, 48))
+    draw = ImageDraw.Draw(img)
+    n = 6
+    width = (size[0] - 20) // n
+    for i in range(n):
+        h = rng.randint(20, size[1] - 30)
+        colour = tuple(rng.randint(80, 255) for _ in range(3))
+        draw.rectangle((10 + i * width, size[1] - 10 - h, 10 + (i + 1) * width - 6, size[1] - 10), fill=colour)
+    draw.text((8, 4), f"SALES {seed}", fill="white", font=ImageFont.load_default())
+    return img

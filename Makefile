@@ -1,0 +1,23 @@
+# Two entry points (see README): `make demo` and `make test`; both create .venv when it is missing.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# torch/torchvision pinned to releases that install together (torchvision is needed by the Qwen-VL processors)
+TORCH_SPEC ?= torch==2.14.1 torchvision==0.29.1
+
+.PHONY: demo test clean
+
+$(VENV)/.installed: pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q $(TORCH_SPEC)
+	$(PY) -m pip install -q -e '.[test]'
+	touch $@
+
+demo: $(VENV)/.installed
+	$(VENV)/bin/vismemo demo
+
+test: $(VENV)/.installed
+	$(PY) -m pytest -q
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis

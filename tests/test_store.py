@@ -1,0 +1,117 @@
+"""The in-memory store: budgets, fingerprints, malformed entries, and faults that must become misses."""
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from transformers import DynamicCache
+
+import vismemo_hf
+from vismemo_hf import Entry, HitKind, VisMemoStore
+
+from conftest import build_inputs, generate
+
+
+def _entry(key, n=4, fp="fp", layers=2, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return Entry(key=key, fingerprint=fp, grid=(1, 4, n), embeds=torch.randn(n, 8, generator=g), deepstack=None,
+                 descriptors=torch.nn.functional.normalize(torch.randn(4, 8, generator=g), dim=-1),
+                 entropy=torch.rand(n, generator=g), kv=torch.randn(n, layers, 2, 2, 4, generator=g), offset=3)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["put", "get"]), st.integers(0, 9), st.integers(1, 6)), max_size=40),
+       st.integers(0, 3000))
+def test_budget_never_exceeded_and_gets_return_their_own_key(ops, budget):
+    store = VisMemoStore(device_bytes=budget)
+    for op, k, n in ops:
+        key = f"k{k}"
+        if op == "put":
+            entry = _entry(key, n=n, seed=k)
+            stored = store.put(entry)
+            assert stored == (entry.nbytes <= budget)
+        else:
+            got = store.get(key, "fp")
+            assert got is None or got.key == key
+            if got is not None:
+                assert torch.equal(got.kv, _entry(key, n=got.n_tokens, seed=k).kv)
+        stats = store.stats()
+        assert stats["bytes"] <= budget
+        assert stats["bytes"] == sum(e.nbytes for e in store._entries.values())
+        assert stats["entries"] == len(store) == len(store._index)
+
+
+def test_foreign_and_malformed_entries_are_never_returned():
+    store = VisMemoStore()
+    assert store.put(_entry("a", fp="model-1"))
+    assert store.get("a", "model-2") is None and store.peek("a", "model-2") is None
+    assert store.get_tokens("a", "model-2", torch.tensor([0]), 1) is None
+    assert store.candidates("model-2", (1, 4, 4), _entry("a").descriptors, 0.0, 5) == []
+    bad = _entry("b")
+    bad.entropy = torch.rand(7)
+    assert not store.put(bad) and "b" not in store
+    assert store.stats()["rejected"] == 1
+
+
+def test_sparse_read_returns_selected_late_layers():
+    store = VisMemoStore()
+    e = _entry("a", n=5, layers=4)
+    store.put(e)
+    got = store.get_tokens("a", "fp", torch.tensor([4, 1]), 2)
+    assert got.shape == (2, 2, 2, 2, 4) and torch.equal(got, e.kv[[4, 1]][:, 2:])
+    assert store.stats()["bytes_read_sparse"] == got.numel() * got.element_size()
+
+
+class FaultyStore(VisMemoStore):
+    def __init__(self, fail):
+        super().__init__()
+        self.fail = fail
+
+    def get_tokens(self, *a, **k):
+        if "tokens" in self.fail:
+            raise OSError("disk gone")
+        if "shape" in self.fail:
+            return super().get_tokens(*a, **k)[:, :1]  # truncated read
+        return super().get_tokens(*a, **k)
+
+    def get(self, *a, **k):
+        if "get" in self.fail:
+            raise OSError("disk gone")
+        return super().get(*a, **k)
+
+    def put(self, entry):
+        if "put" in self.fail:
+            raise OSError("disk full")
+        return super().put(entry)
+
+
+def test_store_faults_degrade_to_misses_with_full_prefill_output(qwen2, pages):
+    model, processor = qwen2
+    inputs = build_inputs(processor, [pages["edit"]])
+    _, ref = generate(model, inputs, DynamicCache(), 2)
+    for fail in (["tokens"], ["shape"], ["get"], ["put"]):
+        store = FaultyStore([])
+        generate(model, build_inputs(processor, [pages["base"]]), vismemo_hf.VisMemoCache(store=store), 1)
+        store.fail = fail
+        cache = vismemo_hf.VisMemoCache(store=store, reuse_ratio=0.5, entropy_threshold=1.0)
+        _, scores = generate(model, inputs, cache, 2)
+        # a failed put or full read does not concern an approximate hit (index and peek still work)
+        expected = HitKind.APPROXIMATE if fail in (["put"], ["get"]) else HitKind.MISS
+        assert cache.events[0].kind is expected, fail
+        if expected is HitKind.MISS:
+            assert (scores - ref).abs().max() <= 1e-4, fail
+
+
+def test_failed_exact_read_is_a_miss_and_failed_write_keeps_serving(qwen2, pages):
+    model, processor = qwen2
+    inputs = build_inputs(processor, [pages["base"]])
+    _, ref = generate(model, inputs, DynamicCache(), 2)
+    store = FaultyStore(["put"])
+    cache = vismemo_hf.VisMemoCache(store=store)
+    _, scores = generate(model, inputs, cache, 2)
+    assert cache.events[0].kind is HitKind.MISS and len(store) == 0 and (scores - ref).abs().max() <= 1e-4
+    store.fail = []
+    generate(model, inputs, vismemo_hf.VisMemoCache(store=store), 1)
+    store.fail = ["get"]
+    cache = vismemo_hf.VisMemoCache(store=store, tau=1.0)
+    _, scores = generate(model, inputs, cache, 2)
+    assert cache.events[0].kind is HitKind.MISS and (scores - ref).abs().max() <= 1e-4
