@@ -39,7 +39,7 @@ def window_probabilities(module, query, key, mask, rows, scaling) -> torch.Tenso
 def vismemo_attention_forward(module, query, key, value, attention_mask, scaling=None, **kwargs):
     cache = ACTIVE_CACHE.get()
     layer_idx = getattr(module, "layer_idx", None)
-    if cache is None or layer_idx is None or layer_idx >= len(cache.layers):
+    if cache is None or not cache._in_forward or layer_idx is None or layer_idx >= len(cache.layers):
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
     layer = cache.layers[layer_idx]
     if layer.query_columns is not None:

@@ -74,5 +74,6 @@ def region_descriptors(embeds: torch.Tensor, grid: tuple[int, int, int], merge: 
 
 
 def token_cosine(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Per-position cosine similarity of two (N, d) embedding tensors."""
-    return F.cosine_similarity(a.detach().float().cpu(), b.detach().float().cpu(), dim=-1)
+    """Per-position cosine similarity of two (N, d) embedding tensors (computed on ``a``'s device, returned on CPU)."""
+    a = a.detach().float()
+    return F.cosine_similarity(a, b.detach().to(a.device).float(), dim=-1).cpu()

@@ -44,8 +44,14 @@ def enable(model, *, image_mean=None, image_std=None):
         if cache is None:
             return None
         cache._begin_forward(kwargs.get("attention_mask"))
-        token = attention.ACTIVE_CACHE.set(cache)
-        cache._context_token = token
+        cache._context_token = attention.ACTIVE_CACHE.set(cache)
+        try:
+            return args, _look_up_images(cache, kwargs)
+        except BaseException:
+            _close(cache, 0)
+            raise
+
+    def _look_up_images(cache, kwargs):
         encoded = dict(kwargs.get("mm_encoder_outputs") or {})
         deferred = encoded.get("image")
         deferred = deferred if isinstance(deferred, DeferredImageFeatures) and not deferred.resolved else None
@@ -54,7 +60,7 @@ def enable(model, *, image_mean=None, image_std=None):
         elif deferred is not None:  # generate() asked for the encoder before the prefill
             pixels, grids = deferred.pixel_values, deferred.image_grid_thw
         else:
-            return args, kwargs
+            return kwargs
         request, outputs = lookup_request(
             model._vismemo, cache, kwargs.get("input_ids"), pixels, grids, get_image_features
         )
@@ -62,16 +68,18 @@ def enable(model, *, image_mean=None, image_std=None):
         if deferred is not None:
             deferred.provide(outputs)
         encoded["image"] = outputs
-        return args, {**kwargs, "pixel_values": None, "mm_encoder_outputs": encoded}
+        return {**kwargs, "pixel_values": None, "mm_encoder_outputs": encoded}
+
+    def _close(cache, new_tokens):
+        cache._end_forward(new_tokens)
+        attention.ACTIVE_CACHE.reset(cache._context_token)
 
     def after(module, args, kwargs, output):
         cache = _cache_of(kwargs)
         if cache is None or not cache._in_forward:
             return None
         ids = kwargs.get("input_ids")
-        new_tokens = ids.shape[1] if ids is not None else kwargs["inputs_embeds"].shape[1]
-        cache._end_forward(new_tokens)
-        attention.ACTIVE_CACHE.reset(cache._context_token)
+        _close(cache, ids.shape[1] if ids is not None else kwargs["inputs_embeds"].shape[1])
         return None
 
     def forward(self, *args, **kwargs):

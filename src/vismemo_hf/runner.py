@@ -107,7 +107,8 @@ class PrefillRunner:
             signals = WarmupSignals(torch.stack(img.attention) if img.attention else None)
             img.plan = self.policy.plan(img.features, img.alias, img.reuse, signals)
             img.timings["plan"] = img.timings.get("plan", 0.0) + (time.perf_counter() - t0) * 1e3
-            if not torch.equal(img.plan.reuse, img.reuse if img.fetched is not None else img.plan.reuse[:0]):
+            prefetched = img.reuse if img.fetched is not None else img.reuse[:0]
+            if not torch.equal(img.plan.reuse, prefetched):  # the policy changed B after warmup
                 img.fetched = None
                 if img.plan.reuse.numel() and not self._fetch(img, img.plan.reuse, img.plan.warmup_layers):
                     self._demote(img)
