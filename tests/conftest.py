@@ -59,6 +59,14 @@ def generate(model, inputs, cache, new_tokens=3):
     return out.sequences[:, inputs["input_ids"].shape[1]:], torch.stack(out.scores, 1)
 
 
+def stored(model, processor, *images, store=None, **opts):
+    """A store holding the entries of ``images`` (each run alone as a request, ``opts`` for its cache)."""
+    store = store if store is not None else vismemo_hf.VisMemoStore()
+    for image in images:
+        generate(model, build_inputs(processor, [image]), vismemo_hf.VisMemoCache(store=store, **opts), 1)
+    return store
+
+
 @pytest.fixture
 def pages():
     return {

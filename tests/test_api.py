@@ -9,7 +9,7 @@ from vismemo_hf import HitKind
 from vismemo_hf.attention import ACTIVE_CACHE
 from vismemo_hf.testing import tiny_model
 
-from conftest import build_inputs, generate
+from conftest import build_inputs, generate, stored
 
 
 def test_forgetting_enable_is_a_clear_error(pages):
@@ -39,8 +39,7 @@ def test_enable_is_idempotent_and_plain_caches_still_work(qwen2, pages):
 
 def test_events_record_kinds_counts_and_timings(qwen2, pages):
     model, processor = qwen2
-    store = vismemo_hf.VisMemoStore()
-    generate(model, build_inputs(processor, [pages["base"]]), vismemo_hf.VisMemoCache(store=store), 1)
+    store = stored(model, processor, pages["base"])
     cache = vismemo_hf.VisMemoCache(store=store)
     generate(model, build_inputs(processor, [pages["edit"]]), cache, 1)
     (event,) = cache.events
@@ -65,8 +64,7 @@ def test_bad_options_are_rejected():
 
 def test_warmup_longer_than_model_is_rejected(qwen2, pages):
     model, processor = qwen2
-    store = vismemo_hf.VisMemoStore()
-    generate(model, build_inputs(processor, [pages["base"]]), vismemo_hf.VisMemoCache(store=store), 1)
+    store = stored(model, processor, pages["base"])
     with pytest.raises(ValueError, match="warmup_layers"):
         generate(model, build_inputs(processor, [pages["edit"]]),
                  vismemo_hf.VisMemoCache(store=store, warmup_layers=99), 1)

@@ -6,7 +6,7 @@ from transformers import DynamicCache
 import vismemo_hf
 from vismemo_hf import HitKind
 
-from conftest import build_inputs, generate
+from conftest import build_inputs, generate, stored
 
 
 def test_exact_hit_identical_prompt_equals_full_prefill(tiny, pages):
@@ -29,8 +29,7 @@ def test_exact_hit_identical_prompt_equals_full_prefill(tiny, pages):
 
 def test_full_recompute_equals_plain_run_on_new_image(tiny, pages):
     model, processor = tiny
-    store = vismemo_hf.VisMemoStore()
-    generate(model, build_inputs(processor, [pages["base"]]), vismemo_hf.VisMemoCache(store=store), 1)
+    store = stored(model, processor, pages["base"])
     inputs = build_inputs(processor, [pages["edit"]])
     _, ref = generate(model, inputs, DynamicCache(), new_tokens=3)
     cache = vismemo_hf.VisMemoCache(store=store, recompute_ratio=1.0, reuse_ratio=0.0)

@@ -5,14 +5,13 @@ import torch
 import vismemo_hf
 from vismemo_hf import HitKind
 
-from conftest import build_inputs, generate
+from conftest import build_inputs, generate, stored
 from reference import extend, masked_logits
 
 
 def test_mask_everything_equals_reference_in_prefill_and_decoding(tiny, pages):
     model, processor = tiny
-    store = vismemo_hf.VisMemoStore()
-    generate(model, build_inputs(processor, [pages["base"]]), vismemo_hf.VisMemoCache(store=store), 1)
+    store = stored(model, processor, pages["base"])
     inputs = build_inputs(processor, [pages["edit"]])
     cache = vismemo_hf.VisMemoCache(store=store, recompute_ratio=0.0, reuse_ratio=0.0, warmup_layers=2)
     tokens, scores = generate(model, inputs, cache, new_tokens=4)
@@ -31,8 +30,7 @@ def test_mask_everything_equals_reference_in_prefill_and_decoding(tiny, pages):
 
 def test_late_layers_hold_only_text_recomputed_and_reused_tokens(qwen2, pages):
     model, processor = qwen2
-    store = vismemo_hf.VisMemoStore()
-    generate(model, build_inputs(processor, [pages["base"]]), vismemo_hf.VisMemoCache(store=store), 1)
+    store = stored(model, processor, pages["base"])
     inputs = build_inputs(processor, [pages["edit"]])
     cache = vismemo_hf.VisMemoCache(store=store, warmup_layers=2, recompute_ratio=0.25, reuse_ratio=0.25)
     generate(model, inputs, cache, new_tokens=3)
@@ -51,8 +49,7 @@ def test_partial_recompute_equals_reference_that_hides_the_mask_set(tiny, pages)
     """From layer W only R (and text) is computed and M is hidden; with beta = 0 nothing is reused, so a
     full forward that hides M's keys from layer W on must agree (Qwen3-VL: deepstack reaches R at layer 1)."""
     model, processor = tiny
-    store = vismemo_hf.VisMemoStore()
-    generate(model, build_inputs(processor, [pages["base"]]), vismemo_hf.VisMemoCache(store=store), 1)
+    store = stored(model, processor, pages["base"])
     inputs = build_inputs(processor, [pages["edit"]])
     cache = vismemo_hf.VisMemoCache(store=store, recompute_ratio=0.5, reuse_ratio=0.0, warmup_layers=1)
     tokens, scores = generate(model, inputs, cache, 3)

@@ -7,7 +7,7 @@ import vismemo_hf
 from vismemo_hf import HitKind
 from vismemo_hf.rope import rerotate
 
-from conftest import _enabled_tiny, build_inputs, generate
+from conftest import _enabled_tiny, build_inputs, generate, stored
 
 
 def _layer0_visual_keys(model, inputs):
@@ -41,8 +41,7 @@ def test_rerotated_keys_equal_fresh_keys_at_another_offset(tiny, pages):
 
 def test_exact_hit_with_other_prefix_is_reused_and_close(tiny, pages):
     model, processor = tiny
-    store = vismemo_hf.VisMemoStore()
-    generate(model, build_inputs(processor, [pages["base"]]), vismemo_hf.VisMemoCache(store=store), 1)
+    store = stored(model, processor, pages["base"])
     inputs = build_inputs(processor, [pages["base"]], prefix="Please look carefully. ")
     cache = vismemo_hf.VisMemoCache(store=store)
     _, scores = generate(model, inputs, cache, 1)
