@@ -104,21 +104,38 @@ class VisMemoLayer(DynamicLayer):
             self.columns = self.columns[indices]
 
 
+class _Unset:
+    """Marks a default the caller did not pass, so the policy's own default applies (it prints as the number)."""
+
+
+class _UnsetInt(int, _Unset):
+    pass
+
+
+class _UnsetFloat(float, _Unset):
+    pass
+
+
 class VisMemoCache(DynamicCache):
     """Cache that looks every image of a request up in ``store`` and reuses what it may.
 
     Use it like a ``DynamicCache`` on a model passed to ``vismemo_hf.enable`` first:
     ``model.generate(**inputs, past_key_values=VisMemoCache())``. ``events`` holds one
     ``CacheEvent`` per image seen. Extra keyword arguments are options of the policy.
+
+    ``policy`` is a registered name (``vismemo_hf.available_policies()``), a preset in
+    ``configs/policies/`` or a YAML path, or a policy instance. ``warmup_layers``,
+    ``recompute_ratio`` and ``reuse_ratio`` show the vismemo defaults; a policy with other
+    defaults (cacheblend: 1 check layer, 15 %) keeps its own unless they are passed.
     """
 
     def __init__(
         self,
         store: VisMemoStore | None = None,
         policy: str | RoutingPolicy = "vismemo",
-        warmup_layers: int = 3,
-        recompute_ratio: float = 0.3,
-        reuse_ratio: float = 0.1,
+        warmup_layers: int = _UnsetInt(3),
+        recompute_ratio: float = _UnsetFloat(0.3),
+        reuse_ratio: float = _UnsetFloat(0.1),
         tau: float = 0.8,
         top_k: int = 5,
         tau_fine: float | None = None,
@@ -127,16 +144,9 @@ class VisMemoCache(DynamicCache):
     ):
         Cache.__init__(self, layer_class_to_replicate=VisMemoLayer)
         self.store = store if store is not None else default_store()
-        if isinstance(policy, RoutingPolicy):
-            self.policy = get_policy(policy, **policy_options)
-        else:
-            self.policy = get_policy(
-                policy,
-                warmup_layers=warmup_layers,
-                recompute_ratio=recompute_ratio,
-                reuse_ratio=reuse_ratio,
-                **policy_options,
-            )
+        shared = {"warmup_layers": warmup_layers, "recompute_ratio": recompute_ratio, "reuse_ratio": reuse_ratio}
+        given = {k: v for k, v in shared.items() if not isinstance(v, _Unset)}
+        self.policy = get_policy(policy, **given, **policy_options)
         if not 0.0 <= tau <= 1.0 or top_k < 0:
             raise ValueError("tau must lie in [0, 1] and top_k be >= 0")
         self.tau = tau

@@ -31,6 +31,15 @@ def exact_key(fingerprint: str, pixels: torch.Tensor, grid: tuple[int, int, int]
     return h.hexdigest()
 
 
+def patch_hashes(pixels: torch.Tensor, merge: int) -> torch.Tensor:
+    """(N,) int64 hash of each visual token's pixel values: equal pixels, equal hash."""
+    data = pixels.detach().cpu().contiguous()
+    bits = data.view(torch.int32 if data.element_size() == 4 else torch.int16).long()
+    bits = bits.reshape(-1, merge * merge * data.shape[-1])
+    weights = torch.randint(-(2**62), 2**62, (bits.shape[1],), generator=torch.Generator().manual_seed(0))
+    return (bits * weights).sum(1)  # int64 arithmetic wraps: a cheap polynomial-style hash
+
+
 def patch_entropy(
     pixels: torch.Tensor,
     *,

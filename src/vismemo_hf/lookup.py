@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .features import exact_key, patch_entropy, region_descriptors, token_cosine
+from .features import exact_key, patch_entropy, patch_hashes, region_descriptors, token_cosine
 from .plan import CacheEvent, HitKind, ImageFeatures, ImagePlan
 from .store import Entry
 
@@ -38,8 +38,9 @@ class ImageState:
     score: float | None = None
     offset: int = 0  # M-RoPE start position in this request
     plan: ImagePlan | None = None
-    reuse: torch.Tensor | None = None  # approximate hits: B, fixed before warmup
-    fetched: tuple[torch.Tensor, torch.Tensor, int] | None = None  # re-rotated K, V (L', H, |B|, D); first layer
+    prefetched: torch.Tensor | None = None  # approximate hits: tokens read before warmup
+    fetched: object | None = None  # runner.FetchedKV
+    fetch_index: torch.Tensor | None = None  # position of each plan.reuse token in fetched
     attention: list[torch.Tensor] = field(default_factory=list)  # per warmup layer (H, rows, N)
     timings: dict[str, float] = field(default_factory=dict)
 
@@ -172,14 +173,14 @@ def lookup_request(adapter, cache, input_ids, pixel_values, grids, get_image_fea
         t0 = time.perf_counter()
         if exact[i]:
             entry = entries[i]
-            feats = ImageFeatures(key, grid, entry.embeds, entry.entropy)
+            feats = entry.features()
             state = ImageState(row, start, feats, entry.embeds, entry.deepstack, entry.descriptors, HitKind.EXACT,
                                alias=feats, alias_entry=entry, alias_offset=entry.offset, score=1.0)
             encoder_ms = 0.0
         else:
             embeds, deepstack = encoded[i]
             entropy = patch_entropy(pixels[i], **adapter.entropy_kwargs())
-            feats = ImageFeatures(key, grid, embeds, entropy)
+            feats = ImageFeatures(key, grid, embeds, entropy, patch_hashes(pixels[i], merge))
             desc = region_descriptors(embeds, grid, merge)
             state = ImageState(row, start, feats, embeds, deepstack, desc, HitKind.MISS)
             _approximate(state, cache, fp, n_layers)
@@ -207,6 +208,6 @@ def _approximate(state: ImageState, cache, fp: str, n_layers: int) -> None:
             best, best_score = entry, score
     if best is not None and best_score >= cache.tau_fine:
         state.kind = HitKind.APPROXIMATE
-        state.alias = ImageFeatures(best.key, best.grid, best.embeds, best.entropy)
+        state.alias = best.features()
         state.alias_offset = best.offset
         state.score = best_score

@@ -34,6 +34,11 @@ class ImagePlan:
     ``recompute`` tokens are computed, ``reuse`` tokens take their K/V from the alias
     entry and ``mask`` tokens are left out of attention (prefill and decoding).
     ``recompute``, ``reuse`` and ``mask`` partition ``range(n_tokens)``.
+
+    ``reuse_from`` (aligned with ``reuse``, each >= ``warmup_layers``) lets a reused token
+    stay computed for more layers first: token ``reuse[j]`` is computed below layer
+    ``reuse_from[j]`` and reused from it on (per-layer budgets such as VL-Cache's). The
+    computed set therefore never grows with depth.
     """
 
     kind: HitKind
@@ -43,10 +48,16 @@ class ImagePlan:
     reuse: torch.Tensor
     mask: torch.Tensor
     alias: str | None = None
+    reuse_from: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         self.kind = HitKind(self.kind)
         self.recompute, self.reuse, self.mask = (_index(x) for x in (self.recompute, self.reuse, self.mask))
+        if self.reuse_from is None:
+            self.reuse_from = torch.full_like(self.reuse, self.warmup_layers)
+        self.reuse_from = _index(self.reuse_from)
+        if self.reuse_from.shape != self.reuse.shape or bool((self.reuse_from < self.warmup_layers).any()):
+            raise ValueError("reuse_from needs one layer per reused token, none below warmup_layers")
         seen = torch.cat([self.recompute, self.reuse, self.mask])
         if seen.numel() != self.n_tokens or torch.unique(seen).numel() != self.n_tokens:
             raise ValueError(
@@ -61,16 +72,24 @@ class ImagePlan:
             raise ValueError("a plan that reuses tokens needs an alias")
 
     def computed_at(self, layer: int) -> torch.Tensor:
-        """Visual tokens whose hidden states go through ``layer``."""
+        """Visual tokens whose hidden states go through ``layer`` (sorted)."""
         if layer < self.warmup_layers:
             return torch.arange(self.n_tokens)
-        return self.recompute
+        late = self.reuse[self.reuse_from > layer]
+        return torch.cat([self.recompute, late]).sort().values if late.numel() else self.recompute
+
+    def reuse_selected_at(self, layer: int) -> torch.Tensor:
+        """Boolean over ``reuse``: which of them take alias K/V at ``layer``."""
+        return self.reuse_from <= layer
 
     def reused_at(self, layer: int) -> torch.Tensor:
         """Visual tokens whose K/V at ``layer`` come from the alias entry."""
-        if layer < self.warmup_layers:
-            return self.reuse[:0]
-        return self.reuse
+        return self.reuse[self.reuse_selected_at(layer)]
+
+    @property
+    def complete(self) -> bool:
+        """True when every token is computed at every layer: the K/V can become an entry."""
+        return self.recompute.numel() == self.n_tokens
 
     @classmethod
     def exact(cls, n_tokens: int, alias: str) -> "ImagePlan":
@@ -91,6 +110,7 @@ class ImageFeatures:
     grid: tuple[int, int, int]
     embeds: torch.Tensor
     entropy: torch.Tensor
+    patch_hashes: torch.Tensor | None = None  # (N,) int64 hash of each token's pixels
 
     @property
     def n_tokens(self) -> int:
@@ -104,9 +124,14 @@ class WarmupSignals:
     ``attention``: (warmup layers, heads, window rows, N) attention probabilities from the
     observation-window queries to this image's visual tokens (rows of the softmax over all
     keys, not renormalised).
+    ``fresh_kv`` / ``cached_kv``: (K, V) of this image's tokens at layer ``warmup_layers``,
+    each (KV heads, N, D), computed from this request's hidden states / read from the alias
+    (keys re-rotated to this request's offset).
     """
 
     attention: torch.Tensor | None = None
+    fresh_kv: tuple[torch.Tensor, torch.Tensor] | None = None
+    cached_kv: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 @dataclass

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
 
@@ -23,4 +23,4 @@ def rerotate(keys: torch.Tensor, delta: int, inv_freq: torch.Tensor) -> torch.Te
     angle = float(delta) * inv_freq.to(device=keys.device, dtype=torch.float64)
     angle = torch.cat([angle, angle]).to(torch.float32)
     k = keys.float()
-    return (k * angle.cos() + _rotate_half(k) * angle.sin()).to(keys.dtype)
+    return (k * angle.cos() + rotate_half(k) * angle.sin()).to(keys.dtype)

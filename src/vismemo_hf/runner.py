@@ -11,18 +11,35 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 
 import torch
 from transformers.modeling_outputs import BaseModelOutputWithPast
 
 from .lookup import ImageState, PrefillRequest, _guarded
 from .plan import HitKind, WarmupSignals
-from .rope import rerotate
+from .rope import rerotate, rotate_half
 from .store import Entry
 
 logger = logging.getLogger(__name__)
 
 OBSERVATION_FALLBACK = 16  # window size when no text follows the last image
+
+
+@dataclass
+class FetchedKV:
+    """Alias K/V read for some tokens (sorted) from ``first_layer`` on; keys already at this request's offset."""
+
+    tokens: torch.Tensor
+    first_layer: int
+    keys: torch.Tensor  # (L - first_layer, H, T, D)
+    values: torch.Tensor
+
+    def covers(self, tokens: torch.Tensor) -> bool:
+        return bool(torch.isin(tokens, self.tokens).all())
+
+    def positions(self, tokens: torch.Tensor) -> torch.Tensor:
+        return torch.searchsorted(self.tokens, tokens).to(self.keys.device)
 
 
 def _pad(rows: list[torch.Tensor], fill: int, device) -> torch.Tensor:
@@ -58,6 +75,7 @@ class PrefillRunner:
 
     # -- early stage: plans that need no warmup, and fetches ---------------------------------------
     def _fetch(self, img: ImageState, tokens: torch.Tensor, first_layer: int) -> bool:
+        """Read the alias K/V of ``tokens`` (sorted) at layers >= ``first_layer`` and move the keys to this offset."""
         t0 = time.perf_counter()
         if img.kind is HitKind.EXACT:
             kv = img.alias_entry.kv[tokens][:, first_layer:]
@@ -70,48 +88,79 @@ class PrefillRunner:
         ok = kv is not None and kv.shape[:2] == (tokens.numel(), self.adapter.num_layers - first_layer)
         if ok:
             kv = kv.to(self.device)
-            keys = kv[:, :, 0].permute(1, 2, 0, 3)  # (L', H, |B|, D)
-            values = kv[:, :, 1].permute(1, 2, 0, 3)
+            keys = kv[:, :, 0].permute(1, 2, 0, 3)  # (L', H, T, D)
             keys = rerotate(keys, img.offset - img.alias_offset, self.text.rotary_emb.inv_freq)
-            img.fetched = (keys, values, first_layer)
+            img.fetched = FetchedKV(tokens, first_layer, keys, kv[:, :, 1].permute(1, 2, 0, 3))
         img.timings["fetch"] = img.timings.get("fetch", 0.0) + (time.perf_counter() - t0) * 1e3
         return ok
 
     def _demote(self, img: ImageState) -> None:
         logger.warning("vismemo: alias K/V of %s unavailable; running a full prefill of the image", img.features.key[:12])
-        img.kind, img.alias, img.alias_entry, img.score, img.fetched = HitKind.MISS, None, None, None, None
+        img.kind, img.alias, img.alias_entry, img.score = HitKind.MISS, None, None, None
+        img.fetched = img.fetch_index = None
         img.plan = self.policy.miss_plan(img.features)
+
+    def _bind(self, img: ImageState) -> None:
+        """Point the plan's reuse set at fetched K/V, reading again only if the prefetch does not cover it."""
+        plan = img.plan
+        if plan.reuse.numel() == 0:
+            return
+        first = int(plan.reuse_from.min())
+        fetched = img.fetched
+        if fetched is None or fetched.first_layer > first or not fetched.covers(plan.reuse):
+            if not self._fetch(img, plan.reuse, first):
+                self._demote(img)
+                return
+        img.fetch_index = img.fetched.positions(plan.reuse)
 
     def prepare(self) -> None:
         for img in self.request.images:
             img.offset = int(self.positions[0, img.row, img.start])
             if img.kind is HitKind.EXACT:
                 img.plan = self.policy.exact_plan(img.features, img.alias.key)
+                self._bind(img)
             elif img.kind is HitKind.MISS:
                 img.plan = self.policy.miss_plan(img.features)
             else:
                 t0 = time.perf_counter()
-                img.reuse = self.policy.reuse_set(img.features, img.alias).sort().values
+                img.prefetched = self.policy.prefetch_tokens(img.features, img.alias).sort().values
                 img.timings["plan"] = (time.perf_counter() - t0) * 1e3
-                if img.reuse.numel() and not self._fetch(img, img.reuse, self.policy.warmup_layers):
-                    self._demote(img)
-            if img.plan is not None and img.plan.reuse.numel() and img.fetched is None:
-                if not self._fetch(img, img.plan.reuse, img.plan.warmup_layers):
+                if img.prefetched.numel() and not self._fetch(img, img.prefetched, self.policy.warmup_layers):
                     self._demote(img)
 
-    def _finish_plans(self, layer: int) -> None:
+    def _finish_plans(self, layer: int, hidden, active, cos, sin) -> None:
         for img in self.request.images:
             if img.plan is not None or self.policy.warmup_layers != layer:
                 continue
             t0 = time.perf_counter()
             signals = WarmupSignals(torch.stack(img.attention) if img.attention else None)
-            img.plan = self.policy.plan(img.features, img.alias, img.reuse, signals)
+            if self.policy.needs_check_kv:
+                signals.fresh_kv = self._fresh_kv(layer, img, hidden, active, cos, sin)
+                everything = torch.arange(img.n_tokens)
+                if img.fetched is not None and img.fetched.first_layer <= layer and img.fetched.covers(everything):
+                    at = layer - img.fetched.first_layer
+                    pos = img.fetched.positions(everything)
+                    signals.cached_kv = (img.fetched.keys[at][:, pos], img.fetched.values[at][:, pos])
+            img.plan = self.policy.plan(img.features, img.alias, img.prefetched, signals)
             img.timings["plan"] = img.timings.get("plan", 0.0) + (time.perf_counter() - t0) * 1e3
-            prefetched = img.reuse if img.fetched is not None else img.reuse[:0]
-            if not torch.equal(img.plan.reuse, prefetched):  # the policy changed B after warmup
-                img.fetched = None
-                if img.plan.reuse.numel() and not self._fetch(img, img.plan.reuse, img.plan.warmup_layers):
-                    self._demote(img)
+            self._bind(img)
+
+    def _fresh_kv(self, layer_idx: int, img: ImageState, hidden, active, cos, sin):
+        """K/V the layer would compute for the image's tokens from this request's hidden states: (H, N, D) each."""
+        layer = self.text.layers[layer_idx]
+        attn = layer.self_attn
+        row = active[img.row]
+        where = torch.full((self.length,), -1, dtype=torch.long, device=self.device)
+        where[row[row >= 0]] = torch.nonzero(row >= 0).flatten()
+        pos = where[img.start : img.start + img.n_tokens]
+        x = layer.input_layernorm(hidden[img.row, pos])
+        keys = attn.k_proj(x).view(img.n_tokens, -1, attn.head_dim)
+        values = attn.v_proj(x).view(img.n_tokens, -1, attn.head_dim)
+        if getattr(attn, "k_norm", None) is not None:  # Qwen3-VL normalises keys before RoPE
+            keys = attn.k_norm(keys)
+        c, s = cos[img.row, pos][:, None], sin[img.row, pos][:, None]
+        keys = keys * c + rotate_half(keys) * s
+        return keys.transpose(0, 1), values.transpose(0, 1)
 
     # -- per-layer schedule -------------------------------------------------------------------------
     def _active(self, layer: int) -> torch.Tensor:
@@ -132,13 +181,15 @@ class PrefillRunner:
         for b in range(self.batch):
             parts = []
             for img in self.rows[b]:
-                if img.plan is None or img.fetched is None:
+                if img.plan is None or img.fetch_index is None:
                     continue
-                tokens = img.plan.reused_at(layer)
-                if tokens.numel() == 0:
+                selected = img.plan.reuse_selected_at(layer)
+                if not bool(selected.any()):
                     continue
-                keys, values, first = img.fetched
-                parts.append((keys[layer - first], values[layer - first], img.columns(tokens).to(self.device)))
+                f, idx = img.fetched, img.fetch_index[selected]
+                at = layer - f.first_layer
+                columns = img.columns(img.plan.reuse[selected]).to(self.device)
+                parts.append((f.keys[at][:, idx], f.values[at][:, idx], columns))
             per_row.append(parts)
         if not any(per_row):
             return None
@@ -197,7 +248,7 @@ class PrefillRunner:
             deepstack_rank = (flat.cumsum(0) - 1).reshape(visual_pos_masks.shape).masked_fill(~visual_pos_masks, -1)
         t_warm_end = None
         for layer_idx, decoder_layer in enumerate(text.layers):
-            self._finish_plans(layer_idx)
+            self._finish_plans(layer_idx, hidden, active, pos_cos, pos_sin)
             pending = [i for i in self.request.images if i.plan is None]
             if not pending and t_warm_end is None:
                 t_warm_end = time.perf_counter()
@@ -239,7 +290,7 @@ class PrefillRunner:
         hidden = text.norm(final)
         t_end = time.perf_counter()
         t_warm_end = t_warm_end or t_end
-        self._store_misses()
+        self._store_complete()
         for img in self.request.images:
             img.timings["warmup"] = (t_warm_end - t_start) * 1e3 if img.kind is HitKind.APPROXIMATE else 0.0
             img.timings["recompute"] = (t_end - t_warm_end) * 1e3
@@ -294,14 +345,15 @@ class PrefillRunner:
         hidden[ok] = hidden[ok] + embeds[r[ok]].to(hidden.device, hidden.dtype)
         return hidden
 
-    def _store_misses(self) -> None:
+    def _store_complete(self) -> None:
+        """Store every image whose K/V were computed at every layer (misses, and hits under policies that recompute all)."""
         cache = self.cache
         if not cache.store_misses:
             return
         done = set()
         for img in self.request.images:
             key = img.features.key
-            if img.kind is not HitKind.MISS or key in done:
+            if img.kind is HitKind.EXACT or not img.plan.complete or key in done:
                 continue
             done.add(key)
             cols = img.columns(torch.arange(img.n_tokens, device=self.device))
@@ -320,6 +372,7 @@ class PrefillRunner:
                 entropy=img.features.entropy,
                 kv=kv.detach(),
                 offset=img.offset,
+                patch_hashes=img.features.patch_hashes,
             )
             _guarded("write", lambda e=entry: cache.store.put(e), None)
 

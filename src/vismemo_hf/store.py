@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .plan import ImageFeatures
+
 logger = logging.getLogger(__name__)
 
 
@@ -36,6 +38,7 @@ class Entry:
     entropy: torch.Tensor
     kv: torch.Tensor
     offset: int
+    patch_hashes: torch.Tensor | None = None
 
     @property
     def n_tokens(self) -> int:
@@ -48,9 +51,11 @@ class Entry:
     @property
     def nbytes(self) -> int:
         tensors = [self.embeds, self.descriptors, self.entropy, self.kv]
-        if self.deepstack is not None:
-            tensors.append(self.deepstack)
+        tensors += [t for t in (self.deepstack, self.patch_hashes) if t is not None]
         return sum(t.numel() * t.element_size() for t in tensors)
+
+    def features(self) -> ImageFeatures:
+        return ImageFeatures(self.key, self.grid, self.embeds, self.entropy, self.patch_hashes)
 
     def check(self) -> None:
         """Raise if the entry is inconsistent with itself (a corrupt entry must never be used)."""
@@ -59,6 +64,8 @@ class Entry:
             raise ValueError(f"entry {self.key[:12]}: kv must be (N, L, 2, H, D), got {tuple(self.kv.shape)}")
         if self.embeds.shape[0] != n or self.entropy.shape[0] != n or self.descriptors.shape[0] != 4:
             raise ValueError(f"entry {self.key[:12]}: token counts disagree")
+        if self.patch_hashes is not None and self.patch_hashes.shape != (n,):
+            raise ValueError(f"entry {self.key[:12]}: patch hash count disagrees")
         if self.deepstack is not None and self.deepstack.shape[1] != n:
             raise ValueError(f"entry {self.key[:12]}: deepstack token count disagrees")
 

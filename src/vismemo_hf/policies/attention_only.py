@@ -1,0 +1,28 @@
+"""``attention-only``: recompute the top rho*N tokens by raw warmup attention, reuse the rest (the paper's Challenge 3)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from ..plan import ImageFeatures, ImagePlan, WarmupSignals
+from .base import RoutingPolicy, approximate_plan, register_policy, split_by_score
+from .vismemo import warmup_score
+
+
+@register_policy
+@dataclass
+class AttentionOnlyPolicy(RoutingPolicy):
+    name: ClassVar[str] = "attention-only"
+    needs_attention: ClassVar[bool] = True
+
+    def prefetch_tokens(self, image: ImageFeatures, alias: ImageFeatures) -> torch.Tensor:
+        return torch.arange(image.n_tokens)  # any token may end up reused
+
+    def plan(self, image: ImageFeatures, alias: ImageFeatures, prefetched, signals: WarmupSignals) -> ImagePlan:
+        n = image.n_tokens
+        score = warmup_score(signals, n, normalise=False)
+        recompute, reuse = split_by_score(score, torch.arange(n), self.budget(self.recompute_ratio, n))
+        return approximate_plan(self, image, alias, recompute, reuse)

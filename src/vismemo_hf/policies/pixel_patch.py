@@ -1,0 +1,31 @@
+"""``pixel-patch``: recompute tokens whose pixels differ between the two images, reuse identical ones (Challenge 2)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from ..plan import ImageFeatures, ImagePlan, WarmupSignals
+from .base import RoutingPolicy, approximate_plan, register_policy
+
+
+def identical_tokens(image: ImageFeatures, alias: ImageFeatures) -> torch.Tensor:
+    if image.patch_hashes is None or alias.patch_hashes is None:
+        return torch.zeros(image.n_tokens, dtype=torch.bool)
+    return image.patch_hashes == alias.patch_hashes
+
+
+@register_policy
+@dataclass
+class PixelPatchPolicy(RoutingPolicy):
+    name: ClassVar[str] = "pixel-patch"
+    warmup_layers: int = 0
+
+    def prefetch_tokens(self, image: ImageFeatures, alias: ImageFeatures) -> torch.Tensor:
+        return torch.nonzero(identical_tokens(image, alias)).flatten()
+
+    def plan(self, image: ImageFeatures, alias: ImageFeatures, prefetched, signals: WarmupSignals) -> ImagePlan:
+        same = identical_tokens(image, alias)
+        return approximate_plan(self, image, alias, torch.nonzero(~same).flatten(), torch.nonzero(same).flatten())

@@ -1,0 +1,86 @@
+"""``vlcache``: layer-wise recompute budgets from an offline sensitivity profile (Qin et al., 2025).
+
+At layer l the earliest ceil(r_l * N) visual tokens are recomputed and the rest reused.
+The r_l follow a per-layer sensitivity profile (``vismemo profile-vlcache`` writes one to
+``configs/vlcache/``), scaled so their mean is ``recompute_ratio`` and made non-increasing
+with depth so the recomputed sets nest. Without a profile every layer gets the mean ratio.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import ClassVar
+
+import torch
+import yaml
+
+from ..plan import ImageFeatures, ImagePlan, WarmupSignals
+from .base import RoutingPolicy, approximate_plan, register_policy
+
+
+def load_profile(profile: str) -> list[float]:
+    """Per-layer sensitivities from a YAML path or the name of a file in configs/vlcache/."""
+    from ..presets import config_dir
+
+    path = Path(profile)
+    if path.suffix not in (".yaml", ".yml"):
+        path = config_dir() / "vlcache" / f"{profile}.yaml"
+    if not path.is_file():
+        raise ValueError(f"no VL-Cache profile {profile!r} (expected {path})")
+    data = yaml.safe_load(path.read_text())
+    return [float(x) for x in data["sensitivity"]]
+
+
+def layer_ratios(sensitivity: list[float], mean_ratio: float) -> list[float]:
+    """r_l proportional to sensitivity, non-increasing with depth, clipped to [0, 1], mean = ``mean_ratio``."""
+    s = torch.tensor(sensitivity, dtype=torch.float64).clamp_min(0) + 1e-12
+
+    def shaped(scale: float) -> torch.Tensor:
+        r = (scale * s).flip(0).cummax(0).values.flip(0)  # suffix max: never grows with depth
+        return r.clamp(0, 1)
+
+    lo, hi = 0.0, 1.0
+    while shaped(hi).mean() < mean_ratio and hi < 1e12:
+        hi *= 2
+    for _ in range(100):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if shaped(mid).mean() < mean_ratio else (lo, mid)
+    return shaped(hi).tolist()
+
+
+@register_policy
+@dataclass
+class VLCachePolicy(RoutingPolicy):
+    name: ClassVar[str] = "vlcache"
+
+    warmup_layers: int = 0
+    profile: str | None = None
+    layer_recompute_ratios: list[float] | None = None
+
+    def ratios(self) -> list[float] | None:
+        if self.layer_recompute_ratios is not None:
+            return list(self.layer_recompute_ratios)
+        if self.profile is not None:
+            return layer_ratios(load_profile(self.profile), self.recompute_ratio)
+        return None
+
+    def prefetch_tokens(self, image: ImageFeatures, alias: ImageFeatures) -> torch.Tensor:
+        return torch.arange(image.n_tokens)
+
+    def plan(self, image: ImageFeatures, alias: ImageFeatures, prefetched, signals: WarmupSignals) -> ImagePlan:
+        n = image.n_tokens
+        ratios = self.ratios()
+        if ratios is None:  # one ratio for every layer
+            counts = [self.budget(self.recompute_ratio, n)]
+        else:
+            counts = [min(n, math.ceil(r * n - 1e-9)) for r in ratios]
+            counts = torch.tensor(counts).flip(0).cummax(0).values.flip(0).tolist()  # nest even if given unsorted
+        # token i (earliest first) is computed at the layers whose budget exceeds i: a prefix of the layers
+        until = (torch.tensor(counts)[None, :] > torch.arange(n)[:, None]).sum(1)
+        always = until >= len(counts) if ratios is not None else until > 0
+        recompute = torch.nonzero(always).flatten()
+        reuse = torch.nonzero(~always).flatten()
+        reuse_from = until[reuse] if ratios is not None else torch.zeros_like(reuse)
+        return approximate_plan(self, image, alias, recompute, reuse, reuse_from=reuse_from.clamp_min(self.warmup_layers))
