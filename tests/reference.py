@@ -18,22 +18,31 @@ def _embed(model, inputs):
     return embeds, positions, is_img, deepstack
 
 
+def late_layers(model, first: int, hide: torch.Tensor) -> list:
+    """Per-layer hide masks: nothing below layer ``first``, ``hide`` from it on."""
+    n_layers = model.config.text_config.num_hidden_layers
+    return [None] * first + [hide] * (n_layers - first)
+
+
 @torch.no_grad()
-def masked_logits(model, inputs, hidden_keys_from: int, hide: torch.Tensor) -> torch.Tensor:
-    """Last-position logits of a full forward in which, at layers >= ``hidden_keys_from``, no query
-    attends the key columns where ``hide`` (B, L) is True."""
+def masked_logits(model, inputs, hides: list, query_from: int = 0) -> torch.Tensor:
+    """Last-position logits of a full forward in which, at each layer, the queries at columns >=
+    ``query_from`` do not attend the key columns where that layer's ``hides[l]`` (B, L) is True."""
     text = model.model.language_model
     embeds, positions, is_img, deepstack = _embed(model, inputs)
     b, n, _ = embeds.shape
     causal = torch.ones(n, n, dtype=torch.bool).tril()[None].expand(b, -1, -1)
     if "attention_mask" in inputs:
         causal = causal & inputs["attention_mask"].bool()[:, None, :]
-    late = causal & ~hide[:, None, :]
-    late = late | ~late.any(-1, keepdim=True)
+    queries = (torch.arange(n) >= query_from)[None, :, None]
     cos, sin = text.rotary_emb(embeds, positions)
     hidden = embeds
     for i, layer in enumerate(text.layers):
-        mask = (causal if i < hidden_keys_from else late)[:, None]
+        mask = causal
+        if hides[i] is not None:
+            mask = causal & ~(hides[i][:, None, :] & queries)
+            mask = mask | ~mask.any(-1, keepdim=True)
+        mask = mask[:, None]
         hidden = layer(hidden, attention_mask=mask, position_embeddings=(cos, sin))
         if deepstack is not None and i < len(deepstack):
             hidden = hidden.clone()

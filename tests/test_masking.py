@@ -6,7 +6,7 @@ import vismemo_hf
 from vismemo_hf import HitKind
 
 from conftest import build_inputs, generate, stored
-from reference import extend, masked_logits
+from reference import extend, late_layers, masked_logits
 
 
 def test_mask_everything_equals_reference_in_prefill_and_decoding(tiny, pages):
@@ -21,10 +21,10 @@ def test_mask_everything_equals_reference_in_prefill_and_decoding(tiny, pages):
     for step in range(tokens.shape[1]):
         ext = extend(inputs, tokens[:, :step])
         hide = torch.cat([visual, torch.zeros(1, step, dtype=torch.bool)], 1)
-        ref = masked_logits(model, ext, 2, hide)
+        ref = masked_logits(model, ext, late_layers(model, 2, hide))
         assert (scores[:, step] - ref).abs().max() <= 1e-4, f"decoding step {step}"
     # and the masked tokens are not simply ignored by accident: without the mask the logits differ
-    unmasked = masked_logits(model, inputs, 2, torch.zeros_like(visual))
+    unmasked = masked_logits(model, inputs, late_layers(model, 2, torch.zeros_like(visual)))
     assert (scores[:, 0] - unmasked).abs().max() > 1e-3
 
 
@@ -60,5 +60,5 @@ def test_partial_recompute_equals_reference_that_hides_the_mask_set(tiny, pages)
     hide[0, start + plan.mask] = True
     for step in range(tokens.shape[1]):
         ext = extend(inputs, tokens[:, :step])
-        ref = masked_logits(model, ext, 1, torch.cat([hide, torch.zeros(1, step, dtype=torch.bool)], 1))
+        ref = masked_logits(model, ext, late_layers(model, 1, torch.cat([hide, torch.zeros(1, step, dtype=torch.bool)], 1)))
         assert (scores[:, step] - ref).abs().max() <= 1e-4, f"decoding step {step}"

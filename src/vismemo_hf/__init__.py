@@ -9,6 +9,7 @@ Data path, one file per step: ``lookup`` -> ``policies`` (make an ``ImagePlan``)
 """
 
 from .cache import VisMemoCache, VisMemoLayer
+from .compress import VLCacheCompression
 from .hooks import enable
 from .plan import CacheEvent, HitKind, ImageFeatures, ImagePlan, WarmupSignals
 from .policies import RoutingPolicy, available_policies, get_policy, register_policy
@@ -26,6 +27,7 @@ __all__ = [
     "VisMemoCache",
     "VisMemoLayer",
     "VisMemoStore",
+    "VLCacheCompression",
     "WarmupSignals",
     "available_policies",
     "default_store",

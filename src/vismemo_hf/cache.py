@@ -14,6 +14,7 @@ import time
 import torch
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
+from .compress import VLCacheCompression
 from .plan import CacheEvent
 from .policies import RoutingPolicy, get_policy
 from .store import VisMemoStore, default_store
@@ -71,6 +72,24 @@ class VisMemoLayer(DynamicLayer):
         allowed |= ~allowed.any(-1, keepdim=True)
         return allowed[:, None]
 
+    def slot_columns(self) -> torch.Tensor:
+        """(B, S) request column of every slot."""
+        if self.mapped:
+            return self.columns
+        n = self.get_seq_length()
+        return torch.arange(n, device=self.keys.device).expand(self.keys.shape[0], n)
+
+    def keep_slots(self, keep: torch.Tensor) -> None:
+        """Drop every slot where ``keep`` (B, S) is False (rows padded with empty slots)."""
+        cols = self._materialise_columns(self.keys.shape[0], self.keys.device)
+        keep = keep.to(cols.device) & (cols >= 0)
+        width = int(keep.sum(1).max())
+        order = torch.sort((~keep).to(torch.int8), dim=1, stable=True).indices[:, :width]
+        kept = keep.gather(1, order)
+        idx = order[:, None, :, None].expand(-1, self.keys.shape[1], -1, self.keys.shape[-1])
+        self.keys, self.values = self.keys.gather(2, idx), self.values.gather(2, idx)
+        self.columns = cols.gather(1, order).masked_fill(~kept, -1)
+
     def slot_of(self, columns: torch.Tensor, row: int) -> torch.Tensor:
         """Slot index of each request column in ``row`` (the columns must be stored)."""
         if not self.mapped:
@@ -127,6 +146,7 @@ class VisMemoCache(DynamicCache):
     ``configs/policies/`` or a YAML path, or a policy instance. ``warmup_layers``,
     ``recompute_ratio`` and ``reuse_ratio`` show the vismemo defaults; a policy with other
     defaults (cacheblend: 1 check layer, 15 %) keeps its own unless they are passed.
+    ``compress=VLCacheCompression(ratio)`` shrinks the K/V kept for decoding after prefill.
     """
 
     def __init__(
@@ -140,6 +160,7 @@ class VisMemoCache(DynamicCache):
         top_k: int = 5,
         tau_fine: float | None = None,
         store_misses: bool = True,
+        compress: "VLCacheCompression | None" = None,
         **policy_options,
     ):
         Cache.__init__(self, layer_class_to_replicate=VisMemoLayer)
@@ -153,6 +174,7 @@ class VisMemoCache(DynamicCache):
         self.top_k = top_k
         self.tau_fine = tau if tau_fine is None else tau_fine
         self.store_misses = store_misses
+        self.compress = compress
         self.events: list[CacheEvent] = []
         self._length = 0
         self._valid: torch.Tensor | None = None  # (B, columns) False at padding

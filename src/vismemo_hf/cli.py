@@ -73,6 +73,35 @@ def demo(args) -> int:
     return 0
 
 
+def profile_vlcache(args) -> int:
+    from pathlib import Path
+
+    import yaml
+
+    from .calibrate import layer_sensitivity
+    from .models import load_model
+    from .presets import config_dir
+
+    model, processor = load_model(args.model, args.family)
+    sensitivity = layer_sensitivity(model, processor, pairs=args.pairs, seed=args.seed)
+    name = args.name or f"{Path(args.model).name}-{model.config.model_type}"
+    out = Path(args.out) if args.out else config_dir() / "vlcache" / f"{name}.yaml"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    command = "vismemo profile-vlcache " + " ".join(sys.argv[2:]) if args.record_argv else None
+    data = {
+        "model": args.model,
+        "family": model.config.model_type,
+        "layers": len(sensitivity),
+        "pairs": args.pairs,
+        "command": command,
+        "sensitivity": [round(x, 8) for x in sensitivity],
+    }
+    out.write_text("# VL-Cache layer-sensitivity profile (relative K/V deviation of reuse per layer)\n"
+                   + yaml.safe_dump(data, sort_keys=False))
+    print(f"wrote {out} ({len(sensitivity)} layers)")
+    return 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="vismemo", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -83,6 +112,14 @@ def main(argv=None) -> int:
     p.add_argument("--new-tokens", type=int, default=8)
     p.add_argument("--json", action="store_true", help="print the table as JSON")
     p.set_defaults(func=demo)
+    p = sub.add_parser("profile-vlcache", help="compute VL-Cache's per-layer sensitivity profile on calibration pairs")
+    p.add_argument("--model", default="tiny", help="a preset of configs/models/ (random weights) or a checkpoint folder")
+    p.add_argument("--family", default=None, help="family for family-agnostic presets (default qwen2_vl)")
+    p.add_argument("--pairs", type=int, default=4)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--name", default=None, help="profile name (default MODEL-FAMILY)")
+    p.add_argument("--out", default=None, help="output YAML (default configs/vlcache/NAME.yaml)")
+    p.set_defaults(func=profile_vlcache, record_argv=argv is None)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     warnings.filterwarnings("ignore", category=FutureWarning)  # transformers' past_key_values rename notice

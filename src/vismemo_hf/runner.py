@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 from transformers.modeling_outputs import BaseModelOutputWithPast
 
+from .compress import window_stats
 from .lookup import ImageState, PrefillRequest, _guarded
 from .plan import HitKind, WarmupSignals
 from .rope import rerotate, rotate_half
@@ -241,7 +242,9 @@ class PrefillRunner:
         pos_cos, pos_sin = cos, sin
         final = inputs_embeds.clone()
         identity_mask = None
-        capture_rows = self._window_columns() if self.policy.needs_attention else None
+        compress = cache.compress if self.request.images else None
+        capture_rows = self._window_columns() if self.policy.needs_attention or compress is not None else None
+        window_stats_per_layer = []
         deepstack_rank = None
         if deepstack_visual_embeds is not None and visual_pos_masks is not None:
             flat = visual_pos_masks.reshape(-1).long()
@@ -262,7 +265,8 @@ class PrefillRunner:
             mask = None
             if reused is not None:
                 cache_layer.preload(*reused)
-            capturing = capture_rows is not None and bool(pending)
+            wants_attention = bool(pending) and self.policy.needs_attention
+            capturing = capture_rows is not None and (wants_attention or compress is not None)
             if identity:
                 cache._incoming = None
                 if capturing or self.valid is not None:
@@ -281,7 +285,12 @@ class PrefillRunner:
                 position_embeddings=(pos_cos, pos_sin),
             )
             if capturing:
-                self._collect_attention(layer_idx, pending)
+                probs, window_valid = cache.captured.pop(layer_idx)[0], cache._capture[2]
+                if wants_attention:
+                    self._collect_attention(layer_idx, pending, probs, window_valid)
+                if compress is not None:
+                    window_stats_per_layer.append(
+                        window_stats(probs, window_valid, cache_layer.slot_columns(), self._visual_columns()))
                 cache._capture = None
             if deepstack_rank is not None and layer_idx < len(deepstack_visual_embeds):
                 hidden = self._add_deepstack(hidden, active, deepstack_rank, deepstack_visual_embeds[layer_idx])
@@ -291,6 +300,10 @@ class PrefillRunner:
         t_end = time.perf_counter()
         t_warm_end = t_warm_end or t_end
         self._store_complete()
+        if compress is not None:
+            keep = compress.keep(window_stats_per_layer, self._visual_columns())
+            for layer, kept in zip(cache.layers, keep or []):
+                layer.keep_slots(kept)
         for img in self.request.images:
             img.timings["warmup"] = (t_warm_end - t_start) * 1e3 if img.kind is HitKind.APPROXIMATE else 0.0
             img.timings["recompute"] = (t_end - t_warm_end) * 1e3
@@ -327,9 +340,15 @@ class PrefillRunner:
         idx = _pad([where[b, c.to(self.device)] for b, c in enumerate(window_columns)], -1, self.device)
         return idx.clamp(min=0), idx >= 0
 
-    def _collect_attention(self, layer_idx: int, pending: list[ImageState]) -> None:
-        probs, _ = self.cache.captured.pop(layer_idx)
-        window_valid = self.cache._capture[2]
+    def _visual_columns(self) -> torch.Tensor:
+        """(B, L) True at the visual tokens of the request's images."""
+        if getattr(self, "_visual", None) is None:
+            self._visual = torch.zeros(self.batch, self.length, dtype=torch.bool, device=self.device)
+            for img in self.request.images:
+                self._visual[img.row, img.start : img.start + img.n_tokens] = True
+        return self._visual
+
+    def _collect_attention(self, layer_idx: int, pending: list[ImageState], probs, window_valid) -> None:
         cache_layer = self.cache.layers[layer_idx]
         for img in pending:
             slots = cache_layer.slot_of(img.columns(torch.arange(img.n_tokens, device=self.device)), img.row)

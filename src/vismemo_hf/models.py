@@ -1,0 +1,24 @@
+"""Load a model and its processor from a local checkpoint or a preset name (random weights)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+
+def load_model(spec: str, family: str | None = None, dtype=torch.float32, seed: int = 0):
+    """``(model, processor)``: ``spec`` is a local checkpoint folder (``from_pretrained``) or a preset
+    of ``configs/models/`` built with random weights and an offline processor (``family`` picks the
+    family of family-agnostic presets such as ``tiny``; default qwen2_vl)."""
+    if Path(spec).is_dir():
+        from transformers import AutoModelForImageTextToText, AutoProcessor
+
+        model = AutoModelForImageTextToText.from_pretrained(spec, dtype=dtype).eval()
+        return model, AutoProcessor.from_pretrained(spec)
+    from .presets import load_preset
+    from .testing import build_model, offline_processor
+
+    family = family or load_preset(spec).get("family") or "qwen2_vl"
+    processor = offline_processor(family)
+    return build_model(spec, family, seed=seed, dtype=dtype, tokenizer=processor.tokenizer), processor

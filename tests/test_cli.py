@@ -1,0 +1,41 @@
+"""The command line: the demo's five requests and the VL-Cache profile command."""
+
+import json
+
+import yaml
+
+import vismemo_hf
+from vismemo_hf.cli import main
+
+from conftest import build_inputs, generate, stored
+
+
+def test_demo_runs_the_five_requests(capsys):
+    assert main(["demo", "--json", "--new-tokens", "2"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    kinds = [r["kind"] for r in out["requests"]]
+    assert kinds == ["miss", "exact", "approximate", "approximate", "miss"]
+    approx = out["requests"][2]
+    assert approx["R"] + approx["B"] + approx["M"] == approx["N"] and approx["alias"] == out["requests"][1]["alias"]
+    assert out["store"]["entries"] == 2
+
+
+def test_profile_vlcache_writes_a_profile_the_policy_reads(tmp_path, qwen2, pages):
+    path = tmp_path / "profile.yaml"
+    assert main(["profile-vlcache", "--model", "tiny", "--pairs", "2", "--out", str(path)]) == 0
+    data = yaml.safe_load(path.read_text())
+    model, processor = qwen2
+    assert data["layers"] == model.config.text_config.num_hidden_layers == len(data["sensitivity"])
+    assert all(x >= 0 for x in data["sensitivity"])
+    store = stored(model, processor, pages["base"])
+    cache = vismemo_hf.VisMemoCache(store=store, policy="vlcache", profile=str(path), recompute_ratio=0.4)
+    generate(model, build_inputs(processor, [pages["edit"]]), cache, 1)
+    plan = cache.events[0].plan
+    counts = [plan.computed_at(layer).numel() for layer in range(data["layers"])]
+    assert counts == sorted(counts, reverse=True) and counts[0] > counts[-1] >= 0
+    assert abs(sum(counts) / len(counts) / plan.n_tokens - 0.4) < 0.05
+
+
+def test_committed_tiny_profile_is_found_by_name():
+    ratios = vismemo_hf.get_policy("vlcache", profile="tiny-qwen2_vl", recompute_ratio=0.3).ratios()
+    assert len(ratios) == 6 and abs(sum(ratios) / 6 - 0.3) < 1e-6
