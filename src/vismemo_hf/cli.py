@@ -102,6 +102,12 @@ def profile_vlcache(args) -> int:
     return 0
 
 
+def _bench_compression(args) -> int:
+    from .bench.compression import main as run
+
+    return run(args)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="vismemo", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -120,6 +126,18 @@ def main(argv=None) -> int:
     p.add_argument("--name", default=None, help="profile name (default MODEL-FAMILY)")
     p.add_argument("--out", default=None, help="output YAML (default configs/vlcache/NAME.yaml)")
     p.set_defaults(func=profile_vlcache, record_argv=argv is None)
+    bench = sub.add_parser("bench", help="benchmarks (reports under results/)")
+    bench_sub = bench.add_subparsers(dest="bench", required=True)
+    p = bench_sub.add_parser("compression", help="decoding KV bytes and decode time vs VL-Cache ratio")
+    p.add_argument("--preset", default="medium")
+    p.add_argument("--family", default="qwen2_vl")
+    p.add_argument("--ratios", default="0.1,0.25,0.5,1.0")
+    p.add_argument("--new-tokens", type=int, default=24)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--width", type=int, default=448)
+    p.add_argument("--height", type=int, default=336)
+    p.add_argument("--out", default="results/compression")
+    p.set_defaults(func=_bench_compression)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     warnings.filterwarnings("ignore", category=FutureWarning)  # transformers' past_key_values rename notice
