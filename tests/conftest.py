@@ -1,4 +1,7 @@
 import functools
+import os
+
+os.environ.setdefault("VISMEMO_STORE", "memory")  # the process-wide default store never writes to disk in tests
 
 import numpy as np
 import pytest

@@ -13,7 +13,8 @@ from .compress import VLCacheCompression
 from .hooks import enable
 from .plan import CacheEvent, HitKind, ImageFeatures, ImagePlan, WarmupSignals
 from .policies import RoutingPolicy, available_policies, get_policy, register_policy
-from .store import Entry, VisMemoStore, default_store
+from .entry import Entry
+from .store import VisMemoStore, default_store
 
 __version__ = "0.1.0"
 

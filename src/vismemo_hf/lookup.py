@@ -16,7 +16,7 @@ import torch
 
 from .features import exact_key, patch_entropy, patch_hashes, region_descriptors, token_cosine
 from .plan import CacheEvent, HitKind, ImageFeatures, ImagePlan
-from .store import Entry
+from .entry import Entry
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +41,7 @@ class ImageState:
     prefetched: torch.Tensor | None = None  # approximate hits: tokens read before warmup
     fetched: object | None = None  # runner.FetchedKV
     fetch_index: torch.Tensor | None = None  # position of each plan.reuse token in fetched
+    fetch_future: object | None = None  # a background read started before warmup
     attention: list[torch.Tensor] = field(default_factory=list)  # per warmup layer (H, rows, N)
     timings: dict[str, float] = field(default_factory=dict)
 

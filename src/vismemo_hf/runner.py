@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -20,7 +21,7 @@ from .compress import window_stats
 from .lookup import ImageState, PrefillRequest, _guarded
 from .plan import HitKind, WarmupSignals
 from .rope import rerotate, rotate_half
-from .store import Entry
+from .entry import Entry
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +41,10 @@ class FetchedKV:
         return bool(torch.isin(tokens, self.tokens).all())
 
     def positions(self, tokens: torch.Tensor) -> torch.Tensor:
-        return torch.searchsorted(self.tokens, tokens).to(self.keys.device)
+        return torch.searchsorted(self.tokens, tokens)
+
+
+_READER = ThreadPoolExecutor(max_workers=2, thread_name_prefix="vismemo-fetch")
 
 
 def _pad(rows: list[torch.Tensor], fill: int, device) -> torch.Tensor:
@@ -75,25 +79,44 @@ class PrefillRunner:
             )
 
     # -- early stage: plans that need no warmup, and fetches ---------------------------------------
-    def _fetch(self, img: ImageState, tokens: torch.Tensor, first_layer: int) -> bool:
-        """Read the alias K/V of ``tokens`` (sorted) at layers >= ``first_layer`` and move the keys to this offset."""
+    def _read(self, img: ImageState, tokens: torch.Tensor, first_layer: int):
+        """Alias K/V of ``tokens`` (sorted) at layers >= ``first_layer``, keys moved to this offset; and the ms it took."""
         t0 = time.perf_counter()
         if img.kind is HitKind.EXACT:
-            kv = img.alias_entry.kv[tokens][:, first_layer:]
+            kv = img.alias_entry.kv[tokens.to(img.alias_entry.kv.device)][:, first_layer:]
         else:
             kv = _guarded(
                 "read",
                 lambda: self.cache.store.get_tokens(img.alias.key, self.adapter.fingerprint, tokens, first_layer),
                 None,
             )
-        ok = kv is not None and kv.shape[:2] == (tokens.numel(), self.adapter.num_layers - first_layer)
-        if ok:
-            kv = kv.to(self.device)
+        fetched = None
+        if kv is not None and kv.shape[:2] == (tokens.numel(), self.adapter.num_layers - first_layer):
             keys = kv[:, :, 0].permute(1, 2, 0, 3)  # (L', H, T, D)
             keys = rerotate(keys, img.offset - img.alias_offset, self.text.rotary_emb.inv_freq)
-            img.fetched = FetchedKV(tokens, first_layer, keys, kv[:, :, 1].permute(1, 2, 0, 3))
-        img.timings["fetch"] = img.timings.get("fetch", 0.0) + (time.perf_counter() - t0) * 1e3
-        return ok
+            fetched = FetchedKV(tokens, first_layer, keys, kv[:, :, 1].permute(1, 2, 0, 3))
+        return fetched, (time.perf_counter() - t0) * 1e3
+
+    def _fetch(self, img: ImageState, tokens: torch.Tensor, first_layer: int, background: bool = False) -> bool:
+        """Read now, or (``background``) start reading on the fetch thread so the read overlaps warmup."""
+        if background:
+            img.fetch_future = _READER.submit(self._read, img, tokens, first_layer)
+            return True
+        img.fetched, ms = self._read(img, tokens, first_layer)
+        for name in ("fetch", "fetch_wait"):
+            img.timings[name] = img.timings.get(name, 0.0) + ms
+        return img.fetched is not None
+
+    def _await(self, img: ImageState) -> bool:
+        """Finish a background read; the time still spent waiting here is ``fetch_wait``."""
+        if img.fetch_future is None:
+            return True
+        t0 = time.perf_counter()
+        img.fetched, ms = img.fetch_future.result()
+        img.fetch_future = None
+        img.timings["fetch"] = img.timings.get("fetch", 0.0) + ms
+        img.timings["fetch_wait"] = img.timings.get("fetch_wait", 0.0) + (time.perf_counter() - t0) * 1e3
+        return img.fetched is not None
 
     def _demote(self, img: ImageState) -> None:
         logger.warning("vismemo: alias K/V of %s unavailable; running a full prefill of the image", img.features.key[:12])
@@ -104,6 +127,7 @@ class PrefillRunner:
     def _bind(self, img: ImageState) -> None:
         """Point the plan's reuse set at fetched K/V, reading again only if the prefetch does not cover it."""
         plan = img.plan
+        self._await(img)
         if plan.reuse.numel() == 0:
             return
         first = int(plan.reuse_from.min())
@@ -126,12 +150,15 @@ class PrefillRunner:
                 t0 = time.perf_counter()
                 img.prefetched = self.policy.prefetch_tokens(img.features, img.alias).sort().values
                 img.timings["plan"] = (time.perf_counter() - t0) * 1e3
-                if img.prefetched.numel() and not self._fetch(img, img.prefetched, self.policy.warmup_layers):
-                    self._demote(img)
+                if img.prefetched.numel():
+                    self._fetch(img, img.prefetched, self.policy.warmup_layers, background=True)
 
     def _finish_plans(self, layer: int, hidden, active, cos, sin) -> None:
         for img in self.request.images:
             if img.plan is not None or self.policy.warmup_layers != layer:
+                continue
+            if not self._await(img):  # the prefetch failed: no alias K/V to reuse
+                self._demote(img)
                 continue
             t0 = time.perf_counter()
             signals = WarmupSignals(torch.stack(img.attention) if img.attention else None)
@@ -177,7 +204,9 @@ class PrefillRunner:
         return _pad(rows, -1, self.device)
 
     def _reused(self, layer: int):
-        """Reused K/V at ``layer``: keys, values (B, H, R, D) and their columns (B, R), or None."""
+        """Reused K/V at ``layer``, on that layer's device (device maps): keys, values (B, H, R, D) and
+        their columns (B, R), or None."""
+        device = next(self.text.layers[layer].parameters()).device
         per_row = []
         for b in range(self.batch):
             parts = []
@@ -187,10 +216,10 @@ class PrefillRunner:
                 selected = img.plan.reuse_selected_at(layer)
                 if not bool(selected.any()):
                     continue
-                f, idx = img.fetched, img.fetch_index[selected]
-                at = layer - f.first_layer
-                columns = img.columns(img.plan.reuse[selected]).to(self.device)
-                parts.append((f.keys[at][:, idx], f.values[at][:, idx], columns))
+                f, at = img.fetched, layer - img.fetched.first_layer
+                idx = img.fetch_index[selected].to(f.keys.device)
+                columns = img.columns(img.plan.reuse[selected]).to(device)
+                parts.append((f.keys[at][:, idx].to(device), f.values[at][:, idx].to(device), columns))
             per_row.append(parts)
         if not any(per_row):
             return None
@@ -199,7 +228,7 @@ class PrefillRunner:
         heads, dim = ref.shape[0], ref.shape[-1]
         keys = ref.new_zeros(self.batch, heads, width, dim)
         values = ref.new_zeros(self.batch, heads, width, dim)
-        cols = torch.full((self.batch, width), -1, dtype=torch.long, device=self.device)
+        cols = torch.full((self.batch, width), -1, dtype=torch.long, device=device)
         for b, parts in enumerate(per_row):
             if parts:
                 n = sum(p[2].numel() for p in parts)

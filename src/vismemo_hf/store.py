@@ -1,73 +1,39 @@
-"""Where entries live between requests (METHOD §5).
+"""Where entries live between requests (METHOD §5): a differentiated hierarchical store.
 
-``VisMemoStore`` is the interface the runtime talks to: put, full get (exact hits),
-selected-token get of late layers (approximate hits), the descriptor index (coarse
-lookup) and stats. This version keeps entries in one in-memory tier with an optional
-byte budget and LRU eviction.
+``VisMemoStore`` is the interface the runtime talks to: ``put``; ``get`` (full read, an
+exact hit: promoted to the device tier); ``peek`` (metadata only, for the fine lookup
+stage); ``get_tokens`` (sparse read of some tokens' late layers, an approximate hit: never
+promotes); ``candidates`` (the in-memory descriptor index over every tier); ``stats``.
+
+Tiers (``tiers.py``): device (L1) -> host (L2, with a victim share) -> disk (L3). Writes
+go to the fastest tier with room and, when a disk tier exists, through to disk in the
+background (so restarts and other processes see them). Eviction is exact-priority LRU:
+an entry that served an exact hit gets ``protect`` second chances; eviction demotes
+L1 -> L2 -> (L3, which already holds it) -> gone. Every read checks the model
+fingerprint and the blob's integrity: anything wrong is a miss (logged, removed).
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import os
+import re
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import torch
+import yaml
 
-from .plan import ImageFeatures
+from . import blob
+from .entry import Entry
+from .tiers import DeviceTier, DiskTier, HostTier
 
 logger = logging.getLogger(__name__)
 
-
-@dataclass
-class Entry:
-    """Everything kept for one image under one model.
-
-    ``kv`` is patch-first: (N tokens, L layers, 2 (K, V), KV heads, head dim), so the
-    late-layer K/V of one token is one contiguous block. Keys are RoPE-rotated at
-    ``offset``, the M-RoPE start position of the image when it was computed.
-    """
-
-    key: str
-    fingerprint: str
-    grid: tuple[int, int, int]
-    embeds: torch.Tensor
-    deepstack: torch.Tensor | None
-    descriptors: torch.Tensor
-    entropy: torch.Tensor
-    kv: torch.Tensor
-    offset: int
-    patch_hashes: torch.Tensor | None = None
-
-    @property
-    def n_tokens(self) -> int:
-        return self.kv.shape[0]
-
-    @property
-    def n_layers(self) -> int:
-        return self.kv.shape[1]
-
-    @property
-    def nbytes(self) -> int:
-        tensors = [self.embeds, self.descriptors, self.entropy, self.kv]
-        tensors += [t for t in (self.deepstack, self.patch_hashes) if t is not None]
-        return sum(t.numel() * t.element_size() for t in tensors)
-
-    def features(self) -> ImageFeatures:
-        return ImageFeatures(self.key, self.grid, self.embeds, self.entropy, self.patch_hashes)
-
-    def check(self) -> None:
-        """Raise if the entry is inconsistent with itself (a corrupt entry must never be used)."""
-        n = self.kv.shape[0]
-        if self.kv.ndim != 5 or self.kv.shape[2] != 2:
-            raise ValueError(f"entry {self.key[:12]}: kv must be (N, L, 2, H, D), got {tuple(self.kv.shape)}")
-        if self.embeds.shape[0] != n or self.entropy.shape[0] != n or self.descriptors.shape[0] != 4:
-            raise ValueError(f"entry {self.key[:12]}: token counts disagree")
-        if self.patch_hashes is not None and self.patch_hashes.shape != (n,):
-            raise ValueError(f"entry {self.key[:12]}: patch hash count disagrees")
-        if self.deepstack is not None and self.deepstack.shape[1] != n:
-            raise ValueError(f"entry {self.key[:12]}: deepstack token count disagrees")
+TIERS = ("device", "host", "disk")
 
 
 class DescriptorIndex:
@@ -114,130 +80,377 @@ class DescriptorIndex:
         return sum(len(k) for k, _ in self._groups.values())
 
 
-class VisMemoStore:
-    """In-memory entry store with an optional byte budget (``device_bytes``; ``None`` = unbounded).
+def parse_bytes(value) -> int | None:
+    """``1073741824``, ``"1GiB"``, ``"512 MB"`` or ``None`` (unbounded)."""
+    if value is None or isinstance(value, int):
+        return value
+    m = re.fullmatch(r"\s*([\d.]+)\s*([KMGT]?i?B)?\s*", str(value), re.IGNORECASE)
+    if not m:
+        raise ValueError(f"not a byte size: {value!r}")
+    units = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+             "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+    return int(float(m.group(1)) * units[(m.group(2) or "").upper()])
 
-    Every read checks the model fingerprint: an entry of another model is never returned.
+
+def user_cache_dir() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "vismemo"
+
+
+class VisMemoStore:
+    """Entries of any number of models in up to three tiers with byte budgets that are never exceeded.
+
+    ``device_bytes`` / ``host_bytes``: RAM (GPU memory for ``device`` when ``device`` is a CUDA
+    device) budgets, ``None`` = unbounded, ``0`` = tier off. ``disk_dir`` + ``disk_bytes``: the
+    disk tier (``diskcache`` directory, shareable between processes, persistent). ``protect``:
+    second chances of an entry that served an exact hit. ``victim_share`` of ``host_bytes`` is
+    reserved for entries ranked by ``priors`` (JSON file ``{key: weight}``) plus online reuse counts.
     """
 
-    def __init__(self, device_bytes: int | None = None) -> None:
-        if device_bytes is not None and device_bytes < 0:
-            raise ValueError("device_bytes must be >= 0 or None")
-        self.device_bytes = device_bytes
-        self._entries: OrderedDict[str, Entry] = OrderedDict()
-        self._bytes = 0
+    def __init__(self, device_bytes=None, host_bytes=0, disk_dir=None, disk_bytes=None, *, device="cpu",
+                 protect: int = 2, victim_share: float = 0.0, priors=None, write_through: bool = True):
+        device_bytes, host_bytes, disk_bytes = (parse_bytes(v) for v in (device_bytes, host_bytes, disk_bytes))
+        for name, v in (("device_bytes", device_bytes), ("host_bytes", host_bytes), ("disk_bytes", disk_bytes)):
+            if v is not None and v < 0:
+                raise ValueError(f"{name} must be >= 0 or None")
+        if not 0.0 <= victim_share < 1.0:
+            raise ValueError("victim_share must lie in [0, 1)")
+        self.device = DeviceTier(device_bytes, device)
+        main_host = None if host_bytes is None else int(host_bytes * (1 - victim_share))
+        self.host = HostTier(main_host)
+        self.victim = HostTier(None if host_bytes is None else host_bytes - main_host)
+        self.victim.name = "host"
+        self.disk = None
+        if disk_dir is not None:
+            try:
+                self.disk = DiskTier(str(disk_dir), disk_bytes)
+            except Exception as err:  # noqa: BLE001 - unwritable or unusable directory
+                logger.warning("vismemo: disk tier %s unusable (%s: %s); serving without it", disk_dir,
+                               type(err).__name__, err)
+        self.protect_budget = protect
+        self.write_through = write_through
+        self._protect: dict[str, int] = {}
+        self._reuse: dict[str, int] = {}
+        self._priors: dict[str, float] = json.loads(Path(priors).read_text()) if priors else {}
+        self._where: dict[str, tuple[str, tuple]] = {}  # key -> (fingerprint, grid) for the index
         self._index = DescriptorIndex()
         self._lock = threading.RLock()
+        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vismemo-disk") if self.disk else None
+        self._pending_writes: list = []
         self._stats = {
             "hits": {"exact": 0, "approximate": 0, "miss": 0},
-            "puts": 0,
-            "evictions": 0,
-            "rejected": 0,
-            "bytes_read_full": 0,
-            "bytes_read_sparse": 0,
+            "hits_by_tier": {t: 0 for t in TIERS},
+            "puts": 0, "evictions": 0, "demotions": 0, "promotions": 0, "rejected": 0, "corrupt": 0,
+            "write_failures": 0, "bytes_read_full": 0, "bytes_read_sparse": 0,
         }
+        if self.disk is not None:
+            self._rebuild_from_disk()
 
-    # -- writing -------------------------------------------------------------------------
+    # -- construction ------------------------------------------------------------------------------
+    @classmethod
+    def from_config(cls, path: str | None = None) -> "VisMemoStore":
+        """A store from a YAML preset: a path, or the name of a file in ``configs/store/``
+        (default ``default``: small RAM tiers and a disk tier under the user's cache home)."""
+        from .presets import config_dir
+
+        name = path or "default"
+        file = Path(name) if Path(name).suffix in (".yaml", ".yml") else config_dir() / "store" / f"{name}.yaml"
+        if not file.is_file():
+            raise ValueError(f"no store preset {name!r} (expected {file})")
+        cfg = yaml.safe_load(file.read_text()) or {}
+        if cfg.get("disk_dir"):
+            cfg["disk_dir"] = os.path.expandvars(str(cfg["disk_dir"]).replace("{cache_home}", str(user_cache_dir())))
+        unknown = set(cfg) - {"device_bytes", "host_bytes", "disk_dir", "disk_bytes", "device", "protect",
+                              "victim_share", "priors", "write_through"}
+        if unknown:
+            raise ValueError(f"unknown store option(s) {sorted(unknown)} in {file}")
+        return cls(**cfg)
+
+    def _rebuild_from_disk(self) -> None:
+        for key, header in self.disk.scan():
+            self.disk.track(key, header.total_bytes)
+            try:
+                meta = self.disk.meta(key)
+            except Exception as err:  # noqa: BLE001
+                self._corrupt(self.disk, key, err)
+                continue
+            self._where[key] = (meta.fingerprint, tuple(meta.grid))
+            self._index.add(meta.fingerprint, meta.grid, key, meta.descriptors)
+
+    # -- writing -----------------------------------------------------------------------------------
     def put(self, entry: Entry) -> bool:
-        """Store ``entry`` (evicting least recently used ones); False if it cannot fit or is malformed."""
+        """Store an entry (fastest tier with room; through to disk). False if it fits nowhere or is malformed."""
         try:
             entry.check()
+            if entry.kv is None:
+                raise ValueError("an entry to store needs its K/V")
         except ValueError as err:
             logger.warning("vismemo: not storing a malformed entry: %s", err)
             self._stats["rejected"] += 1
             return False
-        size = entry.nbytes
         with self._lock:
-            if self.device_bytes is not None and size > self.device_bytes:
+            if self._tier_of(entry.key) is not None:
+                return True
+            data = None
+            placed = self._place(self.device, entry.key, entry, self.device.sizeof(entry))
+            if not placed:
+                data = blob.encode(entry)
+                placed = self._place(self.host, entry.key, data, len(data))
+            if self.disk is not None and (self.write_through or not placed):
+                data = data if data is not None else blob.encode(entry)
+                placed = self._write_disk(entry.key, data) or placed
+            if not placed:
                 self._stats["rejected"] += 1
                 return False
-            if entry.key in self._entries:
-                self._drop(entry.key)
-            while self.device_bytes is not None and self._bytes + size > self.device_bytes:
-                self._drop(next(iter(self._entries)))
-                self._stats["evictions"] += 1
-            self._entries[entry.key] = entry
-            self._bytes += size
+            self._where[entry.key] = (entry.fingerprint, tuple(entry.grid))
             self._index.add(entry.fingerprint, entry.grid, entry.key, entry.descriptors)
             self._stats["puts"] += 1
+            return True
+
+    def _fits(self, tier, size: int) -> bool:
+        return tier.budget is None or size <= tier.budget
+
+    def _place(self, tier, key, item, size: int) -> bool:
+        if not self._fits(tier, size) or tier.budget == 0:
+            return False
+        self._make_room(tier, size)
+        tier.add(item) if tier is self.device else tier.add(key, item)
         return True
 
-    def _drop(self, key: str) -> None:
-        entry = self._entries.pop(key)
-        self._bytes -= entry.nbytes
-        self._index.remove(entry.fingerprint, entry.grid, key)
+    def _order(self, tier) -> OrderedDict:
+        """A tier's keys, least recently used first."""
+        return tier.entries if tier is self.device else (tier.blobs if tier is not self.disk else tier.sizes)
+
+    def _make_room(self, tier, size: int) -> None:
+        """Exact-priority LRU: evict from the LRU end; a protected entry loses one protection and goes to the MRU end."""
+        order = self._order(tier)
+        while tier.budget is not None and tier.bytes + size > tier.budget and order:
+            victim = next(iter(order))
+            if self._protect.get(victim, 0) > 0:
+                self._protect[victim] -= 1
+                order.move_to_end(victim)
+                continue
+            self._evict(tier, victim)
+
+    def _evict(self, tier, key: str) -> None:
+        """Demote ``key`` one tier down (L1 -> L2 or victim -> L3 -> gone)."""
+        self._stats["evictions"] += 1
+        if tier is self.device:
+            entry = tier.remove(key)
+            data = blob.encode(entry)
+            if self._place(self.host, key, data, len(data)):
+                self._stats["demotions"] += 1
+                return
+            return self._to_disk_or_drop(key, data)
+        if tier is self.host:
+            data = tier.remove(key)
+            if self.victim.budget and self._admit_victim(key, len(data)):
+                self.victim.add(key, data)
+                self._stats["demotions"] += 1
+                return
+            return self._to_disk_or_drop(key, data)
+        if tier is self.victim:
+            return self._to_disk_or_drop(key, tier.remove(key))
+        tier.remove(key)  # disk: gone
+        self._forget_if_gone(key)
+
+    def _score(self, key: str) -> float:
+        return self._priors.get(key, 0.0) + self._reuse.get(key, 0)
+
+    def _admit_victim(self, key: str, size: int) -> bool:
+        """Victim share: keep the entries with the best prior + reuse score; push lower-scored ones down."""
+        if size > self.victim.budget or self._score(key) <= 0:
+            return False
+        while self.victim.bytes + size > self.victim.budget:
+            weakest = min(self.victim.blobs, key=self._score)
+            if self._score(weakest) >= self._score(key):
+                return False
+            self._to_disk_or_drop(weakest, self.victim.remove(weakest))
+        return True
+
+    def _to_disk_or_drop(self, key: str, data: bytes) -> None:
+        if self.disk is not None and (key in self.disk or self._write_disk(key, data)):
+            self._stats["demotions"] += 1
+            return
+        self._forget_if_gone(key)
+
+    def _write_disk(self, key: str, data: bytes) -> bool:
+        if key in self.disk:
+            return True
+        if not self._fits(self.disk, len(data)) or self.disk.budget == 0:
+            return False
+        self._make_room(self.disk, len(data))
+        self.disk.track(key, len(data))  # reserve now; the write itself runs in the background
+
+        def write():
+            try:
+                self.disk.write(key, data)
+            except Exception as err:  # noqa: BLE001 - disk full, unwritable directory, ...
+                logger.warning("vismemo: disk write failed (%s: %s); serving continues without it",
+                               type(err).__name__, err)
+                with self._lock:
+                    self._stats["write_failures"] += 1
+                    if self.disk.sizes.pop(key, None) is not None:
+                        self.disk.bytes -= len(data)
+                    self._forget_if_gone(key)
+
+        self._pending_writes.append(self._writer.submit(write))
+        return True
+
+    def flush(self) -> None:
+        """Wait for background disk writes."""
+        pending, self._pending_writes = self._pending_writes, []
+        for future in pending:
+            future.result()
+
+    def _tier_of(self, key: str):
+        for tier in (self.device, self.host, self.victim, self.disk):
+            if tier is not None and key in tier:
+                return tier
+        return None
+
+    def _forget_if_gone(self, key: str) -> None:
+        if self._tier_of(key) is None and key in self._where:
+            fingerprint, grid = self._where.pop(key)
+            self._index.remove(fingerprint, grid, key)
+            self._protect.pop(key, None)
+
+    def _corrupt(self, tier, key: str, err: Exception) -> None:
+        logger.warning("vismemo: %s blob %s unusable (%s: %s); removed", tier.name, key[:12], type(err).__name__, err)
+        self._stats["corrupt"] += 1
+        tier.remove(key) if tier is not self.disk else tier.discard(key)
+        self._forget_if_gone(key)
 
     def clear(self) -> None:
         with self._lock:
-            for key in list(self._entries):
-                self._drop(key)
+            self.flush()
+            for tier in (self.device, self.host, self.victim, self.disk):
+                if tier is None:
+                    continue
+                for key in list(self._order(tier)):
+                    tier.remove(key)
+            for key in list(self._where):
+                self._forget_if_gone(key)
 
-    # -- reading -------------------------------------------------------------------------
-    def _lookup(self, key: str, fingerprint: str) -> Entry | None:
-        entry = self._entries.get(key)
-        if entry is None:
-            return None
-        if entry.fingerprint != fingerprint:
-            logger.warning("vismemo: entry %s belongs to another model; ignored", key[:12])
-            return None
-        return entry
+    # -- reading -----------------------------------------------------------------------------------
+    def _read(self, key: str, fingerprint: str, how: str, *args):
+        """Read from the fastest tier holding ``key``; a foreign or corrupt blob is removed and gives None."""
+        self._wait_for(key)
+        tier = self._tier_of(key)
+        if tier is None or self._where.get(key, (fingerprint,))[0] != fingerprint:
+            return None, None
+        try:
+            if tier is self.disk:
+                header = tier.header(key)
+                if header.fingerprint != fingerprint:
+                    raise blob.BlobError("blob of another model")
+            out = getattr(tier, how)(key, *args)
+            if how != "tokens" and out.fingerprint != fingerprint:
+                raise blob.BlobError("blob of another model")
+            return out, tier
+        except KeyError:
+            if tier is self.disk:  # another process deleted it
+                tier.discard(key)
+                self._forget_if_gone(key)
+            return None, None
+        except Exception as err:  # noqa: BLE001 - corrupt, truncated, foreign, unreadable
+            self._corrupt(tier, key, err)
+            return None, None
+
+    def _wait_for(self, key: str) -> None:
+        if self._pending_writes and self.disk is not None and key in self.disk and self._tier_of(key) is self.disk:
+            self.flush()
 
     def get(self, key: str, fingerprint: str) -> Entry | None:
-        """Whole entry (an exact hit's full read); refreshes its recency."""
+        """Whole entry (an exact hit's full read); it earns protection and moves to the device tier."""
         with self._lock:
-            entry = self._lookup(key, fingerprint)
-            if entry is not None:
-                self._entries.move_to_end(key)
-                self._stats["bytes_read_full"] += entry.nbytes
+            entry, tier = self._read(key, fingerprint, "full")
+            if entry is None:
+                return None
+            self._stats["bytes_read_full"] += entry.nbytes
+            self._stats["hits_by_tier"][tier.name] += 1
+            self._protect[key] = self.protect_budget
+            self._reuse[key] = self._reuse.get(key, 0) + 1
+            if tier is self.device:
+                tier.entries.move_to_end(key)
+                return entry
+            if tier is not self.disk:
+                tier.remove(key)
+            if self._place(self.device, key, entry, self.device.sizeof(entry)):
+                self._stats["promotions"] += 1
+                return self.device.full(key)
+            if tier is not self.disk:  # no room above: put it back where it was
+                data = blob.encode(entry)
+                if not self._place(tier, key, data, len(data)):
+                    self._to_disk_or_drop(key, data)
             return entry
 
     def peek(self, key: str, fingerprint: str) -> Entry | None:
-        """Entry metadata and encoder output for the fine lookup stage; no recency change, no K/V read."""
+        """Metadata (encoder output, entropy, descriptors; ``kv`` may be None): no recency change, no K/V read."""
         with self._lock:
-            return self._lookup(key, fingerprint)
+            return self._read(key, fingerprint, "meta")[0]
 
     def get_tokens(self, key: str, fingerprint: str, tokens: torch.Tensor, first_layer: int) -> torch.Tensor | None:
-        """K/V of ``tokens`` at layers >= ``first_layer``: (|tokens|, L - first_layer, 2, H, D). Sparse read."""
+        """K/V of ``tokens`` at layers >= ``first_layer``: (|tokens|, L - first_layer, 2, H, D). Sparse, never promotes."""
         with self._lock:
-            entry = self._lookup(key, fingerprint)
-            if entry is None:
+            out, tier = self._read(key, fingerprint, "tokens", tokens.to(torch.long).cpu(), first_layer)
+            if out is None:
                 return None
-            out = entry.kv[tokens.to(torch.long)][:, first_layer:]
-            self._stats["bytes_read_sparse"] += out.numel() * out.element_size()
-            return out
+            kv, nbytes = out
+            self._order(tier).move_to_end(key)  # an access, but no promotion
+            self._stats["bytes_read_sparse"] += nbytes
+            self._stats["hits_by_tier"][tier.name] += 1
+            self._reuse[key] = self._reuse.get(key, 0) + 1
+            return kv
 
     def candidates(self, fingerprint: str, grid, descriptors: torch.Tensor, tau: float, top_k: int):
         """Coarse stage: (key, mean regional cosine) of same-grid entries passing all four regions."""
         with self._lock:
             return self._index.search(fingerprint, grid, descriptors, tau, top_k)
 
-    # -- bookkeeping ---------------------------------------------------------------------
+    # -- bookkeeping -------------------------------------------------------------------------------
     def record(self, kind: str) -> None:
         with self._lock:
             self._stats["hits"][str(kind)] += 1
 
     def __contains__(self, key: str) -> bool:
-        return key in self._entries
+        return self._tier_of(key) is not None
 
     def __len__(self) -> int:
-        return len(self._entries)
+        return len(self._where)
+
+    def tier_of(self, key: str) -> str | None:
+        tier = self._tier_of(key)
+        return None if tier is None else tier.name
 
     def stats(self) -> dict:
         with self._lock:
-            return {
-                **{k: (dict(v) if isinstance(v, dict) else v) for k, v in self._stats.items()},
-                "entries": len(self._entries),
-                "bytes": self._bytes,
-                "tiers": {"device": {"bytes": self._bytes, "budget": self.device_bytes, "entries": len(self._entries)}},
+            tiers = {
+                "device": {"bytes": self.device.bytes, "budget": self.device.budget, "entries": len(self.device.entries)},
+                "host": {"bytes": self.host.bytes + self.victim.bytes,
+                         "budget": None if self.host.budget is None else self.host.budget + self.victim.budget,
+                         "entries": len(self.host.blobs) + len(self.victim.blobs),
+                         "victim_entries": len(self.victim.blobs), "victim_bytes": self.victim.bytes},
+                "disk": {"bytes": self.disk.bytes if self.disk else 0, "budget": self.disk.budget if self.disk else 0,
+                         "entries": len(self.disk.sizes) if self.disk else 0},
             }
+            return {**{k: (dict(v) if isinstance(v, dict) else v) for k, v in self._stats.items()},
+                    "entries": len(self._where), "bytes": sum(t["bytes"] for t in tiers.values()), "tiers": tiers}
+
+    def close(self) -> None:
+        self.flush()
+        if self._writer is not None:
+            self._writer.shutdown(wait=True)
+        if self.disk is not None:
+            self.disk.close()
 
 
 _DEFAULT: VisMemoStore | None = None
 
 
 def default_store() -> VisMemoStore:
-    """The process-wide store used by ``VisMemoCache(store=None)``."""
+    """The process-wide store of ``VisMemoCache(store=None)``: the ``VISMEMO_STORE`` preset or path,
+    else the embedded ``default`` preset (RAM tiers plus a disk tier under the user's cache home)."""
     global _DEFAULT
     if _DEFAULT is None:
-        _DEFAULT = VisMemoStore()
+        _DEFAULT = VisMemoStore.from_config(os.environ.get("VISMEMO_STORE") or None)
     return _DEFAULT

@@ -1,0 +1,175 @@
+"""The byte layout of an entry in the host and disk tiers (raw bytes, never pickle).
+
+    [header][token 0 block][token 1 block]...[token N-1 block][metadata]
+
+* header: fixed ``struct`` with magic, layout version, dtype, shapes, grid, offset, model
+  fingerprint, key, the size of each region and a BLAKE2b digest of the metadata.
+* token block (patch-first): for each layer l, an 8-byte hash of the layer's K/V followed
+  by that K/V (2 x heads x head_dim values). The late layers of one token (l >= W) with
+  their hashes are one contiguous byte range: an approximate hit reads one range per
+  reused token and can check every layer it read.
+* metadata: encoder output, deepstack features, region descriptors, patch entropy and
+  patch hashes (what lookup and routing need without any K/V).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from dataclasses import dataclass
+
+import torch
+
+from .entry import Entry
+
+MAGIC = b"VMEM"
+LAYOUT_VERSION = 1
+_HEADER = struct.Struct("<4sHBB" + "I" * 9 + "q32s64s16sQQ")
+HEADER_SIZE = _HEADER.size
+HASH_BYTES = 8
+
+DTYPES = {0: torch.float32, 1: torch.float16, 2: torch.bfloat16}
+DTYPE_CODES = {v: k for k, v in DTYPES.items()}
+_INT_VIEW = {4: torch.int32, 2: torch.int16}
+
+
+class BlobError(ValueError):
+    """A blob that must not be used: corrupt, truncated, foreign or of another layout."""
+
+
+def _weights(n: int) -> torch.Tensor:
+    # odd weights: a change of any single element always changes the hash (mod 2**64)
+    w = torch.randint(0, 2**62, (n,), generator=torch.Generator().manual_seed(1234)) * 2 + 1
+    return w
+
+
+def block_hashes(kv: torch.Tensor) -> torch.Tensor:
+    """(N, L, 2, H, D) K/V -> (N, L) int64 hash of each (token, layer) block's bits."""
+    n, layers = kv.shape[:2]
+    bits = kv.contiguous().view(_INT_VIEW[kv.element_size()]).reshape(n, layers, -1).long()
+    return (bits * _weights(bits.shape[-1])).sum(-1)
+
+
+@dataclass(frozen=True)
+class BlobHeader:
+    dtype: torch.dtype
+    flags: int
+    n_tokens: int
+    n_layers: int
+    kv_heads: int
+    head_dim: int
+    embed_dim: int
+    deepstack_levels: int
+    grid: tuple[int, int, int]
+    offset: int
+    fingerprint: str
+    key: str
+    meta_digest: bytes
+    meta_bytes: int
+    total_bytes: int
+
+    @property
+    def layer_bytes(self) -> int:
+        """Bytes of one layer of one token: its hash and its K/V."""
+        return HASH_BYTES + 2 * self.kv_heads * self.head_dim * self.dtype.itemsize
+
+    @property
+    def token_bytes(self) -> int:
+        return self.n_layers * self.layer_bytes
+
+    def token_range(self, token: int, first_layer: int) -> tuple[int, int]:
+        """(start, length) of layers >= ``first_layer`` of ``token``."""
+        start = HEADER_SIZE + token * self.token_bytes + first_layer * self.layer_bytes
+        return start, (self.n_layers - first_layer) * self.layer_bytes
+
+    @property
+    def meta_start(self) -> int:
+        return HEADER_SIZE + self.n_tokens * self.token_bytes
+
+
+def parse_header(data: bytes) -> BlobHeader:
+    if len(data) < HEADER_SIZE:
+        raise BlobError("truncated header")
+    magic, version, dtype, flags, n, layers, heads, hdim, edim, levels, t, h, w, offset, fp, key, digest, meta, total = (
+        _HEADER.unpack(bytes(data[:HEADER_SIZE])))
+    if magic != MAGIC:
+        raise BlobError("not a vismemo blob")
+    if version != LAYOUT_VERSION:
+        raise BlobError(f"layout version {version}, expected {LAYOUT_VERSION}")
+    if dtype not in DTYPES:
+        raise BlobError(f"unknown dtype code {dtype}")
+    header = BlobHeader(DTYPES[dtype], flags, n, layers, heads, hdim, edim, levels, (t, h, w), offset,
+                        fp.decode("ascii").rstrip("\0"), key.decode("ascii").rstrip("\0"), digest, meta, total)
+    if header.meta_start + meta != total:
+        raise BlobError("header sizes disagree")
+    return header
+
+
+def _meta_tensors(entry: Entry) -> list[torch.Tensor]:
+    tensors = [entry.embeds.to(entry.kv.dtype), entry.descriptors.float(), entry.entropy.float()]
+    if entry.deepstack is not None:
+        tensors.append(entry.deepstack.to(entry.kv.dtype))
+    if entry.patch_hashes is not None:
+        tensors.append(entry.patch_hashes.long())
+    return [t.detach().cpu().contiguous() for t in tensors]
+
+
+def _raw(t: torch.Tensor) -> bytes:
+    return t.reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def encode(entry: Entry) -> bytes:
+    """Serialise an entry (with K/V) to a blob."""
+    kv = entry.kv.detach().cpu().contiguous()
+    n, layers, _, heads, hdim = kv.shape
+    hashes = block_hashes(kv)  # (N, L)
+    per_layer = kv.reshape(n, layers, -1).view(torch.uint8)
+    blocks = torch.cat([hashes.unsqueeze(-1).view(torch.uint8), per_layer], dim=-1)
+    meta = b"".join(_raw(t) for t in _meta_tensors(entry))
+    flags = (1 if entry.deepstack is not None else 0) | (2 if entry.patch_hashes is not None else 0)
+    levels = entry.deepstack.shape[0] if entry.deepstack is not None else 0
+    body_start = HEADER_SIZE + blocks.numel()
+    header = _HEADER.pack(
+        MAGIC, LAYOUT_VERSION, DTYPE_CODES[kv.dtype], flags, n, layers, heads, hdim, entry.embeds.shape[-1], levels,
+        *entry.grid, int(entry.offset), entry.fingerprint.encode("ascii"), entry.key.encode("ascii"),
+        hashlib.blake2b(meta, digest_size=16).digest(), len(meta), body_start + len(meta),
+    )
+    return header + blocks.numpy().tobytes() + meta
+
+
+def decode_meta(header: BlobHeader, meta: bytes) -> Entry:
+    """Entry without K/V (``kv=None``) from the metadata region; checks its digest."""
+    if len(meta) != header.meta_bytes or hashlib.blake2b(meta, digest_size=16).digest() != header.meta_digest:
+        raise BlobError("metadata digest mismatch")
+    buf = torch.frombuffer(bytearray(meta), dtype=torch.uint8)
+    pos = 0
+
+    def take(count: int, dtype: torch.dtype, shape) -> torch.Tensor:
+        nonlocal pos
+        nbytes = count * dtype.itemsize
+        out = buf[pos : pos + nbytes].clone().view(dtype).reshape(shape)
+        pos += nbytes
+        return out
+
+    n, d = header.n_tokens, header.embed_dim
+    embeds = take(n * d, header.dtype, (n, d))
+    descriptors = take(4 * d, torch.float32, (4, d))
+    entropy = take(n, torch.float32, (n,))
+    deepstack = take(header.deepstack_levels * n * d, header.dtype, (header.deepstack_levels, n, d)) if header.flags & 1 else None
+    patch_hashes = take(n, torch.int64, (n,)) if header.flags & 2 else None
+    return Entry(header.key, header.fingerprint, header.grid, embeds, deepstack, descriptors, entropy, None,
+                 header.offset, patch_hashes, n_layers=header.n_layers)
+
+
+def decode_blocks(header: BlobHeader, data: torch.Tensor, first_layer: int) -> torch.Tensor:
+    """(T, L - first_layer, 2, H, D) K/V from T token ranges of layers >= ``first_layer``; checks each layer hash.
+
+    ``data`` is a uint8 tensor (T, (L - first_layer) * layer_bytes)."""
+    t = data.shape[0]
+    layers = header.n_layers - first_layer
+    blocks = data.reshape(t, layers, header.layer_bytes)
+    stored = blocks[..., :HASH_BYTES].clone().view(torch.int64).reshape(t, layers)
+    kv = blocks[..., HASH_BYTES:].clone().view(header.dtype).reshape(t, layers, 2, header.kv_heads, header.head_dim)
+    if not torch.equal(block_hashes(kv), stored):
+        raise BlobError("K/V block hash mismatch")
+    return kv

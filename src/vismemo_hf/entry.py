@@ -1,0 +1,61 @@
+"""An entry: everything the store keeps for one image under one model."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .plan import ImageFeatures
+
+
+@dataclass
+class Entry:
+    """Everything kept for one image under one model.
+
+    ``kv`` is patch-first: (N tokens, L layers, 2 (K, V), KV heads, head dim), so the
+    late-layer K/V of one token is one contiguous block. Keys are RoPE-rotated at
+    ``offset``, the M-RoPE start position of the image when it was computed.
+    """
+
+    key: str
+    fingerprint: str
+    grid: tuple[int, int, int]
+    embeds: torch.Tensor
+    deepstack: torch.Tensor | None
+    descriptors: torch.Tensor
+    entropy: torch.Tensor
+    kv: torch.Tensor | None
+    offset: int
+    patch_hashes: torch.Tensor | None = None
+    #: layer count, taken from ``kv`` when present (a metadata-only view has ``kv=None``)
+    n_layers: int = 0
+
+    def __post_init__(self) -> None:
+        if self.kv is not None:
+            self.n_layers = self.kv.shape[1]
+
+    @property
+    def n_tokens(self) -> int:
+        return self.embeds.shape[0]
+
+    @property
+    def nbytes(self) -> int:
+        tensors = [self.embeds, self.descriptors, self.entropy]
+        tensors += [t for t in (self.kv, self.deepstack, self.patch_hashes) if t is not None]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    def features(self) -> ImageFeatures:
+        return ImageFeatures(self.key, self.grid, self.embeds, self.entropy, self.patch_hashes)
+
+    def check(self) -> None:
+        """Raise if the entry is inconsistent with itself (a corrupt entry must never be used)."""
+        n = self.n_tokens
+        if self.kv is not None and (self.kv.ndim != 5 or self.kv.shape[2] != 2 or self.kv.shape[0] != n):
+            raise ValueError(f"entry {self.key[:12]}: kv must be (N, L, 2, H, D), got {tuple(self.kv.shape)}")
+        if self.entropy.shape[0] != n or self.descriptors.shape[0] != 4:
+            raise ValueError(f"entry {self.key[:12]}: token counts disagree")
+        if self.patch_hashes is not None and self.patch_hashes.shape != (n,):
+            raise ValueError(f"entry {self.key[:12]}: patch hash count disagrees")
+        if self.deepstack is not None and self.deepstack.shape[1] != n:
+            raise ValueError(f"entry {self.key[:12]}: deepstack token count disagrees")

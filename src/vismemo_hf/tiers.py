@@ -1,0 +1,238 @@
+"""The three tiers of the store; each holds entries in its own form and knows only its own bytes.
+
+* ``DeviceTier`` (L1): decoded entries, K/V on the tier's device; reads are indexing.
+* ``HostTier`` (L2): blobs as uint8 tensors (pinned when CUDA exists); sparse reads gather.
+* ``DiskTier`` (L3): blobs as raw-byte files of a ``diskcache`` directory; sparse reads are
+  positioned reads of the ranges they need. Pickled values are refused, never loaded.
+
+Recency order lives here (``OrderedDict``); what to evict and where it goes is decided by
+``VisMemoStore``.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import os
+from collections import OrderedDict
+
+import diskcache
+import torch
+from diskcache.core import MODE_PICKLE
+
+from . import blob
+from .entry import Entry
+
+logger = logging.getLogger(__name__)
+
+
+class DeviceTier:
+    name = "device"
+
+    def __init__(self, budget: int | None, device: str | torch.device = "cpu"):
+        self.budget, self.device = budget, torch.device(device)
+        self.entries: OrderedDict[str, Entry] = OrderedDict()
+        self.bytes = 0
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.entries
+
+    def sizeof(self, entry: Entry) -> int:
+        return entry.nbytes
+
+    def add(self, entry: Entry) -> None:
+        moved = Entry(entry.key, entry.fingerprint, entry.grid, entry.embeds.to(self.device),
+                      None if entry.deepstack is None else entry.deepstack.to(self.device),
+                      entry.descriptors, entry.entropy, entry.kv.to(self.device), entry.offset, entry.patch_hashes)
+        self.entries[entry.key] = moved
+        self.bytes += moved.nbytes
+
+    def remove(self, key: str) -> Entry:
+        entry = self.entries.pop(key)
+        self.bytes -= entry.nbytes
+        return entry
+
+    def full(self, key: str) -> Entry:
+        return self.entries[key]
+
+    def meta(self, key: str) -> Entry:
+        return self.entries[key]
+
+    def tokens(self, key: str, tokens: torch.Tensor, first_layer: int) -> tuple[torch.Tensor, int]:
+        kv = self.entries[key].kv
+        out = kv[tokens.to(kv.device)][:, first_layer:]
+        return out, out.numel() * out.element_size()
+
+
+class HostTier:
+    name = "host"
+
+    def __init__(self, budget: int | None):
+        self.budget = budget
+        self.blobs: OrderedDict[str, tuple[blob.BlobHeader, torch.Tensor]] = OrderedDict()
+        self.bytes = 0
+        self.pin = torch.cuda.is_available()
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.blobs
+
+    @staticmethod
+    def sizeof(data: bytes) -> int:
+        return len(data)
+
+    def add(self, key: str, data: bytes) -> None:
+        tensor = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        if self.pin:
+            tensor = tensor.pin_memory()
+        self.blobs[key] = (blob.parse_header(data[: blob.HEADER_SIZE]), tensor)
+        self.bytes += tensor.numel()
+
+    def remove(self, key: str) -> bytes:
+        _, tensor = self.blobs.pop(key)
+        self.bytes -= tensor.numel()
+        return tensor.numpy().tobytes()
+
+    def full(self, key: str) -> Entry:
+        header, data = self.blobs[key]
+        entry = blob.decode_meta(header, data[header.meta_start :].numpy().tobytes())
+        entry.kv = self._blocks(header, data, torch.arange(header.n_tokens), 0)
+        entry.n_layers = header.n_layers
+        return entry
+
+    def meta(self, key: str) -> Entry:
+        header, data = self.blobs[key]
+        return blob.decode_meta(header, data[header.meta_start :].numpy().tobytes())
+
+    @staticmethod
+    def _blocks(header, data, tokens, first_layer) -> torch.Tensor:
+        region = data[blob.HEADER_SIZE : header.meta_start].view(header.n_tokens, header.token_bytes)
+        start = first_layer * header.layer_bytes
+        return blob.decode_blocks(header, region[tokens][:, start:], first_layer)
+
+    def tokens(self, key: str, tokens: torch.Tensor, first_layer: int) -> tuple[torch.Tensor, int]:
+        header, data = self.blobs[key]
+        kv = self._blocks(header, data, tokens.cpu(), first_layer)
+        return kv, tokens.numel() * header.token_range(0, first_layer)[1]
+
+
+class SafeDisk(diskcache.Disk):
+    """diskcache storage that only ever handles raw bytes: pickled keys or values are refused."""
+
+    def put(self, key):
+        if not isinstance(key, str):
+            raise TypeError("vismemo disk keys are strings")
+        return super().put(key)
+
+    def get(self, key, raw):
+        if not raw:
+            raise blob.BlobError("pickled key refused")
+        return super().get(key, raw)
+
+    def store(self, value, read, key=diskcache.core.UNKNOWN):
+        if not (read or isinstance(value, (bytes, bytearray))):
+            raise TypeError("vismemo disk values are raw bytes")
+        return super().store(value, read, key=key)
+
+    def fetch(self, mode, filename, value, read):
+        if mode == MODE_PICKLE:
+            raise blob.BlobError("pickled value refused")
+        return super().fetch(mode, filename, value, read)
+
+
+class DiskTier:
+    name = "disk"
+
+    def __init__(self, directory: str, budget: int | None):
+        self.directory, self.budget = os.path.expanduser(directory), budget
+        os.makedirs(self.directory, exist_ok=True)
+        self.cache = diskcache.Cache(self.directory, disk=SafeDisk, size_limit=2**62, eviction_policy="none",
+                                     disk_min_file_size=0)
+        self.sizes: OrderedDict[str, int] = OrderedDict()
+        self.bytes = 0
+        self.ranges_read: list[tuple[int, int]] = []  # (offset, length) of the last sparse read
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.sizes
+
+    @staticmethod
+    def sizeof(data: bytes) -> int:
+        return len(data)
+
+    def scan(self):
+        """Keys and headers of every blob in the directory (a restart rebuilds its index from these)."""
+        for key in list(self.cache.iterkeys()):
+            try:
+                yield key, self.header(key)
+            except Exception as err:  # noqa: BLE001 - anything unreadable is dropped
+                logger.warning("vismemo: dropping unreadable disk blob %s (%s)", str(key)[:12], err)
+                self.discard(key)
+
+    def track(self, key: str, size: int) -> None:
+        if key not in self.sizes:
+            self.sizes[key] = size
+            self.bytes += size
+
+    def write(self, key: str, data: bytes) -> None:
+        """Write a blob as a file of its own (so later reads can be positioned reads)."""
+        self.cache.set(key, io.BytesIO(data), read=True)
+
+    def discard(self, key: str) -> None:
+        self.bytes -= self.sizes.pop(key, 0)
+        try:
+            self.cache.delete(key)
+        except Exception as err:  # noqa: BLE001
+            logger.warning("vismemo: could not delete disk blob %s (%s)", key[:12], err)
+
+    remove = discard
+
+    def _open(self, key: str):
+        handle = self.cache.get(key, default=None, read=True)
+        if handle is None:
+            raise KeyError(key)
+        return handle
+
+    @staticmethod
+    def _pread(handle, offset: int, length: int) -> bytes:
+        data = os.pread(handle.fileno(), length, offset)
+        if len(data) != length:
+            raise blob.BlobError("truncated blob")
+        return data
+
+    def header(self, key: str) -> blob.BlobHeader:
+        with self._open(key) as handle:
+            header = blob.parse_header(self._pread(handle, 0, blob.HEADER_SIZE))
+            if os.fstat(handle.fileno()).st_size != header.total_bytes:
+                raise blob.BlobError("blob size does not match its header")
+        if header.key != key:
+            raise blob.BlobError("blob stored under another key")
+        return header
+
+    def meta(self, key: str) -> Entry:
+        with self._open(key) as handle:
+            header = blob.parse_header(self._pread(handle, 0, blob.HEADER_SIZE))
+            return blob.decode_meta(header, self._pread(handle, header.meta_start, header.meta_bytes))
+
+    def full(self, key: str) -> Entry:
+        with self._open(key) as handle:
+            data = handle.read()
+        header = blob.parse_header(data[: blob.HEADER_SIZE])
+        if len(data) != header.total_bytes:
+            raise blob.BlobError("truncated blob")
+        entry = blob.decode_meta(header, data[header.meta_start :])
+        region = torch.frombuffer(bytearray(data[blob.HEADER_SIZE : header.meta_start]), dtype=torch.uint8)
+        entry.kv = blob.decode_blocks(header, region.view(header.n_tokens, header.token_bytes), 0)
+        entry.n_layers = header.n_layers
+        return entry
+
+    def tokens(self, key: str, tokens: torch.Tensor, first_layer: int) -> tuple[torch.Tensor, int]:
+        with self._open(key) as handle:
+            header = blob.parse_header(self._pread(handle, 0, blob.HEADER_SIZE))
+            ranges = [header.token_range(int(t), first_layer) for t in tokens.tolist()]
+            chunks = [self._pread(handle, start, length) for start, length in ranges]
+        self.ranges_read = ranges
+        length = ranges[0][1] if ranges else 0
+        data = torch.frombuffer(bytearray(b"".join(chunks)), dtype=torch.uint8).view(len(ranges), length)
+        return blob.decode_blocks(header, data, first_layer), len(ranges) * length
+
+    def close(self) -> None:
+        self.cache.close()
