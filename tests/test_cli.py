@@ -39,3 +39,25 @@ def test_profile_vlcache_writes_a_profile_the_policy_reads(tmp_path, qwen2, page
 def test_committed_tiny_profile_is_found_by_name():
     ratios = vismemo_hf.get_policy("vlcache", profile="tiny-qwen2_vl", recompute_ratio=0.3).ratios()
     assert len(ratios) == 6 and abs(sum(ratios) / 6 - 0.3) < 1e-6
+
+
+def test_bench_store_runs_small(tmp_path):
+    args = ["bench", "store", "--tokens", "16", "--layers", "4", "--kv-heads", "2", "--head-dim", "8",
+            "--embed-dim", "16", "--repeats", "1", "--trace-requests", "300", "--capacities", "5,10",
+            "--out", str(tmp_path)]
+    assert main(args) == 0
+    data = json.loads((tmp_path / "store.json").read_text())
+    sparse = {r["tier"]: r for r in data["sparse_io"]}
+    assert sparse["disk"]["ranges"] == sparse["disk"]["tokens_read"]
+    assert sparse["host"]["bytes_read"] == sparse["disk"]["bytes_read"]
+    assert abs(sparse["disk"]["read_over_kv"] - sparse["disk"]["floor"]) < 0.1
+    assert (tmp_path / "store.md").read_text().startswith("# Store benchmark")
+
+
+def test_approximate_hits_record_fetch_and_remaining_wait(qwen2, pages):
+    model, processor = qwen2
+    store = stored(model, processor, pages["base"])
+    cache = vismemo_hf.VisMemoCache(store=store)
+    generate(model, build_inputs(processor, [pages["edit"]]), cache, 1)
+    timings = cache.events[0].timings
+    assert cache.events[0].reused > 0 and timings["fetch"] > 0 and 0 <= timings["fetch_wait"]

@@ -4,7 +4,7 @@
 
 * header: fixed ``struct`` with magic, layout version, dtype, shapes, grid, offset, model
   fingerprint, key, the size of each region and a BLAKE2b digest of the metadata.
-* token block (patch-first): for each layer l, an 8-byte hash of the layer's K/V followed
+* token block (patch-first): for each layer l, an 8-byte CRC-32 of the layer's K/V followed
   by that K/V (2 x heads x head_dim values). The late layers of one token (l >= W) with
   their hashes are one contiguous byte range: an approximate hit reads one range per
   reused token and can check every layer it read.
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
+import zlib
 from dataclasses import dataclass
 
 import torch
@@ -30,24 +31,23 @@ HASH_BYTES = 8
 
 DTYPES = {0: torch.float32, 1: torch.float16, 2: torch.bfloat16}
 DTYPE_CODES = {v: k for k, v in DTYPES.items()}
-_INT_VIEW = {4: torch.int32, 2: torch.int16}
 
 
 class BlobError(ValueError):
     """A blob that must not be used: corrupt, truncated, foreign or of another layout."""
 
 
-def _weights(n: int) -> torch.Tensor:
-    # odd weights: a change of any single element always changes the hash (mod 2**64)
-    w = torch.randint(0, 2**62, (n,), generator=torch.Generator().manual_seed(1234)) * 2 + 1
-    return w
+def _crc_rows(payload: torch.Tensor) -> torch.Tensor:
+    """(T, L, bytes) uint8 (each row contiguous) -> (T, L) CRC-32 of each row, as int64."""
+    t, layers = payload.shape[:2]
+    rows = payload.reshape(t * layers, -1).numpy()
+    return torch.tensor([zlib.crc32(row) for row in rows], dtype=torch.int64).reshape(t, layers)
 
 
 def block_hashes(kv: torch.Tensor) -> torch.Tensor:
-    """(N, L, 2, H, D) K/V -> (N, L) int64 hash of each (token, layer) block's bits."""
+    """(N, L, 2, H, D) K/V -> (N, L) CRC-32 of each (token, layer) block's bytes."""
     n, layers = kv.shape[:2]
-    bits = kv.contiguous().view(_INT_VIEW[kv.element_size()]).reshape(n, layers, -1).long()
-    return (bits * _weights(bits.shape[-1])).sum(-1)
+    return _crc_rows(kv.contiguous().view(torch.uint8).reshape(n, layers, -1))
 
 
 @dataclass(frozen=True)
@@ -168,8 +168,12 @@ def decode_blocks(header: BlobHeader, data: torch.Tensor, first_layer: int) -> t
     t = data.shape[0]
     layers = header.n_layers - first_layer
     blocks = data.reshape(t, layers, header.layer_bytes)
+    payload = blocks[..., HASH_BYTES:]
     stored = blocks[..., :HASH_BYTES].clone().view(torch.int64).reshape(t, layers)
-    kv = blocks[..., HASH_BYTES:].clone().view(header.dtype).reshape(t, layers, 2, header.kv_heads, header.head_dim)
-    if not torch.equal(block_hashes(kv), stored):
+    if not torch.equal(_crc_rows(payload), stored):
         raise BlobError("K/V block hash mismatch")
-    return kv
+    try:  # a strided view when the bytes are aligned for the dtype: no copy
+        kv = payload.view(header.dtype)
+    except RuntimeError:
+        kv = payload.clone().view(header.dtype)
+    return kv.reshape(t, layers, 2, header.kv_heads, header.head_dim)

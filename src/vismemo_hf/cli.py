@@ -102,10 +102,13 @@ def profile_vlcache(args) -> int:
     return 0
 
 
-def _bench_compression(args) -> int:
-    from .bench.compression import main as run
+def _bench(name: str):
+    def run(args) -> int:
+        import importlib
 
-    return run(args)
+        return importlib.import_module(f"vismemo_hf.bench.{name}").main(args)
+
+    return run
 
 
 def main(argv=None) -> int:
@@ -137,7 +140,21 @@ def main(argv=None) -> int:
     p.add_argument("--width", type=int, default=448)
     p.add_argument("--height", type=int, default=336)
     p.add_argument("--out", default="results/compression")
-    p.set_defaults(func=_bench_compression)
+    p.set_defaults(func=_bench("compression"))
+    p = bench_sub.add_parser("store", help="sparse vs full I/O, disk throughput, exact-priority vs plain LRU")
+    p.add_argument("--tokens", type=int, default=1024)
+    p.add_argument("--layers", type=int, default=36)
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--embed-dim", type=int, default=4096)
+    p.add_argument("--beta", type=float, default=0.1)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--trace-requests", type=int, default=4000)
+    p.add_argument("--capacities", default="25,50,100,200")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="results/store")
+    p.set_defaults(func=_bench("store"))
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     warnings.filterwarnings("ignore", category=FutureWarning)  # transformers' past_key_values rename notice

@@ -214,13 +214,14 @@ class DiskTier:
 
     def full(self, key: str) -> Entry:
         with self._open(key) as handle:
-            data = handle.read()
-        header = blob.parse_header(data[: blob.HEADER_SIZE])
-        if len(data) != header.total_bytes:
-            raise blob.BlobError("truncated blob")
-        entry = blob.decode_meta(header, data[header.meta_start :])
-        region = torch.frombuffer(bytearray(data[blob.HEADER_SIZE : header.meta_start]), dtype=torch.uint8)
-        entry.kv = blob.decode_blocks(header, region.view(header.n_tokens, header.token_bytes), 0)
+            header = blob.parse_header(self._pread(handle, 0, blob.HEADER_SIZE))
+            data = torch.empty(header.total_bytes, dtype=torch.uint8)
+            handle.seek(0)
+            if handle.readinto(data.numpy()) != header.total_bytes or handle.read(1):
+                raise blob.BlobError("blob size does not match its header")
+        entry = blob.decode_meta(header, data[header.meta_start :].numpy().tobytes())
+        region = data[blob.HEADER_SIZE : header.meta_start].view(header.n_tokens, header.token_bytes)
+        entry.kv = blob.decode_blocks(header, region, 0)
         entry.n_layers = header.n_layers
         return entry
 
