@@ -111,6 +111,59 @@ def _bench(name: str):
     return run
 
 
+def train_docqa(args) -> int:
+    import torch
+
+    from .docqa import PACKAGED, train
+
+    torch.set_num_threads(args.threads)
+    out = args.out or PACKAGED
+    result = train(out, minutes=args.minutes, max_steps=args.max_steps, batch_size=args.batch_size, seed=args.seed,
+                   log=lambda line: print(line, flush=True))
+    print(f"saved the best checkpoint to {out} after {result['steps']} steps")
+    return 0
+
+
+def build_stream(args) -> int:
+    from . import synthdoc
+
+    out = args.out or f".cache/vismemo-data/{args.task}/test.parquet"
+    if args.task == "synthdoc":
+        requests = [r for seed in args.seeds.split(",") for r in synthdoc.stream(int(seed), n_bases=args.bases)]
+        rows = synthdoc.request_rows(requests)
+    else:
+        rows = synthdoc.page_stream(_real_pages(args), seed=args.seed)
+    path = synthdoc.save_rows(rows, out)
+    kinds = {k: sum(r["intended"] == k for r in rows) for k in ("miss", "exact", "approximate")}
+    print(f"wrote {len(rows)} requests ({kinds}) to {path}")
+    return 0
+
+
+def _real_pages(args):
+    """(page id, image, [(question, answers)]) from a local DocVQA / InfographicVQA copy: parquet files or a
+    dataset in the HF datasets cache (HF_DATASETS_OFFLINE=1 keeps it offline)."""
+    import glob
+
+    import datasets
+
+    if args.source is None:
+        raise SystemExit(f"build-stream {args.task} needs --source: parquet files or a cached HF dataset name")
+    files = sorted(glob.glob(args.source))
+    if files:
+        data = datasets.load_dataset("parquet", data_files={"data": files}, split="data")
+    else:
+        data = datasets.load_dataset(args.source, split=args.split)
+    pages: dict = {}
+    for row in data:
+        page_id = str(row.get("docId", row.get("image_id", row.get("ucsf_document_id", row.get("questionId")))))
+        entry = pages.setdefault(page_id, [row["image"], []])
+        entry[1].append((row["question"], list(row["answers"])))
+        if len(pages) > args.pages:
+            pages.pop(page_id)
+            break
+    return [(pid, image, qas) for pid, (image, qas) in pages.items()]
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="vismemo", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -129,6 +182,24 @@ def main(argv=None) -> int:
     p.add_argument("--name", default=None, help="profile name (default MODEL-FAMILY)")
     p.add_argument("--out", default=None, help="output YAML (default configs/vlcache/NAME.yaml)")
     p.set_defaults(func=profile_vlcache, record_argv=argv is None)
+    p = sub.add_parser("train-docqa", help="train the vismemo-docqa-tiny reading model on synthetic forms (CPU)")
+    p.add_argument("--minutes", type=float, default=55.0)
+    p.add_argument("--max-steps", type=int, default=20000)
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=None, help="checkpoint folder (default: the packaged model's)")
+    p.set_defaults(func=train_docqa)
+    p = sub.add_parser("build-stream", help="write a request stream as parquet for the lmms-eval tasks in eval_tasks/")
+    p.add_argument("task", choices=["synthdoc", "docvqa", "infovqa"])
+    p.add_argument("--source", default=None, help="docvqa/infovqa: parquet glob or cached HF dataset name")
+    p.add_argument("--split", default="validation")
+    p.add_argument("--pages", type=int, default=100, help="docvqa/infovqa: pages to use")
+    p.add_argument("--seeds", default="0", help="synthdoc: stream seeds")
+    p.add_argument("--bases", type=int, default=20, help="synthdoc: new pages per stream")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=None, help="default .cache/vismemo-data/TASK/test.parquet (what the tasks read)")
+    p.set_defaults(func=build_stream)
     bench = sub.add_parser("bench", help="benchmarks (reports under results/)")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
     p = bench_sub.add_parser("compression", help="decoding KV bytes and decode time vs VL-Cache ratio")
@@ -155,6 +226,18 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="results/store")
     p.set_defaults(func=_bench("store"))
+    report = sub.add_parser("report", help="reports (under results/)")
+    report_sub = report.add_subparsers(dest="report", required=True)
+    p = report_sub.add_parser("quality", help="Table 1: every policy on the same synthetic streams, ANLS and fidelity")
+    p.add_argument("--model", default="vismemo-docqa-tiny", help="packaged model name, preset or checkpoint folder")
+    p.add_argument("--streams", type=int, default=2)
+    p.add_argument("--bases", type=int, default=20, help="new pages per stream (each with 4 follow-ups)")
+    p.add_argument("--policies", default="all")
+    p.add_argument("--sweep-rho", default="0.1,0.2,0.3,0.5,0.8")
+    p.add_argument("--sweep-beta", default="0,0.05,0.1,0.2,0.4")
+    p.add_argument("--max-new-tokens", type=int, default=6)
+    p.add_argument("--out", default="results/quality")
+    p.set_defaults(func=_bench("quality"))
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     warnings.filterwarnings("ignore", category=FutureWarning)  # transformers' past_key_values rename notice

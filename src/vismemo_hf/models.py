@@ -8,9 +8,14 @@ import torch
 
 
 def load_model(spec: str, family: str | None = None, dtype=torch.float32, seed: int = 0):
-    """``(model, processor)``: ``spec`` is a local checkpoint folder (``from_pretrained``) or a preset
+    """``(model, processor)``: ``spec`` is ``"vismemo-docqa-tiny"`` (the packaged reading model), a local
+    checkpoint folder (``from_pretrained``) or a preset
     of ``configs/models/`` built with random weights and an offline processor (``family`` picks the
     family of family-agnostic presets such as ``tiny``; default qwen2_vl)."""
+    from .docqa import MODEL_NAME, docqa_model
+
+    if spec == MODEL_NAME:
+        return docqa_model(dtype=dtype)
     if Path(spec).is_dir():
         from transformers import AutoModelForImageTextToText, AutoProcessor
 

@@ -1,0 +1,191 @@
+"""``vismemo-docqa-tiny``: a Qwen2-VL-architecture model trained here to read synthetic forms.
+
+Random-weight models answer the same whatever the image shows, so a reuse mistake is
+invisible with them. This model reads: asked ``"KEY?"`` about a form page it answers the
+4-digit value of that key's row. Training (``vismemo train-docqa``, CPU, under an hour)
+follows what ``shared/notes/docqa-training.md`` measured: the QA loss plus an auxiliary
+loss that makes the model's own logits at every visual token name the glyph of its cell
+(value cells name the key glyph ``LOOK_BACK`` cells to their left, so they learn to carry
+their row's key), and a curriculum on the number of filled rows.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import time
+from pathlib import Path
+
+import torch
+
+from . import synthdoc
+
+MODEL_NAME = "vismemo-docqa-tiny"
+PACKAGED = Path(__file__).resolve().parent / "models" / "docqa-tiny"
+
+# A lean template (every text token costs training time on a CPU): the image, the question, a newline.
+TEMPLATE = (
+    "{% for message in messages %}{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for c in message['content'] %}"
+    "{% if c['type'] == 'image' or 'image' in c %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif 'text' in c %}{{ c['text'] }}{% endif %}{% endfor %}{% endif %}\n{% endfor %}"
+)
+
+
+def new_processor():
+    from transformers import Qwen2VLImageProcessor, Qwen2VLProcessor
+    from transformers.models.qwen2_vl.video_processing_qwen2_vl import Qwen2VLVideoProcessor
+
+    from .testing import byte_tokenizer
+
+    pixels = synthdoc.PAGE_SIZE[0] * synthdoc.PAGE_SIZE[1]
+    image = Qwen2VLImageProcessor(size={"shortest_edge": pixels, "longest_edge": pixels}, patch_size=14)
+    return Qwen2VLProcessor(image_processor=image, tokenizer=byte_tokenizer(), video_processor=Qwen2VLVideoProcessor(),
+                            chat_template=TEMPLATE)
+
+
+def new_model(tokenizer, seed: int = 0):
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+
+    ids = tokenizer.convert_tokens_to_ids
+    config = Qwen2VLConfig(
+        text_config=dict(vocab_size=len(tokenizer), hidden_size=128, intermediate_size=512, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 6, 6]},
+                         bos_token_id=None, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id),
+        vision_config=dict(depth=3, embed_dim=96, hidden_size=128, num_heads=4, mlp_ratio=2, patch_size=14,
+                           spatial_merge_size=2, temporal_patch_size=2),
+        image_token_id=ids("<|image_pad|>"), video_token_id=ids("<|video_pad|>"),
+        vision_start_token_id=ids("<|vision_start|>"), vision_end_token_id=ids("<|vision_end|>"),
+    )
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(seed)
+    return Qwen2VLForConditionalGeneration(config)
+
+
+def messages(question: str) -> list[dict]:
+    return [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]}]
+
+
+def docqa_model(path: str | Path | None = None, dtype=torch.float32):
+    """``(model, processor)`` of the packaged checkpoint (or ``path``), loaded offline with ``from_pretrained``."""
+    from transformers import AutoProcessor, Qwen2VLForConditionalGeneration
+
+    path = Path(path or PACKAGED)
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"no doc-QA checkpoint at {path}; train one with `vismemo train-docqa`")
+    model = Qwen2VLForConditionalGeneration.from_pretrained(path, dtype=dtype).eval()
+    return model, AutoProcessor.from_pretrained(path)
+
+
+# -- training ----------------------------------------------------------------------------------------------
+def _batch(processor, pages, questions, answers):
+    texts = [processor.apply_chat_template(messages(q), add_generation_prompt=True) + a + "<|im_end|>"
+             for q, a in zip(questions, answers)]
+    images = [synthdoc.render(p) for p in pages]
+    return processor(text=texts, images=images, return_tensors="pt", padding=True)
+
+
+def _aux_targets(tokenizer, pages) -> torch.Tensor:
+    """(B, 48) byte id each visual token's logits should name (value cells: the glyph LOOK_BACK cells left)."""
+    rows = []
+    for page in pages:
+        cells = page.cell_text()
+        target = []
+        for i, ch in enumerate(cells):
+            c = i % synthdoc.COLS
+            target.append(cells[i - synthdoc.LOOK_BACK] if c >= synthdoc.VALUE_COL else ch)
+        rows.append([_char_id(tokenizer, ch) for ch in target])
+    return torch.tensor(rows)
+
+
+_CHAR_IDS: dict[str, int] = {}
+
+
+def _char_id(tokenizer, ch: str) -> int:
+    if ch not in _CHAR_IDS:
+        (_CHAR_IDS[ch],) = tokenizer(ch, add_special_tokens=False).input_ids
+    return _CHAR_IDS[ch]
+
+
+def sample(rng: random.Random, n_rows: int):
+    rows = synthdoc.random_form(rng.randrange(2**31), n_rows=n_rows).rows
+    page = synthdoc.FormPage(rows, shift=(rng.randint(-2, 2), rng.randint(-2, 2)))
+    key, value = rows[rng.randrange(n_rows)]
+    return page, synthdoc.question_for(key), value
+
+
+def train(out: str | Path, minutes: float = 55.0, max_steps: int = 20000, batch_size: int = 32, lr: float = 2e-3,
+          curriculum_steps: int = 2000, seed: int = 0, log=print) -> dict:
+    torch.manual_seed(seed)
+    rng = random.Random(seed)
+    processor = new_processor()
+    tok = processor.tokenizer
+    model = new_model(tok, seed)
+    model.train()
+    image_id = model.config.image_token_id
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
+    warmup = 200
+    held_out = [sample(random.Random(10**9 + i), synthdoc.ROWS) for i in range(128)]
+    start, step, history, best = time.time(), 0, [], -1.0
+    budget = minutes * 60
+    while step < max_steps and time.time() - start < budget:
+        progress = min(1.0, (time.time() - start) / budget)
+        lr_now = lr * min(1.0, (step + 1) / warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+        for group in opt.param_groups:
+            group["lr"] = lr_now
+        n_rows = 2 + min(synthdoc.ROWS - 2, int((synthdoc.ROWS - 2) * step / curriculum_steps + 1e-9))
+        pages, questions, answers = zip(*[sample(rng, n_rows) for _ in range(batch_size)])
+        batch = _batch(processor, pages, questions, answers)
+        logits = model(**batch).logits
+        ids = batch["input_ids"]
+        n_answer = len(answers[0]) + 1  # digits + <|im_end|>
+        qa_logits = logits[:, -n_answer - 1 : -1]
+        qa_loss = torch.nn.functional.cross_entropy(qa_logits.reshape(-1, qa_logits.shape[-1]),
+                                                    ids[:, -n_answer:].reshape(-1))
+        img_logits = logits[ids == image_id].reshape(batch_size, -1, logits.shape[-1])
+        aux = _aux_targets(tok, pages)
+        aux_loss = torch.nn.functional.cross_entropy(img_logits.reshape(-1, logits.shape[-1]), aux.reshape(-1))
+        loss = qa_loss + aux_loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        step += 1
+        if step % 50 == 0:
+            log(f"step {step} rows {n_rows} lr {lr_now:.2e} qa {qa_loss.item():.3f} aux {aux_loss.item():.3f} "
+                f"t {time.time() - start:.0f}s")
+        if step % 500 == 0 or step == max_steps:
+            acc = teacher_forced_accuracy(model, processor, held_out)
+            history.append({"step": step, "seconds": round(time.time() - start), "qa_loss": qa_loss.item(),
+                            "heldout_exact": acc})
+            log(f"  held-out exact (teacher forced) {acc:.3f}")
+            if acc >= best:
+                best = acc
+                save(model, processor, out, {"step": step, "history": history})
+            model.train()
+    acc = teacher_forced_accuracy(model, processor, held_out)
+    history.append({"step": step, "seconds": round(time.time() - start), "heldout_exact": acc})
+    if acc >= best:
+        save(model, processor, out, {"step": step, "history": history})
+    return {"steps": step, "history": history}
+
+
+@torch.no_grad()
+def teacher_forced_accuracy(model, processor, items) -> float:
+    model.eval()
+    pages, questions, answers = zip(*items)
+    batch = _batch(processor, pages, questions, answers)
+    logits = model(**batch).logits
+    n_answer = len(answers[0]) + 1
+    pred = logits[:, -n_answer - 1 : -1].argmax(-1)
+    return float((pred == batch["input_ids"][:, -n_answer:]).all(-1).float().mean())
+
+
+def save(model, processor, out, info: dict) -> None:
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    processor.save_pretrained(out)
+    (out / "training.json").write_text(json.dumps(info, indent=2))

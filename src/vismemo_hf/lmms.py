@@ -1,0 +1,77 @@
+"""lmms-eval backend ``vismemo`` (registered through the ``lmms_eval.models`` entry point).
+
+    lmms-eval --model vismemo --model_args pretrained=vismemo-docqa-tiny,policy=cacheblend \
+        --tasks vismemo_synthdoc --include_path eval_tasks
+
+One store lives for the whole run and requests are answered in document order, so hits happen
+as in the stream. The hit kind of every answer is kept in ``HIT_KINDS`` (doc id -> kind) for
+the tasks' ``process_results`` (same process), which report ANLS per hit kind.
+"""
+
+from __future__ import annotations
+
+import torch
+from lmms_eval.api.model import lmms
+from lmms_eval.models.registry_v2 import ModelManifest
+from tqdm import tqdm
+
+from . import VisMemoCache, VisMemoStore, enable
+from .models import load_model
+
+HIT_KINDS: dict[str, str] = {}
+
+
+def _number(value):
+    if not isinstance(value, str):
+        return value
+    for cast in (int, float):
+        try:
+            return cast(value)
+        except ValueError:
+            pass
+    return {"true": True, "false": False, "none": None, "null": None}.get(value.lower(), value)
+
+
+class VisMemoLMM(lmms):
+    is_simple = True
+
+    def __init__(self, pretrained: str = "vismemo-docqa-tiny", policy: str = "vismemo", store: str = "memory",
+                 max_new_tokens: int = 16, dtype: str = "float32", device: str = "cpu", **method_args):
+        super().__init__()
+        self.model, self.processor = load_model(pretrained, dtype=getattr(torch, dtype))
+        self.model.to(device)
+        enable(self.model)
+        self.store = VisMemoStore.from_config(store)
+        self.policy = policy
+        self.options = {k: _number(v) for k, v in method_args.items() if k not in ("batch_size",)}
+        self.max_new_tokens = int(max_new_tokens)
+
+    def generate_until(self, requests) -> list[str]:
+        answers = [""] * len(requests)
+        order = sorted(range(len(requests)), key=lambda i: requests[i].args[3])  # stream (document) order
+        for i in tqdm(order, desc="vismemo", disable=len(order) < 2):
+            context, gen_kwargs, doc_to_visual, doc_id, task, split = requests[i].args
+            doc = self.task_dict[task][split][doc_id]
+            images = doc_to_visual(doc)
+            images = images if isinstance(images, list) else [images]
+            content = [{"type": "image"} for _ in images] + [{"type": "text", "text": context}]
+            text = self.processor.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True)
+            inputs = self.processor(text=[text], images=images, return_tensors="pt").to(self.model.device)
+            cache = VisMemoCache(store=self.store, policy=self.policy, **self.options)
+            with torch.no_grad():
+                out = self.model.generate(**inputs, past_key_values=cache, do_sample=False,
+                                          max_new_tokens=int(gen_kwargs.get("max_new_tokens", self.max_new_tokens)))
+            answers[i] = self.processor.tokenizer.decode(out[0, inputs["input_ids"].shape[1]:],
+                                                         skip_special_tokens=True).strip()
+            HIT_KINDS[str(doc.get("id", f"{task}/{doc_id}"))] = ",".join(str(e.kind) for e in cache.events) or "text"
+        return answers
+
+    def generate_until_multi_round(self, requests) -> list[str]:
+        return self.generate_until(requests)
+
+    def loglikelihood(self, requests):
+        raise NotImplementedError("the vismemo backend only generates")
+
+
+def manifests():
+    return [ModelManifest(model_id="vismemo", simple_class_path="vismemo_hf.lmms.VisMemoLMM")]

@@ -1,0 +1,102 @@
+"""Quality of reuse on request streams: ANLS by hit kind and fidelity to a full prefill (METHOD §6).
+
+``evaluate(model, processor, requests, policy=...)`` runs a stream in order through one store
+(so hits happen as in serving) and scores every answer; ``vismemo report quality`` compares
+every policy on the same streams and writes ``results/quality/``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+from transformers import DynamicCache
+
+from . import synthdoc
+from .cache import VisMemoCache
+from .store import VisMemoStore
+
+
+def levenshtein(a: str, b: str) -> int:
+    prev = list(range(len(b) + 1))
+    for i, ca in enumerate(a, 1):
+        cur = [i]
+        for j, cb in enumerate(b, 1):
+            cur.append(min(prev[j] + 1, cur[j - 1] + 1, prev[j - 1] + (ca != cb)))
+        prev = cur
+    return prev[-1]
+
+
+def anls(prediction: str, answers: list[str], threshold: float = 0.5) -> float:
+    """ANLS of one answer, computed exactly as ``lmms_eval.api.metrics.anls`` (DocVQA protocol)."""
+    pred = " ".join(prediction.strip().lower().split())
+    dists = []
+    for answer in answers:
+        gold = " ".join(answer.strip().lower().split())
+        length = max(len(answer.upper()), len(prediction.upper()))
+        dists.append(0.0 if length == 0 else levenshtein(gold, pred) / length)
+    score = 1 - min(dists)
+    return 0.0 if score < threshold else score
+
+
+@dataclass
+class Scored:
+    request: synthdoc.Request
+    prediction: str
+    kind: str
+    anls: float
+    first_token_logprobs: torch.Tensor | None = field(default=None, repr=False)
+    tokens: list[int] = field(default_factory=list)
+
+
+@torch.no_grad()
+def answer(model, processor, request: synthdoc.Request, cache, max_new_tokens: int = 8):
+    from .docqa import messages
+
+    text = processor.apply_chat_template(messages(request.question), add_generation_prompt=True)
+    inputs = processor(text=[text], images=[synthdoc.render(request.page)], return_tensors="pt").to(model.device)
+    out = model.generate(**inputs, past_key_values=cache, max_new_tokens=max_new_tokens, do_sample=False,
+                         output_scores=True, return_dict_in_generate=True)
+    tokens = out.sequences[0, inputs["input_ids"].shape[1]:].tolist()
+    prediction = processor.tokenizer.decode(tokens, skip_special_tokens=True).strip()
+    return prediction, tokens, torch.log_softmax(out.scores[0][0].float(), -1).cpu()
+
+
+def evaluate(model, processor, requests, policy: str = "vismemo", store: VisMemoStore | None = None,
+             max_new_tokens: int = 8, progress=None, **options) -> list[Scored]:
+    """Answer ``requests`` in order with one store; ``policy="plain"`` uses a ``DynamicCache`` (no VisMemo)."""
+    store = store if store is not None else VisMemoStore()
+    scored = []
+    for request in requests:
+        cache = DynamicCache() if policy == "plain" else VisMemoCache(store=store, policy=policy, **options)
+        prediction, tokens, logprobs = answer(model, processor, request, cache, max_new_tokens)
+        kind = "miss" if policy == "plain" else str(cache.events[0].kind)
+        scored.append(Scored(request, prediction, kind, anls(prediction, request.answers), logprobs, tokens))
+        if progress is not None:
+            progress.update(1)
+    return scored
+
+
+def summarise(scored: list[Scored], reference: list[Scored] | None = None) -> dict:
+    """ANLS overall, by hit kind and on edited-value questions; stale answers; fidelity to ``reference``."""
+
+    def mean(xs):
+        return sum(xs) / len(xs) if xs else float("nan")
+
+    out = {"n": len(scored), "anls": mean([s.anls for s in scored])}
+    for kind in ("exact", "approximate", "miss"):
+        subset = [s.anls for s in scored if s.kind == kind]
+        out[f"anls_{kind}"] = mean(subset)
+        out[f"n_{kind}"] = len(subset)
+    edited = [s for s in scored if s.request.about_edit]
+    out["anls_edited_value"] = mean([s.anls for s in edited])
+    out["stale_rate"] = mean([float(s.request.stale is not None and s.prediction == s.request.stale) for s in edited])
+    if reference is not None:
+        pairs = list(zip(scored, reference))
+        out["first_token_agreement"] = mean([float(a.tokens[:1] == b.tokens[:1]) for a, b in pairs])
+        out["sequence_match"] = mean([float(a.tokens == b.tokens) for a, b in pairs])
+        out["first_token_kl"] = mean([float(torch.sum(b.first_token_logprobs.exp() *
+                                                      (b.first_token_logprobs - a.first_token_logprobs)))
+                                      for a, b in pairs])
+    return {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in out.items()}

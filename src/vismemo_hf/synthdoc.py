@@ -1,0 +1,240 @@
+"""Synthetic documents whose answers are known, for the doc-QA model and the quality streams.
+
+A *form* page is a grid of 28x28 px cells (8 columns x 6 rows on a 224x168 page): each row
+holds a 3-letter key, a blank cell and a 4-digit value, one glyph per cell, so every glyph
+lives in exactly one visual token of a Qwen2-VL model (patch 14, merge 2). A reuse mistake
+on the token of an answer glyph therefore shows in the answer.
+
+Everything is deterministic in its seed.
+"""
+
+from __future__ import annotations
+
+import random
+import string
+from dataclasses import dataclass, field, replace
+
+from PIL import Image, ImageDraw, ImageEnhance, ImageFont
+
+CELL = 28
+COLS, ROWS = 8, 6
+KEY_LEN, VALUE_LEN, VALUE_COL = 3, 4, 4
+PAGE_SIZE = (COLS * CELL, ROWS * CELL)
+KEY_ALPHABET = string.ascii_uppercase
+LOOK_BACK = VALUE_COL  # value cells' auxiliary target: the glyph this many cells to the left
+
+
+@dataclass(frozen=True)
+class FormPage:
+    """Rows of (key, value); unfilled rows are blank. ``shift`` moves every glyph by (dx, dy) px."""
+
+    rows: tuple[tuple[str, str], ...]
+    shift: tuple[int, int] = (0, 0)
+    brightness: float = 1.0
+    jpeg_quality: int | None = None
+    meta: dict = field(default_factory=dict, compare=False, hash=False)
+
+    def answer(self, key: str) -> str:
+        return dict(self.rows)[key]
+
+    def cell_text(self) -> list[str]:
+        """The glyph (or " ") of every cell, row-major: the visual tokens' reading."""
+        cells = [" "] * (ROWS * COLS)
+        for r, (key, value) in enumerate(self.rows):
+            for c, ch in enumerate(key):
+                cells[r * COLS + c] = ch
+            for c, ch in enumerate(value):
+                cells[r * COLS + VALUE_COL + c] = ch
+        return cells
+
+
+def random_form(seed: int, n_rows: int = ROWS) -> FormPage:
+    rng = random.Random(seed)
+    keys = set()
+    while len(keys) < n_rows:
+        keys.add("".join(rng.choice(KEY_ALPHABET) for _ in range(KEY_LEN)))
+    rows = tuple((k, "".join(rng.choice(string.digits) for _ in range(VALUE_LEN))) for k in sorted(keys, key=lambda _: rng.random()))
+    return FormPage(rows)
+
+
+_FONT: ImageFont.ImageFont | None = None
+
+
+def _font():
+    global _FONT
+    if _FONT is None:
+        _FONT = ImageFont.load_default(size=22)
+    return _FONT
+
+
+def render(page: FormPage) -> Image.Image:
+    img = Image.new("RGB", PAGE_SIZE, "white")
+    draw = ImageDraw.Draw(img)
+    font = _font()
+    dx, dy = page.shift
+    for i, ch in enumerate(page.cell_text()):
+        if ch == " ":
+            continue
+        r, c = divmod(i, COLS)
+        left, top, right, bottom = font.getbbox(ch)
+        x = c * CELL + (CELL - (right - left)) // 2 - left + dx
+        y = r * CELL + (CELL - (bottom - top)) // 2 - top + dy
+        draw.text((x, y), ch, fill="black", font=font)
+    if page.brightness != 1.0:
+        img = ImageEnhance.Brightness(img).enhance(page.brightness)
+    if page.jpeg_quality is not None:
+        import io
+
+        buf = io.BytesIO()
+        img.save(buf, format="JPEG", quality=page.jpeg_quality)
+        img = Image.open(buf).convert("RGB")
+    return img
+
+
+# -- variant operators: near-duplicates of a page ------------------------------------------------------
+def edit_value(page: FormPage, row: int, rng: random.Random) -> FormPage:
+    """One value changed (every digit different, so a stale answer is wrong in every place)."""
+    key, value = page.rows[row]
+    new = "".join(rng.choice([d for d in string.digits if d != old]) for old in value)
+    rows = list(page.rows)
+    rows[row] = (key, new)
+    return replace(page, rows=tuple(rows))
+
+
+def shift(page: FormPage, dx: int, dy: int = 0) -> FormPage:
+    return replace(page, shift=(page.shift[0] + dx, page.shift[1] + dy))
+
+
+def reencode(page: FormPage, quality: int = 70) -> FormPage:
+    return replace(page, jpeg_quality=quality)
+
+
+def brighten(page: FormPage, factor: float = 0.9) -> FormPage:
+    return replace(page, brightness=factor)
+
+
+# -- request streams -------------------------------------------------------------------------------------
+@dataclass
+class Request:
+    """One row of a stream: a page, a question and its answers, and the hit kind it is meant to produce."""
+
+    id: str
+    page: FormPage
+    question: str
+    answers: list[str]
+    intended: str  # "miss", "exact" or "approximate"
+    variant: str  # how the page came about
+    about_edit: bool = False  # the question asks for the value that changed
+    stale: str | None = None  # for such questions: the value before the edit (what naive reuse may answer)
+
+
+def question_for(key: str) -> str:
+    return f"{key}?"
+
+
+def stream(seed: int, n_bases: int = 20, variants_per_base: int = 4) -> list[Request]:
+    """A trace: each base page (a miss), then in mixed order its follow-ups: the same page with another
+    question (exact), an edited value asked about (approximate, naive reuse must fail) or another value
+    (approximate), a shifted copy, a re-encoded or brightened copy (approximate)."""
+    rng = random.Random(seed)
+    out: list[Request] = []
+    pending: list[Request] = []
+    for b in range(n_bases):
+        base = random_form(seed * 100_003 + b)
+        r0 = rng.randrange(ROWS)
+        key0 = base.rows[r0][0]
+        out.append(Request(f"s{seed}b{b}", base, question_for(key0), [base.answer(key0)], "miss", "base"))
+        follow = []
+        for v in range(variants_per_base):
+            kind = ["same", "edit_asked", "edit_other", "shift", "reencode"][(v + b) % 5]
+            row = rng.randrange(ROWS)
+            page, about = base, False
+            if kind == "same":
+                row = (r0 + 1 + rng.randrange(ROWS - 1)) % ROWS
+            elif kind.startswith("edit"):
+                edited_row = rng.randrange(ROWS)
+                page = edit_value(base, edited_row, rng)
+                about = kind == "edit_asked"
+                row = edited_row if about else (edited_row + 1 + rng.randrange(ROWS - 1)) % ROWS
+            elif kind == "shift":
+                page = shift(base, rng.choice([-3, -2, 2, 3]), rng.choice([-1, 0, 1]))
+            else:
+                page = reencode(base) if rng.random() < 0.5 else brighten(base, 0.9)
+            key = page.rows[row][0]
+            follow.append(Request(f"s{seed}b{b}v{v}", page, question_for(key), [page.answer(key)],
+                                  "exact" if kind == "same" else "approximate", kind, about,
+                                  base.answer(key) if about else None))
+        pending.extend(follow)
+        rng.shuffle(pending)
+        # release part of the pending follow-ups: reuse intervals vary
+        release = pending[: rng.randrange(len(pending) + 1)]
+        pending = pending[len(release):]
+        out.extend(release)
+    out.extend(pending)
+    return out
+
+
+# -- streams of real pages (DocVQA / InfographicVQA) -------------------------------------------------------
+def shift_image(image: Image.Image, dx: int, dy: int = 0) -> Image.Image:
+    """The same page moved by a few pixels, uncovered border filled white."""
+    canvas = Image.new("RGB", image.size, "white")
+    canvas.paste(image.convert("RGB"), (dx, dy))
+    return canvas
+
+
+def reencode_image(image: Image.Image, quality: int = 70) -> Image.Image:
+    import io
+
+    buf = io.BytesIO()
+    image.convert("RGB").save(buf, format="JPEG", quality=quality)
+    return Image.open(buf).convert("RGB")
+
+
+def page_stream(pages, seed: int = 0) -> list[dict]:
+    """Rows of a stream over real pages. ``pages``: iterable of (page id, image, [(question, answers), ...]).
+    Per page: its first question (miss), a second question on the same image (exact), and the page shifted
+    by a few pixels or re-encoded as JPEG with another question (approximate)."""
+    rng = random.Random(seed)
+    rows, pending = [], []
+    for page_id, image, qas in pages:
+        image = image.convert("RGB")
+        q0, a0 = qas[0]
+        rows.append(dict(id=f"{page_id}/0", question=q0, answers=list(a0), intended="miss", variant="base",
+                         about_edit=False, stale="", image=image))
+        for j, (q, a) in enumerate(qas[1:3], 1):
+            if j == 1:
+                pending.append(dict(id=f"{page_id}/{j}", question=q, answers=list(a), intended="exact",
+                                    variant="same", about_edit=False, stale="", image=image))
+            else:
+                variant = rng.choice(["shift", "reencode"])
+                img = shift_image(image, rng.choice([-3, -2, 2, 3])) if variant == "shift" else reencode_image(image)
+                pending.append(dict(id=f"{page_id}/{j}", question=q, answers=list(a), intended="approximate",
+                                    variant=variant, about_edit=False, stale="", image=img))
+        rng.shuffle(pending)
+        cut = rng.randrange(len(pending) + 1)
+        rows.extend(pending[:cut])
+        pending = pending[cut:]
+    return rows + pending
+
+
+def request_rows(requests: list[Request]) -> list[dict]:
+    return [dict(id=r.id, question=r.question, answers=r.answers, intended=r.intended, variant=r.variant,
+                 about_edit=r.about_edit, stale=r.stale or "", image=render(r.page)) for r in requests]
+
+
+def save_rows(rows: list[dict], path) -> str:
+    """Write stream rows (with a PIL ``image``) as parquet with ``datasets``; returns the path."""
+    from pathlib import Path
+
+    import datasets
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    features = datasets.Features({
+        "id": datasets.Value("string"), "question": datasets.Value("string"),
+        "answers": datasets.Sequence(datasets.Value("string")), "intended": datasets.Value("string"),
+        "variant": datasets.Value("string"), "about_edit": datasets.Value("bool"), "stale": datasets.Value("string"),
+        "image": datasets.Image(),
+    })
+    datasets.Dataset.from_list(rows, features=features).to_parquet(str(path))
+    return str(path)

@@ -1,0 +1,76 @@
+"""Synthetic forms and request streams: deterministic, answers known, variants what they claim."""
+
+import random
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from vismemo_hf import synthdoc
+from vismemo_hf.quality import anls
+
+
+def test_stream_is_deterministic_and_mixes_hit_kinds():
+    a, b = synthdoc.stream(7, n_bases=10), synthdoc.stream(7, n_bases=10)
+    assert [r.id for r in a] == [r.id for r in b] and [r.answers for r in a] == [r.answers for r in b]
+    kinds = {k: sum(r.intended == k for r in a) for k in ("miss", "exact", "approximate")}
+    assert kinds["miss"] == 10 and kinds["exact"] > 0 and kinds["approximate"] > kinds["exact"]
+    variants = {r.variant for r in a}
+    assert {"base", "same", "edit_asked", "edit_other", "shift", "reencode"} <= variants
+    seen = set()
+    for r in a:  # a follow-up always comes after its base page
+        base_id = r.id.split("v")[0]
+        assert r.intended == "miss" or base_id in seen
+        seen.add(r.id)
+
+
+def test_edited_value_questions_have_a_stale_answer_that_differs_everywhere():
+    edits = [r for r in synthdoc.stream(3, n_bases=15) if r.about_edit]
+    assert edits
+    for r in edits:
+        assert r.stale is not None and len(r.stale) == len(r.answers[0]) == 4
+        assert all(x != y for x, y in zip(r.stale, r.answers[0]))
+        assert anls(r.stale, r.answers) == 0.0
+
+
+def test_every_glyph_is_drawn_inside_its_own_cell():
+    page = synthdoc.FormPage(synthdoc.random_form(5).rows, shift=(2, -2))
+    img = np.asarray(synthdoc.render(page).convert("L"))
+    for i, ch in enumerate(page.cell_text()):
+        r, c = divmod(i, synthdoc.COLS)
+        cell = img[r * synthdoc.CELL:(r + 1) * synthdoc.CELL, c * synthdoc.CELL:(c + 1) * synthdoc.CELL]
+        assert (cell.min() < 128) == (ch != " "), (i, ch)
+
+
+def test_variants_change_pixels_but_not_the_answers():
+    page = synthdoc.random_form(9)
+    base = np.asarray(synthdoc.render(page), dtype=np.int16)
+    for variant in (synthdoc.shift(page, 2), synthdoc.reencode(page), synthdoc.brighten(page)):
+        assert variant.rows == page.rows
+        assert np.abs(np.asarray(synthdoc.render(variant), dtype=np.int16) - base).max() > 0
+    edited = synthdoc.edit_value(page, 2, random.Random(0))
+    assert edited.rows[2][0] == page.rows[2][0] and edited.rows[2][1] != page.rows[2][1]
+
+
+@pytest.mark.parametrize("pred,answers", [("1234", ["1234"]), ("1235", ["1234"]), (" 12 34 ", ["1234"]),
+                                          ("abc", ["ABC", "x"]), ("", ["1234"]), ("12", ["1234"]),
+                                          ("Dollars 12", ["12 dollars", "$12"])])
+def test_anls_is_lmms_evals(pred, answers):
+    from lmms_eval.api.metrics import anls as reference
+
+    assert anls(pred, answers) == pytest.approx(reference(answers, [pred])["anls"])
+
+
+def test_real_page_streams_and_parquet(tmp_path):
+    pages = [(f"doc{i}", Image.new("RGB", (64, 48), (255, 255 - i, 255)), [(f"q{i}{j}", [f"a{i}{j}"]) for j in range(3)])
+             for i in range(4)]
+    rows = synthdoc.page_stream(pages, seed=1)
+    assert len(rows) == 12 and sum(r["intended"] == "miss" for r in rows) == 4
+    order = [r["id"] for r in rows]
+    for r in rows:
+        assert order.index(r["id"].split("/")[0] + "/0") <= order.index(r["id"])
+    import datasets
+
+    path = synthdoc.save_rows(rows, tmp_path / "s.parquet")
+    back = datasets.load_dataset("parquet", data_files={"test": path}, split="test")
+    assert back[0]["id"] == rows[0]["id"] and back[0]["image"].size == (64, 48)
