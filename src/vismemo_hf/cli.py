@@ -6,68 +6,66 @@ import argparse
 import json
 import logging
 import sys
-import time
 import warnings
 
 
 def _demo_requests():
-    from . import synthetic
+    """Five requests on synthetic forms: (name, page, question, expected answer)."""
+    import random
 
-    base = synthetic.page(1)
+    from . import synthdoc
+
+    base = synthdoc.random_form(11)
+    edited = synthdoc.edit_value(base, 2, random.Random(0))
+    other = synthdoc.random_form(12)
+    ask = lambda page, row: (synthdoc.question_for(page.rows[row][0]), page.rows[row][1])  # noqa: E731
     return [
-        ("base page", base, "What is the value of the first row?"),
-        ("same page, other question", base, "Which key is in the last row?"),
-        ("edited copy", synthetic.edited(1, row=2, value="9999"), "What is the value of the third row?"),
-        ("shifted copy", synthetic.shifted(base, 3), "What is the value of the first row?"),
-        ("unrelated page", synthetic.chart(4), "Which bar is the tallest?"),
+        ("base page", base, *ask(base, 0)),
+        ("same page, other question", base, *ask(base, 4)),
+        ("edited copy, edited value", edited, *ask(edited, 2)),
+        ("shifted copy", synthdoc.shift(base, 3, 1), *ask(base, 1)),
+        ("unrelated page", other, *ask(other, 3)),
     ]
 
 
 def demo(args) -> int:
     import torch
 
-    from . import VisMemoCache, VisMemoStore, enable
-    from .testing import tiny_model
+    from . import VisMemoCache, VisMemoStore, enable, synthdoc
+    from .docqa import messages
+    from .models import load_model
 
     torch.manual_seed(0)
-    model, processor = tiny_model(args.family, seed=args.seed)
+    model, processor = load_model(args.model, args.family)
     enable(model)
     store = VisMemoStore()
     rows = []
-    for name, image, question in _demo_requests():
-        messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]}]
-        text = processor.apply_chat_template(messages, add_generation_prompt=True)
-        inputs = processor(text=[text], images=[image], return_tensors="pt")
+    for name, page, question, expected in _demo_requests():
+        text = processor.apply_chat_template(messages(question), add_generation_prompt=True)
+        inputs = processor(text=[text], images=[synthdoc.render(page)], return_tensors="pt")
         cache = VisMemoCache(store=store, policy=args.policy)
-        t0 = time.perf_counter()
         with torch.no_grad():
             out = model.generate(**inputs, past_key_values=cache, max_new_tokens=args.new_tokens, do_sample=False)
-        total_ms = (time.perf_counter() - t0) * 1e3
         (event,) = cache.events
-        answer = out[0, inputs["input_ids"].shape[1]:].tolist()
+        answer = processor.tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True).strip()
         rows.append({
-            "request": name,
-            "kind": str(event.kind),
-            "alias": event.alias[:8] if event.alias else "-",
-            "R": event.recomputed,
-            "B": event.reused,
-            "M": event.masked,
-            "N": event.n_tokens,
+            "request": name, "question": question, "expected": expected, "answer": answer,
+            "kind": str(event.kind), "alias": event.alias[:8] if event.alias else "-",
+            "R": event.recomputed, "B": event.reused, "M": event.masked, "N": event.n_tokens,
             "prefill_ms": round(event.timings["prefill"], 1),
-            "generate_ms": round(total_ms, 1),
-            "answer_tokens": answer,
         })
     if args.json:
-        print(json.dumps({"family": args.family, "requests": rows, "store": store.stats()}, indent=2))
+        print(json.dumps({"model": args.model, "requests": rows, "store": store.stats()}, indent=2, default=str))
         return 0
-    print(f"vismemo demo: tiny random {args.family} model (CPU, fp32), policy {args.policy!r}; "
-          "answers are token ids of an untrained model")
-    header = f"{'request':<27} {'hit':<12} {'alias':<9} {'R/B/M of N':<13} {'prefill ms':>10}  answer tokens"
+    print(f"vismemo demo: model {args.model!r} on CPU, policy {args.policy!r}, synthetic forms")
+    header = (f"{'request':<27} {'question':<8} {'expected':<8} {'answer':<8} {'hit':<12} {'alias':<9} "
+              f"{'R/B/M of N':<13} {'prefill ms':>10}")
     print(header)
     print("-" * len(header))
     for r in rows:
         rbm = f"{r['R']}/{r['B']}/{r['M']} of {r['N']}"
-        print(f"{r['request']:<27} {r['kind']:<12} {r['alias']:<9} {rbm:<13} {r['prefill_ms']:>10.1f}  {r['answer_tokens']}")
+        print(f"{r['request']:<27} {r['question']:<8} {r['expected']:<8} {r['answer']:<8} {r['kind']:<12} "
+              f"{r['alias']:<9} {rbm:<13} {r['prefill_ms']:>10.1f}")
     s = store.stats()
     print(f"store: {s['entries']} entries, {s['bytes'] / 1024:.0f} KiB; hits {s['hits']}")
     return 0
@@ -167,11 +165,13 @@ def _real_pages(args):
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="vismemo", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("demo", help="run five document requests through a tiny model (no downloads, no GPU)")
-    p.add_argument("--family", default="qwen2_vl", choices=["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
+    p = sub.add_parser("demo", help="five document requests through the packaged reading model (no downloads, no GPU)")
+    p.add_argument("--model", default="vismemo-docqa-tiny",
+                   help="vismemo-docqa-tiny (packaged, trained), a preset such as tiny (random weights) or a checkpoint")
+    p.add_argument("--family", default=None, choices=["qwen2_vl", "qwen2_5_vl", "qwen3_vl"],
+                   help="family for family-agnostic presets")
     p.add_argument("--policy", default="vismemo")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--new-tokens", type=int, default=8)
+    p.add_argument("--new-tokens", type=int, default=6)
     p.add_argument("--json", action="store_true", help="print the table as JSON")
     p.set_defaults(func=demo)
     p = sub.add_parser("profile-vlcache", help="compute VL-Cache's per-layer sensitivity profile on calibration pairs")
@@ -226,6 +226,31 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="results/store")
     p.set_defaults(func=_bench("store"))
+    p = bench_sub.add_parser("latency", help="prefill time of miss / exact / approximate hits by visual length")
+    p.add_argument("--preset", default="qwen3-vl-8b-narrow")
+    p.add_argument("--family", default=None)
+    p.add_argument("--lengths", default="256,512,1024,2048,4096")
+    p.add_argument("--policies", default="vismemo,cacheblend,vlcache,naive")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--out", default="results/perf")
+    p.set_defaults(func=_bench("latency"))
+    p = bench_sub.add_parser("lookup", help="approximate-lookup latency vs number of cached entries")
+    p.add_argument("--sizes", default="1000,10000,100000")
+    p.add_argument("--dim", type=int, default=256)
+    p.add_argument("--queries", type=int, default=200)
+    p.add_argument("--tau", type=float, default=0.8)
+    p.add_argument("--top-k", type=int, default=5)
+    p.add_argument("--groups", type=int, default=4)
+    p.add_argument("--out", default="results/perf")
+    p.set_defaults(func=_bench("lookup"))
+    p = bench_sub.add_parser("trace", help="synthetic trace through the tiered store at several capacities")
+    p.add_argument("--requests", type=int, default=3000)
+    p.add_argument("--capacities", default="20,50,100,200,400")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="results/perf")
+    p.set_defaults(func=_bench("trace"))
     report = sub.add_parser("report", help="reports (under results/)")
     report_sub = report.add_subparsers(dest="report", required=True)
     p = report_sub.add_parser("quality", help="Table 1: every policy on the same synthetic streams, ANLS and fidelity")

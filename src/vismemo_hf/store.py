@@ -36,48 +36,74 @@ logger = logging.getLogger(__name__)
 TIERS = ("device", "host", "disk")
 
 
+class _DescriptorGroup:
+    """Descriptors of one (fingerprint, grid) group in a growable region-major matrix (4, capacity, dim):
+    O(1) add and remove, and one batched matrix-vector product per search."""
+
+    def __init__(self, shape) -> None:
+        self.mat = torch.empty(shape[0], 16, shape[1])
+        self.keys: list[str] = []
+        self.rows: dict[str, int] = {}
+
+    def add(self, key: str, descriptors: torch.Tensor) -> None:
+        n = len(self.keys)
+        if n == self.mat.shape[1]:
+            self.mat = torch.cat([self.mat, torch.empty_like(self.mat)], dim=1)
+        self.mat[:, n] = descriptors
+        self.rows[key] = n
+        self.keys.append(key)
+
+    def remove(self, key: str) -> None:
+        i, last = self.rows.pop(key), len(self.keys) - 1
+        if i != last:  # move the last row into the hole
+            self.mat[:, i] = self.mat[:, last]
+            self.keys[i] = self.keys[last]
+            self.rows[self.keys[i]] = i
+        self.keys.pop()
+
+
 class DescriptorIndex:
     """In-memory coarse index: per (fingerprint, grid), a matrix of the four region descriptors."""
 
     def __init__(self) -> None:
-        self._groups: dict[tuple, tuple[list[str], torch.Tensor]] = {}
+        self._groups: dict[tuple, _DescriptorGroup] = {}
+
+    @staticmethod
+    def _group_key(fingerprint: str, grid) -> tuple:
+        return fingerprint, tuple(int(g) for g in grid)
 
     def add(self, fingerprint: str, grid, key: str, descriptors: torch.Tensor) -> None:
-        group = (fingerprint, tuple(int(g) for g in grid))
-        keys, mat = self._groups.get(group, ([], torch.empty(0, *descriptors.shape)))
-        if key in keys:
-            return
-        self._groups[group] = (keys + [key], torch.cat([mat, descriptors.float().cpu()[None]]))
+        gk = self._group_key(fingerprint, grid)
+        group = self._groups.get(gk)
+        if group is None:
+            group = self._groups[gk] = _DescriptorGroup(descriptors.shape)
+        if key not in group.rows:
+            group.add(key, descriptors.float().cpu())
 
     def remove(self, fingerprint: str, grid, key: str) -> None:
-        group = (fingerprint, tuple(int(g) for g in grid))
-        keys, mat = self._groups.get(group, ([], None))
-        if key not in keys:
-            return
-        i = keys.index(key)
-        keys = keys[:i] + keys[i + 1 :]
-        mat = torch.cat([mat[:i], mat[i + 1 :]])
-        if keys:
-            self._groups[group] = (keys, mat)
-        else:
-            del self._groups[group]
+        gk = self._group_key(fingerprint, grid)
+        group = self._groups.get(gk)
+        if group is not None and key in group.rows:
+            group.remove(key)
+            if not group.keys:
+                del self._groups[gk]
 
     def search(self, fingerprint: str, grid, descriptors: torch.Tensor, tau: float, top_k: int) -> list[tuple[str, float]]:
         """Keys whose four regional cosines all exceed ``tau``, best mean first, at most ``top_k``."""
-        keys, mat = self._groups.get((fingerprint, tuple(int(g) for g in grid)), ([], None))
-        if not keys or top_k <= 0:
+        group = self._groups.get(self._group_key(fingerprint, grid))
+        if group is None or top_k <= 0:
             return []
-        sims = (mat * descriptors.float().cpu()[None]).sum(-1)  # (n, 4): descriptors are unit norm
+        mat = group.mat[:, : len(group.keys)]
+        sims = torch.bmm(mat, descriptors.float().cpu()[:, :, None])[..., 0].T  # (n, 4); unit-norm descriptors
         ok = (sims > tau).all(-1)
-        mean = sims.mean(-1).masked_fill(~ok, float("-inf"))
         k = min(top_k, int(ok.sum()))
         if k == 0:
             return []
-        best = torch.topk(mean, k)
-        return [(keys[i], float(v)) for v, i in zip(best.values.tolist(), best.indices.tolist())]
+        best = torch.topk(sims.mean(-1).masked_fill(~ok, float("-inf")), k)
+        return [(group.keys[i], float(v)) for v, i in zip(best.values.tolist(), best.indices.tolist())]
 
     def __len__(self) -> int:
-        return sum(len(k) for k, _ in self._groups.values())
+        return sum(len(g.keys) for g in self._groups.values())
 
 
 def parse_bytes(value) -> int | None:

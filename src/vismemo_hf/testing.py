@@ -84,3 +84,10 @@ def tiny_model(family: str = "qwen2_vl", seed: int = 0):
     processor = offline_processor(family)
     model = build_model("tiny", family, seed=seed, tokenizer=processor.tokenizer)
     return model, processor
+
+
+def docqa_model():
+    """``(model, processor)`` of ``vismemo-docqa-tiny``, the packaged model trained to read synthetic forms."""
+    from .docqa import docqa_model as load
+
+    return load()
