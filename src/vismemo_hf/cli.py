@@ -117,7 +117,7 @@ def train_docqa(args) -> int:
     torch.set_num_threads(args.threads)
     out = args.out or PACKAGED
     result = train(out, minutes=args.minutes, max_steps=args.max_steps, batch_size=args.batch_size, seed=args.seed,
-                   log=lambda line: print(line, flush=True))
+                   lr=args.lr, resume=args.resume, log=lambda line: print(line, flush=True))
     print(f"saved the best checkpoint to {out} after {result['steps']} steps")
     return 0
 
@@ -187,6 +187,8 @@ def main(argv=None) -> int:
     p.add_argument("--max-steps", type=int, default=20000)
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--resume", default=None, help="continue a saved checkpoint (all rows filled, fresh optimizer)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="checkpoint folder (default: the packaged model's)")
     p.set_defaults(func=train_docqa)

@@ -117,25 +117,34 @@ def sample(rng: random.Random, n_rows: int):
 
 
 def train(out: str | Path, minutes: float = 55.0, max_steps: int = 20000, batch_size: int = 32, lr: float = 2e-3,
-          curriculum_steps: int = 2000, seed: int = 0, log=print) -> dict:
+          curriculum_steps: int = 2000, seed: int = 0, resume: str | Path | None = None, log=print) -> dict:
+    """Train from scratch, or continue ``resume`` (a saved checkpoint: full curriculum, fresh optimizer)."""
     torch.manual_seed(seed)
     rng = random.Random(seed)
-    processor = new_processor()
+    if resume is not None:
+        model, processor = docqa_model(resume)
+        info = json.loads((Path(resume) / "training.json").read_text())
+        curriculum_steps, first_step, history = 0, info["step"], info["history"]
+    else:
+        processor = new_processor()
+        model = new_model(processor.tokenizer, seed)
+        first_step, history = 0, []
     tok = processor.tokenizer
-    model = new_model(tok, seed)
     model.train()
     image_id = model.config.image_token_id
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
     warmup = 200
     held_out = [sample(random.Random(10**9 + i), synthdoc.ROWS) for i in range(128)]
-    start, step, history, best = time.time(), 0, [], -1.0
+    start, step = time.time(), first_step
+    best = max((h["heldout_exact"] for h in history), default=-1.0)
     budget = minutes * 60
-    while step < max_steps and time.time() - start < budget:
+    while step < first_step + max_steps and time.time() - start < budget:
         progress = min(1.0, (time.time() - start) / budget)
-        lr_now = lr * min(1.0, (step + 1) / warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+        lr_now = lr * min(1.0, (step + 1 - first_step) / warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
         for group in opt.param_groups:
             group["lr"] = lr_now
-        n_rows = 2 + min(synthdoc.ROWS - 2, int((synthdoc.ROWS - 2) * step / curriculum_steps + 1e-9))
+        n_rows = synthdoc.ROWS if curriculum_steps == 0 else 2 + min(
+            synthdoc.ROWS - 2, int((synthdoc.ROWS - 2) * step / curriculum_steps + 1e-9))
         pages, questions, answers = zip(*[sample(rng, n_rows) for _ in range(batch_size)])
         batch = _batch(processor, pages, questions, answers)
         logits = model(**batch).logits
@@ -156,7 +165,7 @@ def train(out: str | Path, minutes: float = 55.0, max_steps: int = 20000, batch_
         if step % 50 == 0:
             log(f"step {step} rows {n_rows} lr {lr_now:.2e} qa {qa_loss.item():.3f} aux {aux_loss.item():.3f} "
                 f"t {time.time() - start:.0f}s")
-        if step % 500 == 0 or step == max_steps:
+        if step % 500 == 0:
             acc = teacher_forced_accuracy(model, processor, held_out)
             history.append({"step": step, "seconds": round(time.time() - start), "qa_loss": qa_loss.item(),
                             "heldout_exact": acc})
@@ -169,7 +178,7 @@ def train(out: str | Path, minutes: float = 55.0, max_steps: int = 20000, batch_
     history.append({"step": step, "seconds": round(time.time() - start), "heldout_exact": acc})
     if acc >= best:
         save(model, processor, out, {"step": step, "history": history})
-    return {"steps": step, "history": history}
+    return {"steps": step, "history": history, "best_heldout_exact": max(best, acc)}
 
 
 @torch.no_grad()

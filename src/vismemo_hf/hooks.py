@@ -37,6 +37,7 @@ def enable(model, *, image_mean=None, image_std=None):
     def deferred_image_features(pixel_values, image_grid_thw=None, **kwargs):
         kwargs.setdefault("return_dict", True)
         return DeferredImageFeatures(get_image_features, pixel_values, image_grid_thw, kwargs)
+
     text_forward = text.forward
 
     def before(module, args, kwargs):
@@ -61,9 +62,7 @@ def enable(model, *, image_mean=None, image_std=None):
             pixels, grids = deferred.pixel_values, deferred.image_grid_thw
         else:
             return kwargs
-        request, outputs = lookup_request(
-            model._vismemo, cache, kwargs.get("input_ids"), pixels, grids, get_image_features
-        )
+        request, outputs = lookup_request(adapter, cache, kwargs.get("input_ids"), pixels, grids, get_image_features)
         cache._pending = request
         if deferred is not None:
             deferred.provide(outputs)
@@ -87,7 +86,7 @@ def enable(model, *, image_mean=None, image_std=None):
         if cache is not None and cache._pending is not None:
             request, cache._pending = cache._pending, None
             kwargs = {k: v for k, v in kwargs.items() if k != "past_key_values"}
-            return run_prefill(model._vismemo, request, **{**kwargs, "cache": cache})
+            return run_prefill(adapter, request, **{**kwargs, "cache": cache})
         return text_forward(*args, **kwargs)
 
     base.get_image_features = deferred_image_features

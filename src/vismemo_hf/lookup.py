@@ -127,7 +127,7 @@ def image_spans(input_ids: torch.Tensor, image_token_id: int, counts: list[int])
     return [(row, start) for row, start, _ in spans]
 
 
-def _guarded(what: str, fn, default):
+def store_call(what: str, fn, default):
     """Run a store call; a fault is logged and gives ``default`` (a miss, no entry stored), never an error."""
     try:
         return fn()
@@ -156,7 +156,7 @@ def lookup_request(adapter, cache, input_ids, pixel_values, grids, get_image_fea
 
     t0 = time.perf_counter()
     keys = [exact_key(fp, p, g) for p, g in zip(pixels, grid_list)]
-    entries = [_guarded("read", lambda k=k: store.get(k, fp), None) for k in keys]
+    entries = [store_call("read", lambda k=k: store.get(k, fp), None) for k in keys]
     exact = [_compatible(e, n, n_layers) for e, n in zip(entries, counts)]
     t_exact = (time.perf_counter() - t0) * 1e3
 
@@ -198,10 +198,10 @@ def _approximate(state: ImageState, cache, fp: str, n_layers: int) -> None:
     if cache.top_k == 0:
         return
     feats = state.features
-    found = _guarded("index", lambda: cache.store.candidates(fp, feats.grid, state.descriptors, cache.tau, cache.top_k), [])
+    found = store_call("index", lambda: cache.store.candidates(fp, feats.grid, state.descriptors, cache.tau, cache.top_k), [])
     best, best_score = None, float("-inf")
     for key, _ in found:
-        entry = _guarded("read", lambda k=key: cache.store.peek(k, fp), None)
+        entry = store_call("read", lambda k=key: cache.store.peek(k, fp), None)
         if not _compatible(entry, feats.n_tokens, n_layers):
             continue
         score = float(token_cosine(feats.embeds, entry.embeds).mean())

@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 
 
-def load_model(spec: str, family: str | None = None, dtype=torch.float32, seed: int = 0):
+def load_model(spec: str, family: str | None = None, dtype=torch.float32, seed: int = 0, device: str = "cpu"):
     """``(model, processor)``: ``spec`` is ``"vismemo-docqa-tiny"`` (the packaged reading model), a local
     checkpoint folder (``from_pretrained``) or a preset
     of ``configs/models/`` built with random weights and an offline processor (``family`` picks the
@@ -15,15 +15,16 @@ def load_model(spec: str, family: str | None = None, dtype=torch.float32, seed: 
     from .docqa import MODEL_NAME, docqa_model
 
     if spec == MODEL_NAME:
-        return docqa_model(dtype=dtype)
+        model, processor = docqa_model(dtype=dtype)
+        return model.to(device), processor
     if Path(spec).is_dir():
         from transformers import AutoModelForImageTextToText, AutoProcessor
 
-        model = AutoModelForImageTextToText.from_pretrained(spec, dtype=dtype).eval()
+        model = AutoModelForImageTextToText.from_pretrained(spec, dtype=dtype).eval().to(device)
         return model, AutoProcessor.from_pretrained(spec)
     from .presets import load_preset
     from .testing import build_model, offline_processor
 
     family = family or load_preset(spec).get("family") or "qwen2_vl"
     processor = offline_processor(family)
-    return build_model(spec, family, seed=seed, dtype=dtype, tokenizer=processor.tokenizer), processor
+    return build_model(spec, family, seed=seed, dtype=dtype, tokenizer=processor.tokenizer, device=device), processor

@@ -1,4 +1,4 @@
-"""Steps 2-4 of the data path for one prefill: plan, execute layer by layer, store misses.
+"""Steps 2-4 of the data path for one prefill: plan, execute layer by layer, store complete entries.
 
 Replaces the language model's forward when a ``PrefillRequest`` is pending. Layers are
 called one by one (no copy of the model's code): at each layer only the "active"
@@ -18,7 +18,7 @@ import torch
 from transformers.modeling_outputs import BaseModelOutputWithPast
 
 from .compress import window_stats
-from .lookup import ImageState, PrefillRequest, _guarded
+from .lookup import ImageState, PrefillRequest, store_call
 from .plan import HitKind, WarmupSignals
 from .rope import rerotate, rotate_half
 from .entry import Entry
@@ -56,6 +56,8 @@ def _pad(rows: list[torch.Tensor], fill: int, device) -> torch.Tensor:
 
 
 class PrefillRunner:
+    """One prefill with images: plans, fetches, the layer loop, storing and events."""
+
     def __init__(self, adapter, cache, request: PrefillRequest, inputs_embeds, attention_mask, position_ids):
         self.adapter, self.cache, self.request = adapter, cache, request
         self.policy = cache.policy
@@ -85,7 +87,7 @@ class PrefillRunner:
         if img.kind is HitKind.EXACT:
             kv = img.alias_entry.kv[tokens.to(img.alias_entry.kv.device)][:, first_layer:]
         else:
-            kv = _guarded(
+            kv = store_call(
                 "read",
                 lambda: self.cache.store.get_tokens(img.alias.key, self.adapter.fingerprint, tokens, first_layer),
                 None,
@@ -337,7 +339,7 @@ class PrefillRunner:
             img.timings["warmup"] = (t_warm_end - t_start) * 1e3 if img.kind is HitKind.APPROXIMATE else 0.0
             img.timings["recompute"] = (t_end - t_warm_end) * 1e3
             cache.events.append(img.event())
-            _guarded("stats", lambda k=img.kind: cache.store.record(k), None)
+            store_call("stats", lambda k=img.kind: cache.store.record(k), None)
         return BaseModelOutputWithPast(last_hidden_state=hidden, cache=cache)
 
     def _scatter(self, active, hidden, final) -> None:
@@ -422,7 +424,7 @@ class PrefillRunner:
                 offset=img.offset,
                 patch_hashes=img.features.patch_hashes,
             )
-            _guarded("write", lambda e=entry: cache.store.put(e), None)
+            store_call("write", lambda e=entry: cache.store.put(e), None)
 
 
 def run_prefill(adapter, request, *, cache, inputs_embeds, attention_mask=None, position_ids=None,

@@ -68,14 +68,16 @@ def offline_processor(family: str, tokenizer=None, min_tokens: int = 4, max_toke
                chat_template=_QWEN2_TEMPLATE)
 
 
-def build_model(preset: str, family: str | None = None, seed: int = 0, dtype=torch.float32, tokenizer=None):
-    """A random-weight model of ``preset`` (eval mode, SDPA attention)."""
+def build_model(preset: str, family: str | None = None, seed: int = 0, dtype=torch.float32, tokenizer=None,
+                device: str = "cpu"):
+    """A random-weight model of ``preset`` (eval mode, SDPA attention), created directly on ``device``."""
     from transformers import AutoModelForImageTextToText
 
     config = preset_config(preset, family, tokenizer=tokenizer)
     config._attn_implementation = "sdpa"
     torch.manual_seed(seed)
-    model = AutoModelForImageTextToText.from_config(config, dtype=dtype)
+    with torch.device(device):
+        model = AutoModelForImageTextToText.from_config(config, dtype=dtype)
     return model.eval()
 
 

@@ -157,9 +157,7 @@ def main(args) -> int:
     from tqdm import tqdm
 
     dtype = getattr(torch, args.dtype)
-    model, processor = load_model(args.preset, args.family, dtype=dtype)
-    if args.device != "cpu":
-        model.to(args.device)
+    model, processor = load_model(args.preset, args.family, dtype=dtype, device=args.device)
     enable(model)
     if hasattr(processor, "image_processor"):
         patch = model.config.vision_config.patch_size

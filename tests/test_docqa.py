@@ -1,0 +1,55 @@
+"""The packaged reading model: loads offline, reads held-out forms, and exposes stale reuse."""
+
+import functools
+import random
+
+import pytest
+
+import vismemo_hf
+from vismemo_hf import docqa, synthdoc
+from vismemo_hf.quality import evaluate, summarise
+
+pytestmark = pytest.mark.skipif(not (docqa.PACKAGED / "config.json").is_file(), reason="no packaged checkpoint")
+
+
+@functools.lru_cache(maxsize=None)
+def _model():
+    from vismemo_hf.testing import docqa_model
+
+    model, processor = docqa_model()
+    vismemo_hf.enable(model)
+    return model, processor
+
+
+def test_packaged_checkpoint_is_small_and_loads_by_name():
+    size = sum(f.stat().st_size for f in docqa.PACKAGED.iterdir())
+    assert size < 20 * 2**20
+    from vismemo_hf.models import load_model
+
+    model, processor = load_model(docqa.MODEL_NAME)
+    assert model.config.model_type == "qwen2_vl" and processor.tokenizer.eos_token == "<|im_end|>"
+
+
+def test_full_prefill_reads_held_out_forms():
+    model, processor = _model()
+    rng = random.Random(123456)
+    requests = []
+    for i in range(48):
+        page = synthdoc.random_form(900_000 + i)
+        key, value = page.rows[rng.randrange(synthdoc.ROWS)]
+        requests.append(synthdoc.Request(f"h{i}", page, synthdoc.question_for(key), [value], "miss", "base"))
+    scored = evaluate(model, processor, requests, policy="plain", max_new_tokens=6)
+    assert sum(s.anls for s in scored) / len(scored) >= READ_THRESHOLD
+
+
+def test_naive_reuse_answers_stale_values_that_full_prefill_gets_right():
+    model, processor = _model()
+    requests = synthdoc.stream(77, n_bases=12)
+    ref = evaluate(model, processor, requests, policy="full", max_new_tokens=6)
+    naive = evaluate(model, processor, requests, policy="naive", max_new_tokens=6)
+    full_s, naive_s = summarise(ref), summarise(naive, ref)
+    assert full_s["anls_edited_value"] > naive_s["anls_edited_value"] + 0.3
+    assert naive_s["stale_rate"] >= 0.5 and full_s["stale_rate"] <= 0.2
+
+
+READ_THRESHOLD = 0.9
