@@ -25,7 +25,9 @@ ACTIVE_CACHE: ContextVar = ContextVar("vismemo_active_cache", default=None)
 
 
 def window_probabilities(module, query, key, mask, rows, scaling) -> torch.Tensor:
-    """Softmax attention of the query ``rows`` (B, W) over all keys: (B, heads, W, S)."""
+    """Softmax attention of the query ``rows`` (B, W) over all keys: (B, heads, W, S).
+
+    ``mask`` None means plain causal attention over a plain layout (query row i sees slots <= i)."""
     idx = rows[:, None, :, None].expand(-1, query.shape[1], -1, query.shape[-1])
     q = query.gather(2, idx).float()
     k = repeat_kv(key, getattr(module, "num_key_value_groups", 1)).float()
@@ -33,6 +35,9 @@ def window_probabilities(module, query, key, mask, rows, scaling) -> torch.Tenso
     if mask is not None:
         m = mask.gather(2, rows[:, None, :, None].expand(-1, mask.shape[1], -1, mask.shape[-1]))
         scores = scores.masked_fill(~m, float("-inf")) if m.dtype == torch.bool else scores + m.float()
+    else:
+        future = torch.arange(key.shape[-2], device=key.device)[None, None, None, :] > rows[:, None, :, None]
+        scores = scores.masked_fill(future, float("-inf"))
     return torch.softmax(scores, dim=-1)
 
 

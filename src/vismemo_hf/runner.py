@@ -300,7 +300,7 @@ class PrefillRunner:
             capturing = capture_rows is not None and (wants_attention or compress is not None)
             if identity:
                 cache._incoming = None
-                if capturing or self.valid is not None:
+                if self.valid is not None:  # padding; without it SDPA's causal mode is exact (and faster)
                     identity_mask = identity_mask if identity_mask is not None else self._causal_mask()
                     mask = identity_mask
             else:
