@@ -48,7 +48,7 @@ def vismemo_attention_forward(module, query, key, value, attention_mask, scaling
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
     layer = cache.layers[layer_idx]
     if layer.query_columns is not None:
-        attention_mask = layer.attention_mask(cache.valid_columns)
+        attention_mask = cache._slot_mask if cache._slot_mask is not None else layer.attention_mask(cache.valid_columns)
     out = sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
     capture = cache._capture
     if capture is not None and capture[0] == layer_idx:

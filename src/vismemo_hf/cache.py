@@ -63,8 +63,12 @@ class VisMemoLayer(DynamicLayer):
         return self.keys, self.values
 
     def attention_mask(self, valid_columns: torch.Tensor | None) -> torch.Tensor:
-        """(B, 1, q, S) boolean mask: a query sees a slot whose column is not after its own and not padding."""
-        kc, qc = self.columns, self.query_columns
+        """(B, 1, q, S) boolean mask of this layer's slots for the current queries."""
+        return self.mask_for(self.columns, self.query_columns, valid_columns)
+
+    @staticmethod
+    def mask_for(kc: torch.Tensor, qc: torch.Tensor, valid_columns: torch.Tensor | None) -> torch.Tensor:
+        """A query sees a slot whose column is not after its own and is not padding."""
         allowed = (kc[:, None, :] <= qc[:, :, None]) & (kc[:, None, :] >= 0)
         if valid_columns is not None:
             allowed &= valid_columns.gather(1, kc.clamp(min=0))[:, None, :]
@@ -182,6 +186,7 @@ class VisMemoCache(DynamicCache):
         self._in_forward = False
         self._pending = None  # PrefillRequest set by lookup, consumed by the runner
         self._capture = None  # (layer, window rows (B, W), row validity (B, W)) while warmup collects attention
+        self._slot_mask = None  # the prefill runner's mask for the current slot layout (shared by equal layers)
         self.captured: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
 
     # -- transformers Cache API ----------------------------------------------------------------
@@ -240,6 +245,7 @@ class VisMemoCache(DynamicCache):
         self._incoming = None
         self._capture = None
         self._pending = None
+        self._slot_mask = None
         self._length += new_tokens
         for layer in self.layers:
             layer.query_columns = None

@@ -219,12 +219,20 @@ class PrefillRunner:
                 if not bool(selected.any()):
                     continue
                 f, at = img.fetched, layer - img.fetched.first_layer
-                idx = img.fetch_index[selected].to(f.keys.device)
+                idx = img.fetch_index[selected]
                 columns = img.columns(img.plan.reuse[selected]).to(device)
-                parts.append((f.keys[at][:, idx].to(device), f.values[at][:, idx].to(device), columns))
+                if idx.numel() == f.tokens.numel():  # every fetched token, in order: no gather
+                    keys, values = f.keys[at], f.values[at]
+                else:
+                    idx = idx.to(f.keys.device)
+                    keys, values = f.keys[at][:, idx], f.values[at][:, idx]
+                parts.append((keys.to(device), values.to(device), columns))
             per_row.append(parts)
         if not any(per_row):
             return None
+        if self.batch == 1 and len(per_row[0]) == 1:  # the common case: one image, no padding to build
+            keys, values, cols = per_row[0][0]
+            return keys[None], values[None], cols[None]
         width = max(sum(p[2].numel() for p in parts) for parts in per_row)
         ref = next(p for parts in per_row for p in parts)[0]
         heads, dim = ref.shape[0], ref.shape[-1]
@@ -272,7 +280,7 @@ class PrefillRunner:
         active, hidden = all_columns, inputs_embeds
         pos_cos, pos_sin = cos, sin
         final = inputs_embeds.clone()
-        identity_mask = None
+        identity_mask = slot_layout = None
         compress = cache.compress if self.request.images else None
         capture_rows = self._window_columns() if self.policy.needs_attention or compress is not None else None
         window_stats_per_layer = []
@@ -305,6 +313,10 @@ class PrefillRunner:
                     mask = identity_mask
             else:
                 cache._incoming = active
+                slots = active if reused is None else torch.cat([reused[2], active], dim=1)
+                if slot_layout is None or not torch.equal(slot_layout, slots):  # same layout: same mask
+                    slot_layout = slots
+                    cache._slot_mask = cache_layer.mask_for(slots, active, cache.valid_columns)
             if capturing:
                 cache._capture = (layer_idx, *self._window_rows(active, capture_rows))
             hidden = decoder_layer(
@@ -325,7 +337,7 @@ class PrefillRunner:
                 cache._capture = None
             if deepstack_rank is not None and layer_idx < len(deepstack_visual_embeds):
                 hidden = self._add_deepstack(hidden, active, deepstack_rank, deepstack_visual_embeds[layer_idx])
-        cache._incoming = None
+        cache._incoming = cache._slot_mask = None
         self._scatter(active, hidden, final)
         hidden = text.norm(final)
         t_end = time.perf_counter()
