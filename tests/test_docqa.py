@@ -53,3 +53,18 @@ def test_naive_reuse_answers_stale_values_that_full_prefill_gets_right():
 
 
 READ_THRESHOLD = 0.9
+
+
+def test_quality_report_writes_table_and_sweeps(tmp_path):
+    from vismemo_hf.cli import main
+
+    args = ["report", "quality", "--streams", "1", "--bases", "2", "--policies", "full,naive,vismemo",
+            "--sweep-rho", "0.3,1.0", "--sweep-beta", "0.1", "--out", str(tmp_path)]
+    assert main(args) == 0
+    table = (tmp_path / "table1.md").read_text()
+    assert "| naive |" in table and "| vismemo |" in table and "Command: `vismemo report quality" in table
+    assert (tmp_path / "sweep_recompute_ratio.png").stat().st_size > 1000
+    import json
+
+    data = json.loads((tmp_path / "quality.json").read_text())
+    assert data["policies"]["full"]["first_token_agreement"] == 1.0
