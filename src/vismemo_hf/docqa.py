@@ -6,7 +6,9 @@ invisible with them. This model reads: asked ``"KEY?"`` about a form page it ans
 follows what ``shared/notes/docqa-training.md`` measured: the QA loss plus an auxiliary
 loss that makes the model's own logits at every visual token name the glyph of its cell
 (value cells name the key glyph ``LOOK_BACK`` cells to their left, so they learn to carry
-their row's key), and a curriculum on the number of filled rows.
+their row's key), and a curriculum on the number of filled rows (here from one row, a pure
+copy task). Ours: a second readout at mid depth keeps every token naming its own glyph, so
+the digits stay available where the answer reads them.
 """
 
 from __future__ import annotations
@@ -100,6 +102,11 @@ def _aux_targets(tokenizer, pages) -> torch.Tensor:
     return torch.tensor(rows)
 
 
+def _own_targets(tokenizer, pages) -> torch.Tensor:
+    """(B, 48) byte id of the glyph in each visual token's own cell."""
+    return torch.tensor([[_char_id(tokenizer, ch) for ch in page.cell_text()] for page in pages])
+
+
 _CHAR_IDS: dict[str, int] = {}
 
 
@@ -117,7 +124,7 @@ def sample(rng: random.Random, n_rows: int):
 
 
 def train(out: str | Path, minutes: float = 55.0, max_steps: int = 20000, batch_size: int = 32, lr: float = 2e-3,
-          curriculum_steps: int = 2000, seed: int = 0, resume: str | Path | None = None, log=print) -> dict:
+          curriculum_steps: int = 1500, seed: int = 0, resume: str | Path | None = None, log=print) -> dict:
     """Train from scratch, or continue ``resume`` (a saved checkpoint: full curriculum, fresh optimizer)."""
     torch.manual_seed(seed)
     rng = random.Random(seed)
@@ -143,11 +150,12 @@ def train(out: str | Path, minutes: float = 55.0, max_steps: int = 20000, batch_
         lr_now = lr * min(1.0, (step + 1 - first_step) / warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
         for group in opt.param_groups:
             group["lr"] = lr_now
-        n_rows = synthdoc.ROWS if curriculum_steps == 0 else 2 + min(
-            synthdoc.ROWS - 2, int((synthdoc.ROWS - 2) * step / curriculum_steps + 1e-9))
+        n_rows = synthdoc.ROWS if curriculum_steps == 0 else 1 + min(
+            synthdoc.ROWS - 1, int((synthdoc.ROWS - 1) * step / curriculum_steps + 1e-9))
         pages, questions, answers = zip(*[sample(rng, n_rows) for _ in range(batch_size)])
         batch = _batch(processor, pages, questions, answers)
-        logits = model(**batch).logits
+        outputs = model(**batch, output_hidden_states=True)
+        logits = outputs.logits
         ids = batch["input_ids"]
         n_answer = len(answers[0]) + 1  # digits + <|im_end|>
         qa_logits = logits[:, -n_answer - 1 : -1]
@@ -156,7 +164,11 @@ def train(out: str | Path, minutes: float = 55.0, max_steps: int = 20000, batch_
         img_logits = logits[ids == image_id].reshape(batch_size, -1, logits.shape[-1])
         aux = _aux_targets(tok, pages)
         aux_loss = torch.nn.functional.cross_entropy(img_logits.reshape(-1, logits.shape[-1]), aux.reshape(-1))
-        loss = qa_loss + aux_loss
+        # mid-depth readout: every visual token still names its own glyph (keeps the digits available)
+        middle = outputs.hidden_states[len(outputs.hidden_states) // 2][ids == image_id]
+        mid_logits = model.lm_head(model.model.language_model.norm(middle))
+        own_loss = torch.nn.functional.cross_entropy(mid_logits, _own_targets(tok, pages).reshape(-1))
+        loss = qa_loss + aux_loss + own_loss
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
