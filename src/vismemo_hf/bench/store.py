@@ -113,10 +113,9 @@ def synthetic_trace(n_requests: int, seed: int = 0, families: int = 60, variants
     return trace
 
 
-def replay(trace, capacity_entries: int, protect: int, entry_bytes_of) -> dict:
-    """Replay a trace through a device-tier store of ``capacity_entries`` entries: exact hit if the image is
-    stored, approximate hit if its family base is, else a miss that stores the image."""
-    store = VisMemoStore(device_bytes=capacity_entries * entry_bytes_of, protect=protect)
+def replay_into(store: VisMemoStore, trace) -> dict:
+    """Replay a trace: exact hit if the image is stored, approximate hit if its family base is, else a miss
+    that stores the image. Returns the hit rate by kind."""
     counts = {"exact": 0, "approximate": 0, "miss": 0}
     for image, base in trace:
         if store.get(image, "bench") is not None:
@@ -126,8 +125,13 @@ def replay(trace, capacity_entries: int, protect: int, entry_bytes_of) -> dict:
         else:
             counts["miss"] += 1
             store.put(_tiny_entry(image))
-    total = len(trace)
-    return {k: v / total for k, v in counts.items()}
+            store.flush()
+    return {k: v / len(trace) for k, v in counts.items()}
+
+
+def replay(trace, capacity_entries: int, protect: int, entry_bytes_of) -> dict:
+    """Hit rates through a device-tier store of ``capacity_entries`` entries."""
+    return replay_into(VisMemoStore(device_bytes=capacity_entries * entry_bytes_of, protect=protect), trace)
 
 
 def _tiny_entry(key: str) -> Entry:

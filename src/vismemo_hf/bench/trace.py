@@ -12,11 +12,9 @@ import json
 import tempfile
 from pathlib import Path
 
-import torch
-
 from .. import blob
 from ..store import VisMemoStore
-from .store import _tiny_entry, synthetic_trace
+from .store import _tiny_entry, replay_into, synthetic_trace
 
 
 def replay(trace, capacity: int, protect: int, tmp: Path) -> dict:
@@ -25,20 +23,10 @@ def replay(trace, capacity: int, protect: int, tmp: Path) -> dict:
     store = VisMemoStore(device_bytes=int(0.1 * capacity) * one.nbytes, host_bytes=int(0.3 * capacity) * blob_bytes,
                          disk_dir=tmp / f"c{capacity}p{protect}", disk_bytes=int(0.6 * capacity) * blob_bytes,
                          protect=protect)
-    counts = {"exact": 0, "approximate": 0, "miss": 0}
-    for image, base in trace:
-        if store.get(image, "bench") is not None:
-            counts["exact"] += 1
-        elif base != image and store.get_tokens(base, "bench", torch.tensor([0]), 1) is not None:
-            counts["approximate"] += 1
-        else:
-            counts["miss"] += 1
-            store.put(_tiny_entry(image))
-            store.flush()
+    rates = replay_into(store, trace)
     stats = store.stats()
     store.close()
-    n = len(trace)
-    return {"hit_rate": {k: v / n for k, v in counts.items()}, "hits_by_tier": stats["hits_by_tier"]}
+    return {"hit_rate": rates, "hits_by_tier": stats["hits_by_tier"]}
 
 
 def main(args) -> int:
