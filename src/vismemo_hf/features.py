@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import zlib
 
 import torch
 import torch.nn.functional as F
@@ -32,12 +33,10 @@ def exact_key(fingerprint: str, pixels: torch.Tensor, grid: tuple[int, int, int]
 
 
 def patch_hashes(pixels: torch.Tensor, merge: int) -> torch.Tensor:
-    """(N,) int64 hash of each visual token's pixel values: equal pixels, equal hash."""
+    """(N,) CRC-32 of each visual token's pixel bytes: equal pixels, equal hash."""
     data = pixels.detach().cpu().contiguous()
-    bits = data.view(torch.int32 if data.element_size() == 4 else torch.int16).long()
-    bits = bits.reshape(-1, merge * merge * data.shape[-1])
-    weights = torch.randint(-(2**62), 2**62, (bits.shape[1],), generator=torch.Generator().manual_seed(0))
-    return (bits * weights).sum(1)  # int64 arithmetic wraps: a cheap polynomial-style hash
+    rows = data.view(torch.uint8).reshape(data.shape[0] // (merge * merge), -1).numpy()
+    return torch.tensor([zlib.crc32(row) for row in rows], dtype=torch.int64)
 
 
 def patch_entropy(
