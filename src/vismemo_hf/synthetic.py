@@ -9,7 +9,7 @@ from __future__ import annotations
 import random
 import string
 
-from PIL import Image, ImageChops, ImageDraw, ImageFont
+from PIL import Image, ImageDraw, ImageFont
 
 
 def form_rows(seed: int, n_rows: int = 6) -> list[tuple[str, str]]:
@@ -49,13 +49,9 @@ def edited(seed: int, row: int = 0, value: str = "9999", size: tuple[int, int] =
 
 def shifted(img: Image.Image, dx: int = 2, dy: int = 0) -> Image.Image:
     """The same page moved by a few pixels (white fill)."""
-    moved = ImageChops.offset(img, dx, dy)
-    draw = ImageDraw.Draw(moved)
-    if dx > 0:
-        draw.rectangle((0, 0, dx - 1, img.height), fill="white")
-    if dy > 0:
-        draw.rectangle((0, 0, img.width, dy - 1), fill="white")
-    return moved
+    from .synthdoc import shift_image
+
+    return shift_image(img, dx, dy)
 
 
 def chart(seed: int, size: tuple[int, int] = (224, 168)) -> Image.Image:
