@@ -70,11 +70,15 @@ def stored(model, processor, *images, store=None, **opts):
     return store
 
 
-@pytest.fixture
-def pages():
+def page_set():
     return {
         "base": synthetic.page(1),
         "edit": synthetic.edited(1, row=2, value="9999"),
         "shift": synthetic.shifted(synthetic.page(1), 2),
         "noise": noise_image(0),
     }
+
+
+@pytest.fixture
+def pages():
+    return page_set()

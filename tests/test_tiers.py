@@ -100,7 +100,7 @@ def test_exact_hits_promote_and_approximate_reads_do_not(tmp_path):
     store.get_tokens("promote", "fp", torch.tensor([1]), 1)
     assert store.tier_of("promote") == "disk"
     assert store.get("promote", "fp") is not None and store.tier_of("promote") == "device"
-    assert store.stats()["hits_by_tier"] == {"device": 0, "host": 0, "disk": 2}
+    assert store.stats()["hits_by_tier"] == {"device": 0, "host": 0, "disk": 2, "remote": 0}
     store.close()
 
 
@@ -288,7 +288,7 @@ def test_from_config_presets(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     store = VisMemoStore.from_config()
     assert store.disk is not None and str(tmp_path) in store.disk.directory
-    assert set(store.stats()["tiers"]) == {"device", "host", "disk"}
+    assert set(store.stats()["tiers"]) == {"device", "host", "disk", "remote"}
     assert all({"bytes", "budget", "entries"} <= set(t) for t in store.stats()["tiers"].values())
     store.close()
     assert VisMemoStore.from_config("memory").disk is None

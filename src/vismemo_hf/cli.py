@@ -226,6 +226,8 @@ def main(argv=None) -> int:
     p.add_argument("--trace-requests", type=int, default=4000)
     p.add_argument("--capacities", default="25,50,100,200")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--remote", default=None, metavar="URL",
+                   help="also time the shared Redis tier (redis://host:port/db) against the local disk tier")
     p.add_argument("--out", default="results/store")
     p.set_defaults(func=_bench("store"))
     p = bench_sub.add_parser("latency", help="prefill time of miss / exact / approximate hits by visual length")

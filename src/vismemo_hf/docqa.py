@@ -5,8 +5,8 @@ invisible with them. This model reads: asked ``"KEY?"`` about a form page it ans
 4-digit value of that key's row. Training (``vismemo train-docqa``, CPU, under an hour)
 follows what ``shared/notes/docqa-training.md`` measured: the QA loss plus an auxiliary
 loss that makes the model's own logits at every visual token name the glyph of its cell
-(value cells name the key glyph ``LOOK_BACK`` cells to their left, so they learn to carry
-their row's key), and a curriculum on the number of filled rows (here from one row, a pure
+(value cells name the first letter of their row's key, which is unique on a page, so they
+learn to carry their row's identity), and a curriculum on the number of filled rows (here from one row, a pure
 copy task). Ours: a second readout at mid depth keeps every token naming its own glyph, so
 the digits stay available where the answer reads them.
 """
@@ -90,14 +90,12 @@ def _batch(processor, pages, questions, answers):
 
 
 def _aux_targets(tokenizer, pages) -> torch.Tensor:
-    """(B, 48) byte id each visual token's logits should name (value cells: the glyph LOOK_BACK cells left)."""
+    """(B, 48) byte id each visual token's logits should name (value cells: their row's first key letter)."""
     rows = []
     for page in pages:
         cells = page.cell_text()
-        target = []
-        for i, ch in enumerate(cells):
-            c = i % synthdoc.COLS
-            target.append(cells[i - synthdoc.LOOK_BACK] if c >= synthdoc.VALUE_COL else ch)
+        target = [cells[i - i % synthdoc.COLS] if i % synthdoc.COLS >= synthdoc.VALUE_COL and ch != " " else ch
+                  for i, ch in enumerate(cells)]
         rows.append([_char_id(tokenizer, ch) for ch in target])
     return torch.tensor(rows)
 

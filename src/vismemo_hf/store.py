@@ -5,9 +5,10 @@ exact hit: promoted to the device tier); ``peek`` (metadata only, for the fine l
 stage); ``get_tokens`` (sparse read of some tokens' late layers, an approximate hit: never
 promotes); ``candidates`` (the in-memory descriptor index over every tier); ``stats``.
 
-Tiers (``tiers.py``): device (L1) -> host (L2, with a victim share) -> disk (L3). Writes
-go to the fastest tier with room and, when a disk tier exists, through to disk in the
-background (so restarts and other processes see them). Eviction is exact-priority LRU:
+Tiers (``tiers.py``): device (L1) -> host (L2, with a victim share) -> disk (L3), and the
+shared remote tier (``remote.py``, Redis, L4). Writes go to the fastest tier with room and,
+when a disk tier exists, through to disk in the background (so restarts and other processes
+see them); with a remote tier, also to Redis in the background (so other machines see them). Eviction is exact-priority LRU:
 an entry that served an exact hit gets ``protect`` second chances; eviction demotes
 L1 -> L2 -> (L3, which already holds it) -> gone. Every read checks the model
 fingerprint and the blob's integrity: anything wrong is a miss (logged, removed).
@@ -29,11 +30,12 @@ import yaml
 
 from . import blob
 from .entry import Entry
+from .remote import RemoteTier, RemoteUnavailable
 from .tiers import DeviceTier, DiskTier, HostTier
 
 logger = logging.getLogger(__name__)
 
-TIERS = ("device", "host", "disk")
+TIERS = ("device", "host", "disk", "remote")
 
 
 class _DescriptorGroup:
@@ -130,10 +132,13 @@ class VisMemoStore:
     disk tier (``diskcache`` directory, shareable between processes, persistent). ``protect``:
     second chances of an entry that served an exact hit. ``victim_share`` of ``host_bytes`` is
     reserved for entries ranked by ``priors`` (JSON file ``{key: weight}``) plus online reuse counts.
+    ``remote_url`` (``redis://[:password@]host:port/db``, ``rediss://`` for TLS): the shared remote
+    tier; ``remote_options``: ``RemoteTier`` keywords (``prefix``, ``timeout_s``, ``retry_s``, ``ttl_s``, ...).
     """
 
     def __init__(self, device_bytes=None, host_bytes=0, disk_dir=None, disk_bytes=None, *, device="cpu",
-                 protect: int = 2, victim_share: float = 0.0, priors=None, write_through: bool = True):
+                 protect: int = 2, victim_share: float = 0.0, priors=None, write_through: bool = True,
+                 remote_url: str | None = None, remote_options: dict | None = None):
         device_bytes, host_bytes, disk_bytes = (parse_bytes(v) for v in (device_bytes, host_bytes, disk_bytes))
         for name, v in (("device_bytes", device_bytes), ("host_bytes", host_bytes), ("disk_bytes", disk_bytes)):
             if v is not None and v < 0:
@@ -152,6 +157,7 @@ class VisMemoStore:
             except Exception as err:  # noqa: BLE001 - unwritable or unusable directory
                 logger.warning("vismemo: disk tier %s unusable (%s: %s); serving without it", disk_dir,
                                type(err).__name__, err)
+        self.remote = RemoteTier(remote_url, **(remote_options or {})) if remote_url else None
         self.protect_budget = protect
         self.write_through = write_through
         self._protect: dict[str, int] = {}
@@ -170,6 +176,7 @@ class VisMemoStore:
         }
         if self.disk is not None:
             self._rebuild_from_disk()
+        self._sync_remote()
 
     # -- construction ------------------------------------------------------------------------------
     @classmethod
@@ -185,8 +192,13 @@ class VisMemoStore:
         cfg = yaml.safe_load(file.read_text()) or {}
         if cfg.get("disk_dir"):
             cfg["disk_dir"] = os.path.expandvars(str(cfg["disk_dir"]).replace("{cache_home}", str(user_cache_dir())))
+        if cfg.get("remote_url"):
+            cfg["remote_url"] = os.path.expandvars(str(cfg["remote_url"]))  # e.g. a password from ${REDIS_PASSWORD}
+            unset = re.findall(r"\$\{?(\w+)", cfg["remote_url"])
+            if unset:
+                raise ValueError(f"remote_url of {file} needs the environment variable(s) {unset}")
         unknown = set(cfg) - {"device_bytes", "host_bytes", "disk_dir", "disk_bytes", "device", "protect",
-                              "victim_share", "priors", "write_through"}
+                              "victim_share", "priors", "write_through", "remote_url", "remote_options"}
         if unknown:
             raise ValueError(f"unknown store option(s) {sorted(unknown)} in {file}")
         return cls(**cfg)
@@ -201,6 +213,16 @@ class VisMemoStore:
                 continue
             self._where[key] = (meta.fingerprint, tuple(meta.grid))
             self._index.add(meta.fingerprint, meta.grid, key, meta.descriptors)
+
+    def _sync_remote(self) -> None:
+        """Index what other processes published to the remote tier since the last look."""
+        if self.remote is None:
+            return
+        for key, header, descriptors in self.remote.sync():
+            self.remote.track(key, header)
+            if key not in self._where:
+                self._where[key] = (header.fingerprint, tuple(header.grid))
+                self._index.add(header.fingerprint, header.grid, key, descriptors)
 
     # -- writing -----------------------------------------------------------------------------------
     def put(self, entry: Entry) -> bool:
@@ -224,6 +246,10 @@ class VisMemoStore:
             if self.disk is not None and (self.write_through or not placed):
                 data = data if data is not None else blob.encode(entry)
                 placed = self._write_disk(entry.key, data) or placed
+            if self.remote is not None:
+                self.remote.write_async(entry.key, (lambda d=data: d) if data is not None else
+                                        (lambda e=entry: blob.encode(e)), entry.descriptors)
+                placed = True
             if not placed:
                 self._stats["rejected"] += 1
                 return False
@@ -244,7 +270,9 @@ class VisMemoStore:
 
     def _order(self, tier) -> OrderedDict:
         """A tier's keys, least recently used first."""
-        return tier.entries if tier is self.device else (tier.blobs if tier is not self.disk else tier.sizes)
+        if tier is self.device:
+            return tier.entries
+        return tier.sizes if tier is self.disk or tier is self.remote else tier.blobs
 
     def _make_room(self, tier, size: int) -> None:
         """Exact-priority LRU: evict from the LRU end; a protected entry loses one protection and goes to the MRU end."""
@@ -323,13 +351,15 @@ class VisMemoStore:
         return True
 
     def flush(self) -> None:
-        """Wait for background disk writes."""
+        """Wait for background disk and remote writes."""
         pending, self._pending_writes = self._pending_writes, []
         for future in pending:
             future.result()
+        if self.remote is not None:
+            self.remote.flush()
 
     def _tier_of(self, key: str):
-        for tier in (self.device, self.host, self.victim, self.disk):
+        for tier in (self.device, self.host, self.victim, self.disk, self.remote):
             if tier is not None and key in tier:
                 return tier
         return None
@@ -347,6 +377,7 @@ class VisMemoStore:
         self._forget_if_gone(key)
 
     def clear(self) -> None:
+        """Empty this process's tiers (the shared remote tier is left to the processes that share it)."""
         with self._lock:
             self.flush()
             for tier in (self.device, self.host, self.victim, self.disk):
@@ -376,7 +407,11 @@ class VisMemoStore:
         except KeyError:
             if tier is self.disk:  # another process deleted it
                 tier.discard(key)
-                self._forget_if_gone(key)
+            elif tier is self.remote:  # evicted by the server, or deleted by another process
+                tier.forget(key)
+            self._forget_if_gone(key)
+            return None, None
+        except RemoteUnavailable:  # the server, not the entry: keep it for when the server is back
             return None, None
         except Exception as err:  # noqa: BLE001 - corrupt, truncated, foreign, unreadable
             self._corrupt(tier, key, err)
@@ -399,12 +434,13 @@ class VisMemoStore:
             if tier is self.device:
                 tier.entries.move_to_end(key)
                 return entry
-            if tier is not self.disk:
+            shared = tier is self.disk or tier is self.remote
+            if not shared:
                 tier.remove(key)
             if self._place(self.device, key, entry, self.device.sizeof(entry)):
                 self._stats["promotions"] += 1
                 return self.device.full(key)
-            if tier is not self.disk:  # no room above: put it back where it was
+            if not shared:  # no room above: put it back where it was
                 data = blob.encode(entry)
                 if not self._place(tier, key, data, len(data)):
                     self._to_disk_or_drop(key, data)
@@ -431,6 +467,7 @@ class VisMemoStore:
     def candidates(self, fingerprint: str, grid, descriptors: torch.Tensor, tau: float, top_k: int):
         """Coarse stage: (key, mean regional cosine) of same-grid entries passing all four regions."""
         with self._lock:
+            self._sync_remote()
             return self._index.search(fingerprint, grid, descriptors, tau, top_k)
 
     # -- bookkeeping -------------------------------------------------------------------------------
@@ -458,6 +495,9 @@ class VisMemoStore:
                          "victim_entries": len(self.victim.blobs), "victim_bytes": self.victim.bytes},
                 "disk": {"bytes": self.disk.bytes if self.disk else 0, "budget": self.disk.budget if self.disk else 0,
                          "entries": len(self.disk.sizes) if self.disk else 0},
+                "remote": {"bytes": self.remote.bytes if self.remote else 0, "budget": None,
+                           "entries": len(self.remote.sizes) if self.remote else 0,
+                           **(dict(self.remote.stats) if self.remote else {})},
             }
             return {**{k: (dict(v) if isinstance(v, dict) else v) for k, v in self._stats.items()},
                     "entries": len(self._where), "bytes": sum(t["bytes"] for t in tiers.values()), "tiers": tiers}
@@ -468,6 +508,8 @@ class VisMemoStore:
             self._writer.shutdown(wait=True)
         if self.disk is not None:
             self.disk.close()
+        if self.remote is not None:
+            self.remote.close()
 
 
 _DEFAULT: VisMemoStore | None = None

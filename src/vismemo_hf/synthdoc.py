@@ -3,7 +3,8 @@
 A *form* page is a grid of 28x28 px cells (8 columns x 6 rows on a 224x168 page): each row
 holds a 3-letter key, a blank cell and a 4-digit value, one glyph per cell, so every glyph
 lives in exactly one visual token of a Qwen2-VL model (patch 14, merge 2). A reuse mistake
-on the token of an answer glyph therefore shows in the answer.
+on the token of an answer glyph therefore shows in the answer. The keys of a page start with
+different letters (like a form's distinct labels), so one glyph names a row.
 
 Everything is deterministic in its seed.
 """
@@ -21,7 +22,6 @@ COLS, ROWS = 8, 6
 KEY_LEN, VALUE_LEN, VALUE_COL = 3, 4, 4
 PAGE_SIZE = (COLS * CELL, ROWS * CELL)
 KEY_ALPHABET = string.ascii_uppercase
-LOOK_BACK = VALUE_COL  # value cells' auxiliary target: the glyph this many cells to the left
 
 
 @dataclass(frozen=True)
@@ -50,11 +50,9 @@ class FormPage:
 
 def random_form(seed: int, n_rows: int = ROWS) -> FormPage:
     rng = random.Random(seed)
-    keys = set()
-    while len(keys) < n_rows:
-        keys.add("".join(rng.choice(KEY_ALPHABET) for _ in range(KEY_LEN)))
-    rows = tuple((k, "".join(rng.choice(string.digits) for _ in range(VALUE_LEN))) for k in sorted(keys, key=lambda _: rng.random()))
-    return FormPage(rows)
+    firsts = rng.sample(KEY_ALPHABET, n_rows)
+    keys = [f + "".join(rng.choice(KEY_ALPHABET) for _ in range(KEY_LEN - 1)) for f in firsts]
+    return FormPage(tuple((k, "".join(rng.choice(string.digits) for _ in range(VALUE_LEN))) for k in keys))
 
 
 _FONT: ImageFont.ImageFont | None = None

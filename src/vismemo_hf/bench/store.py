@@ -1,4 +1,5 @@
-"""``vismemo bench store``: sparse vs full I/O, disk read throughput, exact-priority vs plain LRU.
+"""``vismemo bench store``: sparse vs full I/O, disk throughput, exact-priority vs plain LRU, and
+(``--remote redis://...``) the shared Redis tier's full and sparse reads next to the local disk tier's.
 
 No model is needed: entries are random tensors with a real model's K/V geometry.
 """
@@ -19,6 +20,7 @@ import torch
 
 from .. import blob
 from ..entry import Entry
+from ..remote import safe_url
 from ..store import VisMemoStore
 
 
@@ -90,6 +92,50 @@ def disk_throughput(geometry: dict, repeats: int, tmp: Path) -> dict:
             "kv_bytes": payload.numel()}
 
 
+def remote_vs_disk(geometry: dict, beta: float, warmup: int, repeats: int, url: str, tmp: Path) -> list[dict]:
+    """Median full read (an exact hit) and sparse read (an approximate hit) through a store whose only tier is
+    the local disk, then one whose only tier is Redis; bytes counted by the client and, for Redis, by the server."""
+    import redis
+
+    entry = synthetic_entry("remote-bench", **geometry)
+    n = geometry["n_tokens"]
+    tokens = torch.randperm(n, generator=torch.Generator().manual_seed(0))[: math.ceil(beta * n)].sort().values
+    prefix = f"vismemo-bench-{os.getpid()}"
+    server = redis.Redis.from_url(url)
+    out = []
+    for tier, kwargs in (("disk", dict(disk_dir=tmp / "remote-vs-disk", disk_bytes=None)),
+                         ("remote", dict(remote_url=url, remote_options={"prefix": prefix, "timeout_s": 10.0}))):
+        store = VisMemoStore(device_bytes=0, host_bytes=0, **kwargs)
+        store.put(entry)
+        store.flush()
+        if store.tier_of(entry.key) != tier:
+            raise RuntimeError(f"the entry did not reach the {tier} tier (is {url} reachable?)")
+        row = {"tier": tier, "blob_bytes": len(blob.encode(entry)), "tokens_read": len(tokens)}
+        for what, read in (("full", lambda: store.get(entry.key, "bench")),
+                           ("sparse", lambda: store.get_tokens(entry.key, "bench", tokens, warmup))):
+            times, sent = [], []
+            for _ in range(repeats + 1):
+                before = server.info("stats")["total_net_output_bytes"] if tier == "remote" else 0
+                t0 = time.perf_counter()
+                if read() is None:
+                    raise RuntimeError(f"{what} read from the {tier} tier failed")
+                times.append(time.perf_counter() - t0)
+                if tier == "remote":
+                    sent.append(server.info("stats")["total_net_output_bytes"] - before)
+            row[f"{what}_ms"] = statistics.median(times[1:]) * 1e3
+            if tier == "remote":
+                row[f"{what}_server_bytes"] = int(statistics.median(sent[1:]))
+        stats = store.stats()
+        row["sparse_bytes"] = stats["bytes_read_sparse"] // (repeats + 1)
+        if tier == "remote":
+            row["client_bytes"] = stats["tiers"]["remote"]["bytes_read"]
+        out.append(row)
+        store.close()
+    for key in server.scan_iter(f"{prefix}:*"):
+        server.delete(key)
+    return out
+
+
 def synthetic_trace(n_requests: int, seed: int = 0, families: int = 60, variants: int = 4, repeat_p: float = 0.45,
                     variant_p: float = 0.35, zipf: float = 1.1) -> list[tuple[str, str]]:
     """(image, family base) requests: repeats of past images (Zipf-distributed by recency rank: long-tailed
@@ -145,13 +191,14 @@ def run(args) -> dict:
         tmp = Path(tmp)
         sparse = sparse_io(geometry, args.beta, args.warmup, tmp)
         throughput = disk_throughput(geometry, args.repeats, tmp)
+        remote = remote_vs_disk(geometry, args.beta, args.warmup, args.repeats, args.remote, tmp) if args.remote else None
     trace = synthetic_trace(args.trace_requests, seed=args.seed)
     size = _tiny_entry("x").nbytes
     lru = {}
     for capacity in [int(c) for c in args.capacities.split(",")]:
         lru[capacity] = {"plain": replay(trace, capacity, 0, size), "exact_priority": replay(trace, capacity, 2, size)}
     return {"geometry": geometry, "beta": args.beta, "warmup_layers": args.warmup, "sparse_io": sparse,
-            "disk_throughput": throughput, "trace_requests": len(trace), "lru": lru}
+            "disk_throughput": throughput, "remote": remote, "trace_requests": len(trace), "lru": lru}
 
 
 def main(args) -> int:
@@ -161,7 +208,7 @@ def main(args) -> int:
     command = (f"vismemo bench store --tokens {args.tokens} --layers {args.layers} --kv-heads {args.kv_heads} "
                f"--head-dim {args.head_dim} --embed-dim {args.embed_dim} --beta {args.beta} --warmup {args.warmup} "
                f"--repeats {args.repeats} --trace-requests {args.trace_requests} --capacities {args.capacities} "
-               f"--seed {args.seed}")
+               f"--seed {args.seed}" + (f" --remote {safe_url(args.remote)}" if args.remote else ""))
     machine = f"{platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}; disk: the working tree's filesystem"
     result.update(command=command, machine=machine)
     (out / "store.json").write_text(json.dumps(result, indent=2))
@@ -190,6 +237,21 @@ def main(args) -> int:
     for cap, both in result["lru"].items():
         for name, rates in both.items():
             lines.append(f"| {cap} | {name} | {rates['exact']:.3f} | {rates['approximate']:.3f} | {rates['miss']:.3f} |")
+    lines += ["", "## Shared remote tier (Redis) vs local disk tier", ""]
+    if result["remote"] is None:
+        lines.append("Not run (no `--remote URL`).")
+    else:
+        lines += ["| tier | full read ms | sparse read ms | sparse K/V bytes | bytes the server sent: sparse | "
+                  "bytes the server sent: full | blob bytes |", "| --- | --- | --- | --- | --- | --- | --- |"]
+        for r in result["remote"]:
+            sent = [f"{r[k]:,}" if k in r else "-" for k in ("sparse_server_bytes", "full_server_bytes")]
+            lines.append(f"| {r['tier']} | {r['full_ms']:.1f} | {r['sparse_ms']:.1f} | {r['sparse_bytes']:,} | "
+                         f"{sent[0]} | {sent[1]} | {r['blob_bytes']:,} |")
+        lines += ["", f"Median of {args.repeats} after one warm-up; sparse = {result['remote'][0]['tokens_read']} "
+                  f"tokens (beta = {args.beta}) at layers >= {args.warmup}: one GETRANGE for the header, then one "
+                  "pipelined round trip of one GETRANGE per token. Bytes the server sent: growth of "
+                  "`total_net_output_bytes` in Redis `INFO stats` (includes RESP framing and the INFO reply that "
+                  "reads it). Full reads include the checksum checks and the decode."]
     lines += ["", "Trace: `synthetic_trace` in `vismemo_hf/bench/store.py` (repeats by Zipf recency rank, "
               "near-duplicate variants of Pareto-popular families, new images)."]
     (out / "store.md").write_text("\n".join(lines) + "\n")

@@ -1,0 +1,331 @@
+"""The shared remote tier (L4) on Redis or Valkey: several processes and machines reuse one another's images.
+
+Layout under ``prefix`` (default ``vismemo``):
+
+* ``{prefix}:blob:{key}`` — the entry's blob, the same headed, checksummed, patch-first bytes as
+  the host and disk tiers (never pickle). An exact hit reads it whole (``GET``); an approximate hit
+  reads one ``GETRANGE`` per reused token, pipelined in one round trip. Blobs carry a TTL
+  (``ttl_s``) so that a ``maxmemory-policy volatile-lru`` (or ``volatile-ttl``) server evicts
+  blobs and never the index.
+* ``{prefix}:index`` — hash ``key -> record`` (blob header + the four region descriptors): what a
+  starting process reads to see every entry.
+* ``{prefix}:published`` — stream of the same records, capped; a running process reads what was
+  published since its last look, so its approximate lookup sees other processes' entries.
+
+Capacity is Redis's (``maxmemory``); this side counts the bytes it wrote and read. Faults never
+reach a request: an unreachable, slow (``timeout_s``) or failing server marks the tier down for
+``retry_s`` seconds (a warning, ``errors`` counted), reads are misses meanwhile and writes are
+dropped; after ``retry_s`` the next use reconnects and re-reads the index.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from . import blob
+from .entry import Entry
+
+logger = logging.getLogger(__name__)
+
+
+def _record(data: bytes, descriptors: torch.Tensor) -> bytes:
+    return data[: blob.HEADER_SIZE] + descriptors.detach().float().cpu().contiguous().numpy().tobytes()
+
+
+def parse_record(record: bytes) -> tuple[blob.BlobHeader, torch.Tensor]:
+    """(header, (4, dim) descriptors) of a published record; BlobError when it is malformed."""
+    header = blob.parse_header(record[: blob.HEADER_SIZE])
+    body = record[blob.HEADER_SIZE :]
+    if len(body) != 4 * header.embed_dim * 4:
+        raise blob.BlobError("descriptor record of the wrong size")
+    return header, torch.frombuffer(bytearray(body), dtype=torch.float32).reshape(4, header.embed_dim)
+
+
+def safe_url(url: str) -> str:
+    """The URL without its credentials (for logs and reports)."""
+    head, sep, tail = url.partition("@")
+    return f"{head.split('://')[0]}://***@{tail}" if sep else url
+
+
+class RemoteTier:
+    """Blobs in a Redis server shared by every process that points at it."""
+
+    name = "remote"
+
+    def __init__(self, url: str, *, prefix: str = "vismemo", timeout_s: float = 0.5, retry_s: float = 5.0,
+                 ttl_s: int | None = 7 * 24 * 3600, stream_len: int = 100_000, refresh_s: float = 1.0):
+        try:
+            import redis
+        except ImportError as err:  # pragma: no cover - depends on the install
+            raise ImportError("remote_url needs the redis client: pip install 'vismemo-hf[remote]'") from err
+        self._redis = redis
+        self.url, self.prefix = url, prefix
+        self.timeout_s, self.retry_s, self.ttl_s, self.stream_len, self.refresh_s = (
+            timeout_s, retry_s, ttl_s, stream_len, refresh_s)
+        self.client = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+        self.budget = None  # capacity is the server's (maxmemory)
+        self.sizes: OrderedDict[str, int] = OrderedDict()  # every key the index knows, with its blob size
+        self.fingerprints: dict[str, str] = {}  # key -> model fingerprint its record was published with
+        self.bytes = 0
+        self.stats = {"errors": 0, "writes": 0, "write_failures": 0, "bytes_written": 0, "bytes_read": 0,
+                      "reconnects": 0, "connected": False}
+        self.ranges_read: list[tuple[int, int]] = []
+        self._down_until = 0.0
+        self._stream_id = "0-0"
+        self._next_refresh = 0.0
+        self._connected = False
+        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vismemo-remote")
+        self._pending: list = []
+        self._state = threading.RLock()
+        self.needs_reload = True  # read the whole index on the next sync (start, reconnect)
+
+    def _blob_key(self, key: str) -> str:
+        return f"{self.prefix}:blob:{key}"
+
+    # -- availability ------------------------------------------------------------------------------
+    def _fault(self, what: str, err: Exception) -> None:
+        with self._state:
+            self.stats["errors"] += 1
+            was_up = self._connected
+            self._connected = self.stats["connected"] = False
+            self._down_until = time.monotonic() + self.retry_s
+        if was_up or self.stats["errors"] == 1:
+            logger.warning("vismemo: remote tier %s failed on %s (%s: %s); serving from local tiers, retrying in %.0f s",
+                           self._safe_url(), what, type(err).__name__, err, self.retry_s)
+
+    def _safe_url(self) -> str:
+        return safe_url(self.url)
+
+    def available(self) -> bool:
+        """Whether the server can be used now (reconnects, re-reading the index, once ``retry_s`` has passed)."""
+        if self._connected:
+            return True
+        if time.monotonic() < self._down_until:
+            return False
+        try:
+            self.client.ping()
+        except Exception as err:  # noqa: BLE001 - down, refused, auth, TLS
+            self._fault("connect", err)
+            return False
+        with self._state:
+            if self.stats["reconnects"] or self.stats["errors"]:
+                logger.warning("vismemo: remote tier %s reachable again", self._safe_url())
+            self.stats["reconnects"] += 1
+            self._connected = self.stats["connected"] = True
+            self.needs_reload = True
+        return True
+
+    # -- index -------------------------------------------------------------------------------------
+    def load_index(self):
+        """Every published (key, header, descriptors): the whole index hash, then the stream's position."""
+        if not self.available():
+            return []
+        try:
+            last = self.client.xinfo_stream(f"{self.prefix}:published")["last-generated-id"]
+        except self._redis.ResponseError:  # no stream yet
+            last = b"0-0"
+        except Exception as err:  # noqa: BLE001
+            self._fault("index", err)
+            return []
+        out = []
+        try:
+            for key, record in self.client.hscan_iter(f"{self.prefix}:index", count=1000):
+                out.extend(self._parse(key, record))
+        except Exception as err:  # noqa: BLE001
+            self._fault("index", err)
+            return []
+        self._stream_id = last.decode() if isinstance(last, bytes) else str(last)
+        self._next_refresh = time.monotonic() + self.refresh_s
+        self.needs_reload = False
+        return out
+
+    def sync(self):
+        """New (key, header, descriptors) records: the whole index after a (re)connect, else what was
+        published since the last look (at most one round trip per ``refresh_s``)."""
+        if self.needs_reload:
+            return self.load_index()
+        if not self._connected or time.monotonic() < self._next_refresh:
+            return []
+        self._next_refresh = time.monotonic() + self.refresh_s
+        out = []
+        try:
+            while True:
+                reply = self.client.xread({f"{self.prefix}:published": self._stream_id}, count=1000)
+                if not reply:
+                    return out
+                for msg_id, fields in reply[0][1]:
+                    self._stream_id = msg_id.decode()
+                    out.extend(self._parse(fields.get(b"k", b""), fields.get(b"r", b"")))
+        except Exception as err:  # noqa: BLE001
+            self._fault("refresh", err)
+            return out
+
+    def _parse(self, key: bytes, record: bytes):
+        try:
+            header, descriptors = parse_record(record)
+            if header.key != key.decode("ascii", "replace"):
+                raise blob.BlobError("record published under another key")
+        except Exception as err:  # noqa: BLE001 - a bad record is skipped, never used
+            logger.warning("vismemo: skipping a malformed remote index record (%s)", err)
+            return []
+        return [(header.key, header, descriptors)]
+
+    def track(self, key: str, header: blob.BlobHeader) -> None:
+        with self._state:
+            self.fingerprints[key] = header.fingerprint
+            self._track(key, header.total_bytes)
+
+    def _track(self, key: str, size: int) -> None:
+        if key not in self.sizes:
+            self.sizes[key] = size
+            self.bytes += size
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.sizes and self.available()
+
+    # -- writing -----------------------------------------------------------------------------------
+    def write_async(self, key: str, encode, descriptors: torch.Tensor) -> None:
+        """Encode (``encode()`` -> blob bytes) and publish in the background: nothing waits for it."""
+        if not self.available():
+            return
+
+        def write():
+            try:
+                data = encode()
+                record = _record(data, descriptors)
+                pipe = self.client.pipeline(transaction=True)
+                pipe.set(self._blob_key(key), data, ex=self.ttl_s)
+                pipe.hset(f"{self.prefix}:index", key, record)
+                pipe.xadd(f"{self.prefix}:published", {"k": key, "r": record}, maxlen=self.stream_len,
+                          approximate=True)
+                pipe.execute()
+                with self._state:
+                    self.stats["writes"] += 1
+                    self.stats["bytes_written"] += len(data) + 2 * len(record)
+                    self.fingerprints[key] = blob.parse_header(data).fingerprint
+                    self._track(key, len(data))
+            except Exception as err:  # noqa: BLE001
+                with self._state:
+                    self.stats["write_failures"] += 1
+                self._fault("write", err)
+
+        self._pending.append(self._writer.submit(write))
+
+    def flush(self) -> None:
+        pending, self._pending = self._pending, []
+        for future in pending:
+            future.result()
+
+    def _untrack(self, key: str) -> None:
+        with self._state:
+            self.bytes -= self.sizes.pop(key, 0)
+            self.fingerprints.pop(key, None)
+
+    def discard(self, key: str) -> None:
+        """Forget ``key`` here and delete it (blob and index record) on the server when reachable."""
+        self._untrack(key)
+        if not self._connected:
+            return
+        try:
+            pipe = self.client.pipeline(transaction=True)
+            pipe.delete(self._blob_key(key))
+            pipe.hdel(f"{self.prefix}:index", key)
+            pipe.execute()
+        except Exception as err:  # noqa: BLE001
+            self._fault("delete", err)
+
+    def forget(self, key: str) -> None:
+        """Forget ``key`` here and its stale index record (the blob is gone, e.g. evicted by maxmemory)."""
+        self._untrack(key)
+        if self._connected:
+            try:
+                self.client.hdel(f"{self.prefix}:index", key)
+            except Exception as err:  # noqa: BLE001
+                self._fault("delete", err)
+
+    remove = discard
+
+    # -- reading (KeyError: not on the server; ConnectionError & co. are faults, see VisMemoStore) ----
+    def _call(self, fn):
+        try:
+            return fn()
+        except (self._redis.ConnectionError, self._redis.TimeoutError, OSError) as err:
+            self._fault("read", err)
+            raise RemoteUnavailable(str(err)) from err
+
+    def _range(self, key: str, start: int, length: int) -> bytes:
+        data = self._call(lambda: self.client.getrange(self._blob_key(key), start, start + length - 1))
+        self.stats["bytes_read"] += len(data)
+        if not data:
+            raise KeyError(key)
+        if len(data) != length:
+            raise blob.BlobError("truncated blob")
+        return data
+
+    def header(self, key: str) -> blob.BlobHeader:
+        return self._checked(key, blob.parse_header(self._range(key, 0, blob.HEADER_SIZE)))
+
+    def _checked(self, key: str, header: blob.BlobHeader) -> blob.BlobHeader:
+        """The blob is the one its index record announced: same key, same model."""
+        if header.key != key or header.fingerprint != self.fingerprints.get(key, header.fingerprint):
+            raise blob.BlobError("blob stored under another key or model")
+        return header
+
+    def meta(self, key: str) -> Entry:
+        header = self.header(key)
+        return blob.decode_meta(header, self._range(key, header.meta_start, header.meta_bytes))
+
+    def full(self, key: str) -> Entry:
+        data = self._call(lambda: self.client.get(self._blob_key(key)))
+        if data is None:
+            raise KeyError(key)
+        self.stats["bytes_read"] += len(data)
+        header = self._checked(key, blob.parse_header(data[: blob.HEADER_SIZE]))
+        if len(data) != header.total_bytes:
+            raise blob.BlobError("blob size does not match its header")
+        buf = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        entry = blob.decode_meta(header, data[header.meta_start :])
+        region = buf[blob.HEADER_SIZE : header.meta_start].view(header.n_tokens, header.token_bytes)
+        entry.kv = blob.decode_blocks(header, region, 0)
+        entry.n_layers = header.n_layers
+        return entry
+
+    def tokens(self, key: str, tokens: torch.Tensor, first_layer: int) -> tuple[torch.Tensor, int]:
+        """One pipelined round trip: the header, then one ``GETRANGE`` per token."""
+        header = self.header(key)
+        ranges = [header.token_range(int(t), first_layer) for t in tokens.tolist()]
+
+        def fetch():
+            pipe = self.client.pipeline(transaction=False)
+            for start, length in ranges:
+                pipe.getrange(self._blob_key(key), start, start + length - 1)
+            return pipe.execute()
+
+        chunks = self._call(fetch) if ranges else []
+        self.ranges_read = ranges
+        self.stats["bytes_read"] += sum(len(c) for c in chunks)
+        length = ranges[0][1] if ranges else 0
+        if any(len(c) != length for c in chunks):
+            if not any(chunks):
+                raise KeyError(key)
+            raise blob.BlobError("truncated blob")
+        data = torch.frombuffer(bytearray(b"".join(chunks)), dtype=torch.uint8).view(len(ranges), length)
+        return blob.decode_blocks(header, data, first_layer), len(ranges) * length
+
+    def close(self) -> None:
+        self.flush()
+        self._writer.shutdown(wait=True)
+        try:
+            self.client.close()
+        except Exception:  # noqa: BLE001
+            pass
+
+
+class RemoteUnavailable(RuntimeError):
+    """The remote tier could not answer (not a property of the entry: the entry is kept)."""

@@ -1,0 +1,239 @@
+"""The shared Redis tier, against a real ``redis-server`` on 127.0.0.1 (``.ci/run`` installs it)."""
+
+import json
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+import vismemo_hf
+from vismemo_hf import HitKind, VisMemoStore, blob
+
+from conftest import build_inputs, generate
+from test_store import _entry
+
+redis = pytest.importorskip("redis", reason="the redis client is not installed (pip install -e '.[test]')")
+REDIS_SERVER = shutil.which("redis-server")
+pytestmark = pytest.mark.skipif(REDIS_SERVER is None, reason="redis-server not installed (apt-get install redis-server)")
+
+
+class RedisServer:
+    """A throwaway server on a free loopback port; ``kill`` and ``start`` keep the port."""
+
+    def __init__(self) -> None:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.proc = None
+        self.start()
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen([REDIS_SERVER, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+                                      "--appendonly", "no"], stdout=subprocess.DEVNULL)
+        client = redis.Redis(port=self.port)
+        for _ in range(100):
+            try:
+                client.ping()
+                return
+            except redis.ConnectionError:
+                time.sleep(0.05)
+        raise RuntimeError("redis-server did not start")
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+
+    def client(self):
+        return redis.Redis(port=self.port)
+
+
+@pytest.fixture
+def server():
+    srv = RedisServer()
+    yield srv
+    srv.kill()
+
+
+def _store(url, **options):
+    return VisMemoStore(remote_url=url, remote_options={"refresh_s": 0, **options})
+
+
+def test_entries_published_by_one_store_are_found_by_another(server):
+    a = _store(server.url)
+    first = _entry("k1", n=5, layers=4)
+    a.put(first)
+    a.flush()
+    b = _store(server.url, retry_s=0.1)  # starts after the first write: reads the index
+    assert b.tier_of("k1") == "remote"
+    assert [k for k, _ in b.candidates("fp", (1, 4, 5), first.descriptors, 0.5, 3)] == ["k1"]
+    second = _entry("k2", n=5, layers=4, seed=1)
+    a.put(second)
+    a.flush()  # published while b runs: b's next lookup sees it
+    assert [k for k, _ in b.candidates("fp", (1, 4, 5), second.descriptors, 0.5, 3)] == ["k2"]
+    assert torch.equal(b.get("k2", "fp").kv, second.kv)
+    assert b.get("k2", "other-model") is None and b.peek("k1", "other-model") is None
+    assert b.stats()["hits_by_tier"]["remote"] == 1
+    assert b.tier_of("k2") == "device"  # promoted by the exact hit; still on the server for others
+    assert server.client().exists("vismemo:blob:k2")
+
+
+def test_sparse_remote_read_moves_only_the_token_ranges(server):
+    a = _store(server.url)
+    entry = _entry("k", n=64, layers=8)
+    a.put(entry)
+    a.flush()
+    b = _store(server.url)
+    client = server.client()
+    info = lambda: client.info("stats")["total_net_output_bytes"]  # noqa: E731
+    base0 = info()
+    base1 = info()
+    empty = info() - base1  # what INFO's own reply adds between two readings
+    assert empty == base1 - base0
+    tokens = torch.tensor([3, 17, 40])
+    before = info()
+    got = b.get_tokens("k", "fp", tokens, 5)
+    moved = info() - before - empty
+    assert torch.equal(got, entry.kv[tokens][:, 5:])
+    header = blob.parse_header(client.getrange("vismemo:blob:k", 0, blob.HEADER_SIZE - 1))
+    expected = blob.HEADER_SIZE + sum(header.token_range(int(t), 5)[1] for t in tokens)
+    assert b.stats()["tiers"]["remote"]["bytes_read"] == expected
+    assert b.remote.ranges_read == [header.token_range(int(t), 5) for t in tokens]
+    # the server sent the ranges plus RESP framing (a few bytes per reply), far below the blob
+    assert expected <= moved <= expected + 32 * (len(tokens) + 1)
+    assert moved < header.total_bytes / 10
+
+
+def test_two_processes_share_exact_and_approximate_hits(server):
+    worker = [sys.executable, str(Path(__file__).with_name("remote_worker.py")), server.url]
+    run = lambda role: json.loads(subprocess.run(worker + [role], capture_output=True, text=True,  # noqa: E731
+                                                 check=True, timeout=300).stdout.strip().splitlines()[-1])
+    writer = run("writer")
+    assert writer["base"]["kind"] == "miss" and writer["stats"]["tiers"]["remote"]["writes"] == 1
+    reader = run("reader")
+    assert reader["base"]["kind"] == "exact" and reader["edit"]["kind"] == "approximate"
+    assert reader["stats"]["hits_by_tier"]["remote"] == 2
+    assert reader["base"]["tokens"] == reader["full_base"]["tokens"]
+    assert torch.allclose(torch.tensor(reader["base"]["scores"]), torch.tensor(reader["full_base"]["scores"]), atol=1e-4)
+    # the approximate hit through Redis is the reader's own approximate run without Redis ...
+    assert reader["edit"]["tokens"] == reader["local_edit"]["tokens"]
+    assert torch.allclose(torch.tensor(reader["edit"]["scores"]), torch.tensor(reader["local_edit"]["scores"]), atol=1e-5)
+    # ... which really reused K/V: it is not the full prefill of the edited page
+    assert (torch.tensor(reader["edit"]["scores"]) - torch.tensor(reader["full_edit"]["scores"])).abs().max() > 1e-3
+
+
+def test_killing_redis_mid_stream_loses_no_request(qwen2, pages, server):
+    model, processor = qwen2
+    opts = dict(reuse_ratio=0.5, entropy_threshold=1.0)
+    other = _store(server.url)  # another process that saw the base page and the noise image
+    for name in ("base", "noise"):
+        generate(model, build_inputs(processor, [pages[name]]), vismemo_hf.VisMemoCache(store=other, **opts), 1)
+    other.flush()
+    stream = ["base", "noise", "shift", "shift", "edit", "base"]
+
+    def serve(store, kill=None):
+        out = []
+        for i, name in enumerate(stream):
+            cache = vismemo_hf.VisMemoCache(store=store, **opts)
+            out.append((cache, generate(model, build_inputs(processor, [pages[name]]), cache, 3)))
+            if kill is not None and i == 0:
+                kill()
+        return out
+
+    with_remote = serve(_store(server.url, retry_s=0.2), kill=server.kill)
+    without = serve(VisMemoStore())
+    kinds = [c.events[0].kind for c, _ in with_remote]
+    # base came from Redis (exact); after the kill, noise (only on the server) is a miss, like without Redis
+    assert kinds[0] is HitKind.EXACT and [c.events[0].kind for c, _ in without][0] is HitKind.MISS
+    assert kinds[1:] == [c.events[0].kind for c, _ in without][1:]
+    for (_, (tok_r, sc_r)), (_, (tok_l, sc_l)) in zip(with_remote, without):
+        assert torch.equal(tok_r, tok_l) and (sc_r - sc_l).abs().max() <= 1e-4
+    remote = with_remote[-1][0].store.stats()["tiers"]["remote"]
+    assert remote["errors"] >= 1 and not remote["connected"]
+
+
+def test_remote_tier_survives_a_server_down_at_start_and_reconnects(server):
+    server.kill()
+    store = _store(server.url, retry_s=0.2)  # no server: a warning, then local serving
+    assert store.put(_entry("a")) and store.get("a", "fp") is not None
+    assert store.stats()["tiers"]["remote"]["errors"] >= 1
+    server.start()
+    time.sleep(0.3)
+    assert store.put(_entry("b", seed=1))
+    store.flush()
+    assert server.client().exists("vismemo:blob:b") and store.stats()["tiers"]["remote"]["connected"]
+    slow = _store("redis://10.255.255.1:6379/0", timeout_s=0.2)  # unroutable: every call times out fast
+    t0 = time.perf_counter()
+    assert slow.put(_entry("c")) and slow.get("c", "fp") is not None
+    assert time.perf_counter() - t0 < 2.0
+
+
+def _flip_bytes(client, name, where):
+    """Flip one byte of each (token, layer) block ``where(header)`` names, in place on the server."""
+    header = blob.parse_header(client.getrange(name, 0, blob.HEADER_SIZE - 1))
+    for t, layer in where(header):
+        start, _ = header.token_range(t, layer)
+        pos = start + header.layer_bytes - 1
+        client.setrange(name, pos, bytes([client.getrange(name, pos, pos)[0] ^ 0xFF]))
+
+
+def test_corrupt_remote_blob_is_a_miss_and_is_deleted(qwen2, pages, server):
+    model, processor = qwen2
+    opts = dict(reuse_ratio=0.5, entropy_threshold=1.0)
+    client = server.client()
+    for page, where in (("edit", lambda h: [(t, h.n_layers - 1) for t in range(h.n_tokens)]),  # sparse read
+                        ("base", lambda h: [(0, 0)])):  # an exact hit's full read
+        publisher = _store(server.url)
+        generate(model, build_inputs(processor, [pages["base"]]), vismemo_hf.VisMemoCache(store=publisher, **opts), 1)
+        publisher.close()
+        (name,) = client.keys("vismemo:blob:*")
+        _flip_bytes(client, name, where)
+        inputs = build_inputs(processor, [pages[page]])
+        _, ref = generate(model, inputs, DynamicCache(), 3)
+        store = _store(server.url)
+        cache = vismemo_hf.VisMemoCache(store=store, **opts)
+        _, scores = generate(model, inputs, cache, 3)
+        assert cache.events[0].kind is HitKind.MISS, page
+        assert (scores - ref).abs().max() <= 1e-4, page
+        assert store.stats()["corrupt"] == 1, page
+        store.close()
+        if page == "edit":  # the damaged blob and its record are gone from the server
+            assert not client.exists(name) and not client.hexists("vismemo:index", name[len("vismemo:blob:"):])
+        checker = _store(server.url)  # what the server holds now (the miss published its page) is sound
+        assert checker.remote.sizes and all(checker.get(k, checker.remote.fingerprints[k]) is not None
+                                            for k in list(checker.remote.sizes)), page
+        assert checker.stats()["corrupt"] == 0
+        client.flushdb()
+
+
+def test_bench_store_times_the_remote_tier_against_disk(server, tmp_path):
+    from vismemo_hf.cli import main
+
+    args = ["bench", "store", "--tokens", "32", "--layers", "4", "--kv-heads", "2", "--head-dim", "8",
+            "--embed-dim", "16", "--repeats", "1", "--trace-requests", "100", "--capacities", "5",
+            "--remote", server.url, "--out", str(tmp_path)]
+    assert main(args) == 0
+    rows = {r["tier"]: r for r in json.loads((tmp_path / "store.json").read_text())["remote"]}
+    assert rows["remote"]["sparse_bytes"] == rows["disk"]["sparse_bytes"] > 0
+    assert rows["remote"]["sparse_bytes"] <= rows["remote"]["sparse_server_bytes"] < rows["remote"]["full_server_bytes"]
+    assert rows["remote"]["full_server_bytes"] >= rows["remote"]["blob_bytes"]
+    assert "Shared remote tier (Redis)" in (tmp_path / "store.md").read_text()
+    assert not server.client().keys("vismemo-bench-*")  # the benchmark cleans up after itself
+
+
+def test_shared_redis_preset(server, monkeypatch, tmp_path):
+    monkeypatch.delenv("VISMEMO_REDIS_URL", raising=False)
+    with pytest.raises(ValueError, match="VISMEMO_REDIS_URL"):
+        VisMemoStore.from_config("shared-redis")
+    monkeypatch.setenv("VISMEMO_REDIS_URL", server.url)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    store = VisMemoStore.from_config("shared-redis")
+    assert store.remote is not None and store.remote.ttl_s == 604800
+    with pytest.raises(ValueError):
+        VisMemoStore(remote_url="http://not-redis")
