@@ -28,7 +28,7 @@ def exact_key(fingerprint: str, pixels: torch.Tensor, grid: tuple[int, int, int]
     h = hashlib.sha256()
     h.update(fingerprint.encode())
     h.update(repr((tuple(int(g) for g in grid), str(data.dtype), tuple(data.shape))).encode())
-    h.update(data.reshape(-1).view(torch.uint8).numpy().tobytes())
+    h.update(data.reshape(-1).view(torch.uint8).numpy())  # the buffer itself: no copy
     return h.hexdigest()
 
 
