@@ -237,3 +237,16 @@ def test_shared_redis_preset(server, monkeypatch, tmp_path):
     assert store.remote is not None and store.remote.ttl_s == 604800
     with pytest.raises(ValueError):
         VisMemoStore(remote_url="http://not-redis")
+
+
+def test_exact_lookup_asks_the_server_before_the_index_sync(server):
+    a = _store(server.url)
+    b = _store(server.url, refresh_s=3600)  # its index sync will not run again in this test
+    entry = _entry("late", n=5, layers=4)
+    a.put(entry)
+    a.flush()
+    assert b.tier_of("late") is None  # not announced to b yet ...
+    got = b.get("late", "fp")  # ... but an exact lookup finds it with one GET
+    assert got is not None and torch.equal(got.kv, entry.kv)
+    assert [k for k, _ in b.candidates("fp", (1, 4, 5), entry.descriptors, 0.5, 3)] == ["late"]
+    assert b.get("never-stored", "fp") is None and b.stats()["corrupt"] == 0

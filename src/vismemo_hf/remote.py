@@ -73,7 +73,7 @@ class RemoteTier:
         self.sizes: OrderedDict[str, int] = OrderedDict()  # every key the index knows, with its blob size
         self.fingerprints: dict[str, str] = {}  # key -> model fingerprint its record was published with
         self.bytes = 0
-        self.stats = {"errors": 0, "writes": 0, "write_failures": 0, "bytes_written": 0, "bytes_read": 0,
+        self.stats = {"errors": 0, "writes": 0, "write_failures": 0, "writes_skipped": 0, "bytes_written": 0, "bytes_read": 0,
                       "reconnects": 0, "connected": False}
         self.ranges_read: list[tuple[int, int]] = []
         self._down_until = 0.0
@@ -193,6 +193,7 @@ class RemoteTier:
     def write_async(self, key: str, encode, descriptors: torch.Tensor) -> None:
         """Encode (``encode()`` -> blob bytes) and publish in the background: nothing waits for it."""
         if not self.available():
+            self.stats["writes_skipped"] += 1
             return
 
         def write():
@@ -294,6 +295,7 @@ class RemoteTier:
         region = buf[blob.HEADER_SIZE : header.meta_start].view(header.n_tokens, header.token_bytes)
         entry.kv = blob.decode_blocks(header, region, 0)
         entry.n_layers = header.n_layers
+        self.track(key, header)  # known now, even if its index record has not been read yet
         return entry
 
     def tokens(self, key: str, tokens: torch.Tensor, first_layer: int) -> tuple[torch.Tensor, int]:

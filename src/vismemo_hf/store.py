@@ -393,6 +393,8 @@ class VisMemoStore:
         """Read from the fastest tier holding ``key``; a foreign or corrupt blob is removed and gives None."""
         self._wait_for(key)
         tier = self._tier_of(key)
+        if tier is None and how == "full" and self.remote is not None and self.remote.available():
+            tier = self.remote  # maybe published since the last index sync: one GET answers either way
         if tier is None or self._where.get(key, (fingerprint,))[0] != fingerprint:
             return None, None
         try:
@@ -407,7 +409,7 @@ class VisMemoStore:
         except KeyError:
             if tier is self.disk:  # another process deleted it
                 tier.discard(key)
-            elif tier is self.remote:  # evicted by the server, or deleted by another process
+            elif key in tier.sizes:  # remote: evicted by the server, or deleted by another process
                 tier.forget(key)
             self._forget_if_gone(key)
             return None, None
@@ -427,6 +429,9 @@ class VisMemoStore:
             entry, tier = self._read(key, fingerprint, "full")
             if entry is None:
                 return None
+            if key not in self._where:  # found on the server before the index sync announced it
+                self._where[key] = (entry.fingerprint, tuple(entry.grid))
+                self._index.add(entry.fingerprint, entry.grid, key, entry.descriptors)
             self._stats["bytes_read_full"] += entry.nbytes
             self._stats["hits_by_tier"][tier.name] += 1
             self._protect[key] = self.protect_budget
