@@ -16,7 +16,9 @@ def test_stream_is_deterministic_and_mixes_hit_kinds():
     kinds = {k: sum(r.intended == k for r in a) for k in ("miss", "exact", "approximate")}
     assert kinds["miss"] == 10 and kinds["exact"] > 0 and kinds["approximate"] > kinds["exact"]
     variants = {r.variant for r in a}
-    assert {"base", "same", "edit_asked", "edit_other", "shift", "reencode"} <= variants
+    assert set(synthdoc.VARIANTS) | {f"base-{s}" for s in synthdoc.STYLES} <= variants
+    for r in a:
+        assert (r.variant == "prefix") == bool(r.prefix) and (r.intended == "exact") == (r.variant in ("same", "prefix"))
     seen = set()
     for r in a:  # a follow-up always comes after its base page
         base_id = r.id.split("v")[0]
@@ -33,13 +35,32 @@ def test_edited_value_questions_have_a_stale_answer_that_differs_everywhere():
         assert anls(r.stale, r.answers) == 0.0
 
 
-def test_every_glyph_is_drawn_inside_its_own_cell():
-    page = synthdoc.FormPage(synthdoc.random_form(5).rows, shift=(2, -2))
+@pytest.mark.parametrize("style", synthdoc.STYLES)
+def test_every_glyph_is_drawn_inside_its_own_cell(style):
+    """Glyphs are black and stay in their cells; what a page type adds is lighter and never inside a glyph cell."""
+    page = synthdoc.shift(synthdoc.random_form(5, style=style), 2, -2)
     img = np.asarray(synthdoc.render(page).convert("L"))
     for i, ch in enumerate(page.cell_text()):
         r, c = divmod(i, synthdoc.COLS)
         cell = img[r * synthdoc.CELL:(r + 1) * synthdoc.CELL, c * synthdoc.CELL:(c + 1) * synthdoc.CELL]
-        assert (cell.min() < 128) == (ch != " "), (i, ch)
+        assert (cell.min() < 64) == (ch != " "), (style, i, ch)
+    if style != "form":  # the page type is visible
+        plain = np.asarray(synthdoc.render(synthdoc.shift(synthdoc.random_form(5), 2, -2)).convert("L"))
+        assert np.abs(img.astype(int) - plain).max() > 40
+
+
+def test_page_types_and_changed_widgets():
+    with pytest.raises(ValueError, match="page type"):
+        synthdoc.random_form(1, style="poster")
+    ui = synthdoc.random_form(4, style="ui")
+    switched = synthdoc.toggle_light(ui, 3)
+    assert switched.rows == ui.rows and switched.lights[3] != ui.lights[3]
+    diff = np.abs(np.asarray(synthdoc.render(switched), dtype=np.int16) - np.asarray(synthdoc.render(ui), dtype=np.int16))
+    rows, cols = np.nonzero(diff.max(-1))
+    assert rows.min() // synthdoc.CELL == rows.max() // synthdoc.CELL == 3  # only row 3's light changed
+    assert cols.min() // synthdoc.CELL == cols.max() // synthdoc.CELL == synthdoc.VALUE_COL - 1
+    with pytest.raises(ValueError):
+        synthdoc.toggle_light(synthdoc.random_form(4), 0)
 
 
 def test_variants_change_pixels_but_not_the_answers():

@@ -66,8 +66,10 @@ def new_model(tokenizer, seed: int = 0):
     return Qwen2VLForConditionalGeneration(config)
 
 
-def messages(question: str) -> list[dict]:
-    return [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]}]
+def messages(question: str, prefix: str = "") -> list[dict]:
+    """The image, then the question; ``prefix``: text before the image."""
+    content = [{"type": "text", "text": prefix}] if prefix else []
+    return [{"role": "user", "content": content + [{"type": "image"}, {"type": "text", "text": question}]}]
 
 
 def docqa_model(path: str | Path | None = None, dtype=torch.float32):
@@ -82,9 +84,11 @@ def docqa_model(path: str | Path | None = None, dtype=torch.float32):
 
 
 # -- training ----------------------------------------------------------------------------------------------
-def _batch(processor, pages, questions, answers):
-    texts = [processor.apply_chat_template(messages(q), add_generation_prompt=True) + a + "<|im_end|>"
-             for q, a in zip(questions, answers)]
+def _batch(processor, pages, questions, answers, prefixes=None):
+    prefixes = prefixes or [""] * len(pages)
+    processor.tokenizer.padding_side = "left"  # answers end every row (prefixes make rows differ in length)
+    texts = [processor.apply_chat_template(messages(q, p), add_generation_prompt=True) + a + "<|im_end|>"
+             for q, a, p in zip(questions, answers, prefixes)]
     images = [synthdoc.render(p) for p in pages]
     return processor(text=texts, images=images, return_tensors="pt", padding=True)
 
@@ -114,11 +118,14 @@ def _char_id(tokenizer, ch: str) -> int:
     return _CHAR_IDS[ch]
 
 
-def sample(rng: random.Random, n_rows: int):
-    rows = synthdoc.random_form(rng.randrange(2**31), n_rows=n_rows).rows
-    page = synthdoc.FormPage(rows, shift=(rng.randint(-2, 2), rng.randint(-2, 2)))
-    key, value = rows[rng.randrange(n_rows)]
-    return page, synthdoc.question_for(key), value
+def sample(rng: random.Random, n_rows: int, style: str | None = None):
+    """(page, question, answer, prefix): a page of a random type (or ``style``), jittered by up to 2 px."""
+    style = style or rng.choice(synthdoc.STYLES)
+    page = synthdoc.random_form(rng.randrange(2**31), n_rows=n_rows, style=style)
+    page = synthdoc.shift(page, rng.randint(-2, 2), rng.randint(-2, 2))
+    key, value = page.rows[rng.randrange(n_rows)]
+    prefix = rng.choice(synthdoc.PREFIXES) if rng.random() < 0.2 else ""
+    return page, synthdoc.question_for(key), value, prefix
 
 
 def train(out: str | Path, minutes: float = 55.0, max_steps: int = 20000, batch_size: int = 32, lr: float = 2e-3,
@@ -141,7 +148,7 @@ def train(out: str | Path, minutes: float = 55.0, max_steps: int = 20000, batch_
     warmup = 200
     held_out = [sample(random.Random(10**9 + i), synthdoc.ROWS) for i in range(128)]
     start, step = time.time(), first_step
-    best = max((h["heldout_exact"] for h in history), default=-1.0)
+    best = -1.0  # the best checkpoint of this run is kept (a resumed run may change the task mix)
     budget = minutes * 60
     while step < first_step + max_steps and time.time() - start < budget:
         progress = min(1.0, (time.time() - start) / budget)
@@ -150,8 +157,8 @@ def train(out: str | Path, minutes: float = 55.0, max_steps: int = 20000, batch_
             group["lr"] = lr_now
         n_rows = synthdoc.ROWS if curriculum_steps == 0 else 1 + min(
             synthdoc.ROWS - 1, int((synthdoc.ROWS - 1) * step / curriculum_steps + 1e-9))
-        pages, questions, answers = zip(*[sample(rng, n_rows) for _ in range(batch_size)])
-        batch = _batch(processor, pages, questions, answers)
+        pages, questions, answers, prefixes = zip(*[sample(rng, n_rows) for _ in range(batch_size)])
+        batch = _batch(processor, pages, questions, answers, prefixes)
         outputs = model(**batch, output_hidden_states=True)
         logits = outputs.logits
         ids = batch["input_ids"]
@@ -194,8 +201,8 @@ def train(out: str | Path, minutes: float = 55.0, max_steps: int = 20000, batch_
 @torch.no_grad()
 def teacher_forced_accuracy(model, processor, items) -> float:
     model.eval()
-    pages, questions, answers = zip(*items)
-    batch = _batch(processor, pages, questions, answers)
+    pages, questions, answers, prefixes = zip(*items)
+    batch = _batch(processor, pages, questions, answers, prefixes)
     logits = model(**batch).logits
     n_answer = len(answers[0]) + 1
     pred = logits[:, -n_answer - 1 : -1].argmax(-1)

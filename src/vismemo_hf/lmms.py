@@ -54,7 +54,9 @@ class VisMemoLMM(lmms):
             doc = self.task_dict[task][split][doc_id]
             images = doc_to_visual(doc)
             images = images if isinstance(images, list) else [images]
-            content = [{"type": "image"} for _ in images] + [{"type": "text", "text": context}]
+            prefix = doc.get("prefix") or ""  # text before the image (stream rows may carry one)
+            content = ([{"type": "text", "text": prefix}] if prefix else []) + [{"type": "image"} for _ in images]
+            content.append({"type": "text", "text": context})
             text = self.processor.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True)
             inputs = self.processor(text=[text], images=images, return_tensors="pt").to(self.model.device)
             cache = VisMemoCache(store=self.store, policy=self.policy, **self.options)

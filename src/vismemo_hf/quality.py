@@ -54,7 +54,7 @@ class Scored:
 def answer(model, processor, request: synthdoc.Request, cache, max_new_tokens: int = 8):
     from .docqa import messages
 
-    text = processor.apply_chat_template(messages(request.question), add_generation_prompt=True)
+    text = processor.apply_chat_template(messages(request.question, request.prefix), add_generation_prompt=True)
     inputs = processor(text=[text], images=[synthdoc.render(request.page)], return_tensors="pt").to(model.device)
     out = model.generate(**inputs, past_key_values=cache, max_new_tokens=max_new_tokens, do_sample=False,
                          output_scores=True, return_dict_in_generate=True)

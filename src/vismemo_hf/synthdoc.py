@@ -6,6 +6,11 @@ lives in exactly one visual token of a Qwen2-VL model (patch 14, merge 2). A reu
 on the token of an answer glyph therefore shows in the answer. The keys of a page start with
 different letters (like a form's distinct labels), so one glyph names a row.
 
+Page types share that grid and differ in what is drawn around the glyphs (never over them):
+``form`` (plain), ``table`` (ruled cells, like a bank statement), ``receipt`` (tinted paper,
+dotted leaders), ``ui`` (a screen of status rows, each with a status light) and ``chart``
+(a bar per row, its length following the value).
+
 Everything is deterministic in its seed.
 """
 
@@ -22,6 +27,7 @@ COLS, ROWS = 8, 6
 KEY_LEN, VALUE_LEN, VALUE_COL = 3, 4, 4
 PAGE_SIZE = (COLS * CELL, ROWS * CELL)
 KEY_ALPHABET = string.ascii_uppercase
+STYLES = ("form", "table", "receipt", "ui", "chart")
 
 
 @dataclass(frozen=True)
@@ -29,6 +35,8 @@ class FormPage:
     """Rows of (key, value); unfilled rows are blank. ``shift`` moves every glyph by (dx, dy) px."""
 
     rows: tuple[tuple[str, str], ...]
+    style: str = "form"
+    lights: tuple[bool, ...] = ()  # ``ui`` pages: each row's status light (on / off)
     shift: tuple[int, int] = (0, 0)
     brightness: float = 1.0
     jpeg_quality: int | None = None
@@ -48,11 +56,15 @@ class FormPage:
         return cells
 
 
-def random_form(seed: int, n_rows: int = ROWS) -> FormPage:
+def random_form(seed: int, n_rows: int = ROWS, style: str = "form") -> FormPage:
+    if style not in STYLES:
+        raise ValueError(f"unknown page type {style!r}; known: {STYLES}")
     rng = random.Random(seed)
     firsts = rng.sample(KEY_ALPHABET, n_rows)
     keys = [f + "".join(rng.choice(KEY_ALPHABET) for _ in range(KEY_LEN - 1)) for f in firsts]
-    return FormPage(tuple((k, "".join(rng.choice(string.digits) for _ in range(VALUE_LEN))) for k in keys))
+    rows = tuple((k, "".join(rng.choice(string.digits) for _ in range(VALUE_LEN))) for k in keys)
+    lights = tuple(rng.random() < 0.5 for _ in rows) if style == "ui" else ()
+    return FormPage(rows, style, lights)
 
 
 _FONT: ImageFont.ImageFont | None = None
@@ -65,9 +77,37 @@ def _font():
     return _FONT
 
 
+PAPER = {"form": "white", "table": "white", "receipt": (250, 244, 228), "ui": (232, 238, 246), "chart": "white"}
+
+
+def _decorate(draw: ImageDraw.ImageDraw, page: FormPage) -> None:
+    """What a page type draws besides the glyphs: on cell borders or in the blank column, moved with the page."""
+    dx, dy = page.shift
+    gap = (VALUE_COL - 1) * CELL + dx  # left edge of the blank cell between key and value
+    right = PAGE_SIZE[0] - 1 + dx
+    for r, (_, value) in enumerate(page.rows):
+        top = r * CELL + dy
+        if page.style == "table":
+            grey = (150, 150, 150)
+            draw.rectangle([dx, top, right, top + CELL - 1], outline=grey)
+            draw.line([gap, top, gap, top + CELL - 1], fill=grey)
+            draw.line([gap + CELL, top, gap + CELL, top + CELL - 1], fill=grey)
+        elif page.style == "receipt":
+            for x in range(gap + 3, gap + CELL - 2, 4):
+                draw.point([(x, top + CELL // 2), (x + 1, top + CELL // 2)], fill=(90, 90, 90))
+        elif page.style == "ui":
+            draw.rounded_rectangle([dx + 1, top + 1, right - 1, top + CELL - 2], radius=6, outline=(120, 130, 150))
+            on = page.lights[r] if r < len(page.lights) else False
+            draw.ellipse([gap + 8, top + 8, gap + 19, top + 19], fill=(40, 170, 60) if on else (200, 50, 40))
+        elif page.style == "chart":
+            length = 3 + int(value[0]) * 2  # 3..21 px, inside the blank cell
+            draw.rectangle([gap + 3, top + 9, gap + 3 + length, top + 18], fill=(70, 110, 200))
+
+
 def render(page: FormPage) -> Image.Image:
-    img = Image.new("RGB", PAGE_SIZE, "white")
+    img = Image.new("RGB", PAGE_SIZE, PAPER[page.style])
     draw = ImageDraw.Draw(img)
+    _decorate(draw, page)
     font = _font()
     dx, dy = page.shift
     for i, ch in enumerate(page.cell_text()):
@@ -99,6 +139,15 @@ def edit_value(page: FormPage, row: int, rng: random.Random) -> FormPage:
     return replace(page, rows=tuple(rows))
 
 
+def toggle_light(page: FormPage, row: int) -> FormPage:
+    """A changed widget (``ui`` pages): one status light switched; no glyph changes."""
+    if page.style != "ui":
+        raise ValueError("only ui pages have status lights")
+    lights = list(page.lights)
+    lights[row] = not lights[row]
+    return replace(page, lights=tuple(lights))
+
+
 def shift(page: FormPage, dx: int, dy: int = 0) -> FormPage:
     return replace(page, shift=(page.shift[0] + dx, page.shift[1] + dy))
 
@@ -124,31 +173,42 @@ class Request:
     variant: str  # how the page came about
     about_edit: bool = False  # the question asks for the value that changed
     stale: str | None = None  # for such questions: the value before the edit (what naive reuse may answer)
+    prefix: str = ""  # text before the image (another prefix on a seen page: an exact hit at another offset)
 
 
 def question_for(key: str) -> str:
     return f"{key}?"
 
 
+PREFIXES = ("Scan 2.", "Page 7:", "Doc A.", "See:", "Fax 41.")
+VARIANTS = ("same", "edit_asked", "edit_other", "shift", "reencode", "prefix", "widget")
+
+
 def stream(seed: int, n_bases: int = 20, variants_per_base: int = 4) -> list[Request]:
-    """A trace: each base page (a miss), then in mixed order its follow-ups: the same page with another
-    question (exact), an edited value asked about (approximate, naive reuse must fail) or another value
-    (approximate), a shifted copy, a re-encoded or brightened copy (approximate)."""
+    """A trace: each base page (a miss; page types in turn), then in mixed order its follow-ups: the same
+    page with another question or another text before the image (exact), an edited value asked about
+    (approximate, naive reuse must fail) or another value, a shifted copy, a re-encoded or brightened copy,
+    a switched status light on ui pages (approximate)."""
     rng = random.Random(seed)
     out: list[Request] = []
     pending: list[Request] = []
     for b in range(n_bases):
-        base = random_form(seed * 100_003 + b)
+        base = random_form(seed * 100_003 + b, style=STYLES[b % len(STYLES)])
         r0 = rng.randrange(ROWS)
         key0 = base.rows[r0][0]
-        out.append(Request(f"s{seed}b{b}", base, question_for(key0), [base.answer(key0)], "miss", "base"))
+        out.append(Request(f"s{seed}b{b}", base, question_for(key0), [base.answer(key0)], "miss", f"base-{base.style}"))
         follow = []
         for v in range(variants_per_base):
-            kind = ["same", "edit_asked", "edit_other", "shift", "reencode"][(v + b) % 5]
+            kind = VARIANTS[(v + b) % len(VARIANTS)]
+            if kind == "widget" and base.style != "ui":
+                kind = "shift"
             row = rng.randrange(ROWS)
-            page, about = base, False
-            if kind == "same":
+            page, about, prefix = base, False, ""
+            if kind in ("same", "prefix"):
                 row = (r0 + 1 + rng.randrange(ROWS - 1)) % ROWS
+                prefix = rng.choice(PREFIXES) if kind == "prefix" else ""
+            elif kind == "widget":
+                page = toggle_light(base, rng.randrange(ROWS))
             elif kind.startswith("edit"):
                 edited_row = rng.randrange(ROWS)
                 page = edit_value(base, edited_row, rng)
@@ -160,8 +220,8 @@ def stream(seed: int, n_bases: int = 20, variants_per_base: int = 4) -> list[Req
                 page = reencode(base) if rng.random() < 0.5 else brighten(base, 0.9)
             key = page.rows[row][0]
             follow.append(Request(f"s{seed}b{b}v{v}", page, question_for(key), [page.answer(key)],
-                                  "exact" if kind == "same" else "approximate", kind, about,
-                                  base.answer(key) if about else None))
+                                  "exact" if kind in ("same", "prefix") else "approximate", kind, about,
+                                  base.answer(key) if about else None, prefix))
         pending.extend(follow)
         rng.shuffle(pending)
         # release part of the pending follow-ups: reuse intervals vary
@@ -198,16 +258,16 @@ def page_stream(pages, seed: int = 0) -> list[dict]:
         image = image.convert("RGB")
         q0, a0 = qas[0]
         rows.append(dict(id=f"{page_id}/0", question=q0, answers=list(a0), intended="miss", variant="base",
-                         about_edit=False, stale="", image=image))
+                         about_edit=False, stale="", prefix="", image=image))
         for j, (q, a) in enumerate(qas[1:3], 1):
             if j == 1:
                 pending.append(dict(id=f"{page_id}/{j}", question=q, answers=list(a), intended="exact",
-                                    variant="same", about_edit=False, stale="", image=image))
+                                    variant="same", about_edit=False, stale="", prefix="", image=image))
             else:
                 variant = rng.choice(["shift", "reencode"])
                 img = shift_image(image, rng.choice([-3, -2, 2, 3])) if variant == "shift" else reencode_image(image)
                 pending.append(dict(id=f"{page_id}/{j}", question=q, answers=list(a), intended="approximate",
-                                    variant=variant, about_edit=False, stale="", image=img))
+                                    variant=variant, about_edit=False, stale="", prefix="", image=img))
         rng.shuffle(pending)
         cut = rng.randrange(len(pending) + 1)
         rows.extend(pending[:cut])
@@ -217,7 +277,7 @@ def page_stream(pages, seed: int = 0) -> list[dict]:
 
 def request_rows(requests: list[Request]) -> list[dict]:
     return [dict(id=r.id, question=r.question, answers=r.answers, intended=r.intended, variant=r.variant,
-                 about_edit=r.about_edit, stale=r.stale or "", image=render(r.page)) for r in requests]
+                 about_edit=r.about_edit, stale=r.stale or "", prefix=r.prefix, image=render(r.page)) for r in requests]
 
 
 def save_rows(rows: list[dict], path) -> str:
@@ -232,6 +292,7 @@ def save_rows(rows: list[dict], path) -> str:
         "id": datasets.Value("string"), "question": datasets.Value("string"),
         "answers": datasets.Sequence(datasets.Value("string")), "intended": datasets.Value("string"),
         "variant": datasets.Value("string"), "about_edit": datasets.Value("bool"), "stale": datasets.Value("string"),
+        "prefix": datasets.Value("string"),
         "image": datasets.Image(),
     })
     datasets.Dataset.from_list(rows, features=features).to_parquet(str(path))
