@@ -78,6 +78,12 @@ class ImagePlan:
         late = self.reuse[self.reuse_from > layer]
         return torch.cat([self.recompute, late]).sort().values if late.numel() else self.recompute
 
+    def computed_count_at(self, layer: int) -> int:
+        """``len(computed_at(layer))`` without building the set."""
+        if layer < self.warmup_layers:
+            return self.n_tokens
+        return self.recompute.numel() + int((self.reuse_from > layer).sum())
+
     def reuse_selected_at(self, layer: int) -> torch.Tensor:
         """Boolean over ``reuse``: which of them take alias K/V at ``layer``."""
         return self.reuse_from <= layer

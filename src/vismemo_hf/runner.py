@@ -73,6 +73,7 @@ class PrefillRunner:
         if self.valid is not None and bool(self.valid.all()):
             self.valid = None
         self.rows = [[img for img in request.images if img.row == b] for b in range(self.batch)]
+        self._active_signature, self._active_layout = None, None
         if self.policy.warmup_layers >= adapter.num_layers and any(
             i.kind is HitKind.APPROXIMATE for i in request.images
         ):
@@ -194,7 +195,19 @@ class PrefillRunner:
 
     # -- per-layer schedule -------------------------------------------------------------------------
     def _active(self, layer: int) -> torch.Tensor:
-        """(B, A) request columns computed at ``layer``; -1 pads short rows."""
+        """(B, A) request columns computed at ``layer``; -1 pads short rows.
+
+        A plan's computed sets shrink monotonically with depth, so (plan, set size) names the set:
+        the layout is rebuilt only at the layers where it changes."""
+        signature = tuple(
+            (id(img.plan), img.plan.computed_count_at(layer)) if img.plan is not None else None
+            for img in self.request.images
+        )
+        if signature != self._active_signature:
+            self._active_signature, self._active_layout = signature, self._build_active(layer)
+        return self._active_layout
+
+    def _build_active(self, layer: int) -> torch.Tensor:
         rows = []
         for b in range(self.batch):
             keep = torch.ones(self.length, dtype=torch.bool)
