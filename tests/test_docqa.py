@@ -63,7 +63,7 @@ def test_quality_report_writes_table_and_sweeps(tmp_path):
     from vismemo_hf.cli import main
 
     args = ["report", "quality", "--streams", "1", "--bases", "2", "--policies", "full,naive,vismemo",
-            "--sweep-rho", "0.3,1.0", "--sweep-beta", "0.1", "--out", str(tmp_path)]
+            "--sweep-rho", "0.3,1.0", "--sweep-beta", "0.1", "--heldout", "2", "--out", str(tmp_path)]
     assert main(args) == 0
     table = (tmp_path / "table1.md").read_text()
     assert "| naive |" in table and "| vismemo |" in table and "Command: `vismemo report quality" in table
@@ -72,6 +72,8 @@ def test_quality_report_writes_table_and_sweeps(tmp_path):
 
     data = json.loads((tmp_path / "quality.json").read_text())
     assert data["policies"]["full"]["first_token_agreement"] == 1.0
+    assert set(data["reader"]) == set(synthdoc.STYLES) | {"all"} and data["reader"]["all"]["n"] == 2 * len(synthdoc.STYLES)
+    assert "## The reader: full prefill on held-out pages" in table and "ANLS by variant" in table
 
 
 def test_demo_hit_kinds_with_the_reading_model(capsys):

@@ -265,6 +265,7 @@ def main(argv=None) -> int:
     p.add_argument("--sweep-rho", default="0.1,0.2,0.3,0.5,0.8")
     p.add_argument("--sweep-beta", default="0,0.05,0.1,0.2,0.4")
     p.add_argument("--max-new-tokens", type=int, default=6)
+    p.add_argument("--heldout", type=int, default=40, help="held-out pages per page type for the reader's own accuracy")
     p.add_argument("--out", default="results/quality")
     p.set_defaults(func=_bench("quality"))
     args = parser.parse_args(argv)

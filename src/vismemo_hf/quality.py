@@ -89,6 +89,8 @@ def summarise(scored: list[Scored], reference: list[Scored] | None = None) -> di
         subset = [s.anls for s in scored if s.kind == kind]
         out[f"anls_{kind}"] = mean(subset)
         out[f"n_{kind}"] = len(subset)
+    variants = sorted({s.request.variant for s in scored})
+    out["anls_by_variant"] = {v: mean([s.anls for s in scored if s.request.variant == v]) for v in variants}
     edited = [s for s in scored if s.request.about_edit]
     out["anls_edited_value"] = mean([s.anls for s in edited])
     out["stale_rate"] = mean([float(s.request.stale is not None and s.prediction == s.request.stale) for s in edited])
@@ -100,3 +102,34 @@ def summarise(scored: list[Scored], reference: list[Scored] | None = None) -> di
                                                       (b.first_token_logprobs - a.first_token_logprobs)))
                                       for a, b in pairs])
     return {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in out.items()}
+
+
+def heldout_pages(per_type: int = 40, seed: int = 900_000) -> list[synthdoc.Request]:
+    """Pages no training step drew (fixed seeds), ``per_type`` of every page type, one question each."""
+    import random
+
+    rng = random.Random(seed)
+    out = []
+    for style in synthdoc.STYLES:
+        for i in range(per_type):
+            page = synthdoc.random_form(seed + len(out), style=style)
+            key, value = page.rows[rng.randrange(synthdoc.ROWS)]
+            out.append(synthdoc.Request(f"held-{style}-{i}", page, synthdoc.question_for(key), [value], "miss",
+                                        f"base-{style}"))
+    return out
+
+
+def reading_by_type(model, processor, per_type: int = 40, max_new_tokens: int = 6, progress=None) -> dict:
+    """Full-prefill ANLS of the reader on held-out pages, per page type (``DynamicCache``: no VisMemo at all)."""
+    requests = heldout_pages(per_type)
+    scored = evaluate(model, processor, requests, policy="plain", max_new_tokens=max_new_tokens, progress=progress)
+    out = {}
+    for style in synthdoc.STYLES:
+        subset = [s for s in scored if s.request.page.style == style]
+        out[style] = {"anls": sum(s.anls for s in subset) / len(subset),
+                      "exact_match": sum(s.prediction == s.request.answers[0] for s in subset) / len(subset),
+                      "n": len(subset)}
+    out["all"] = {"anls": sum(s.anls for s in scored) / len(scored),
+                  "exact_match": sum(s.prediction == s.request.answers[0] for s in scored) / len(scored),
+                  "n": len(scored)}
+    return out

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from .. import enable, synthdoc
-from ..quality import evaluate, summarise
+from ..quality import evaluate, reading_by_type, summarise
 
 POLICIES = ["full", "naive", "cacheblend", "vlcache", "attention-only", "pixel-patch", "vismemo",
             "vismemo-no-entropy", "vismemo-no-head-norm", "vismemo-no-mask", "vismemo-no-guard"]
@@ -26,8 +26,10 @@ def _progress(total: int, desc: str):
     return tqdm(total=total, desc=desc, leave=False)
 
 
-def run(model, processor, requests, policies, sweep_rho, sweep_beta, max_new_tokens: int) -> dict:
+def run(model, processor, requests, policies, sweep_rho, sweep_beta, max_new_tokens: int, heldout: int = 0) -> dict:
     results, scored_by = {}, {}
+    reading = reading_by_type(model, processor, heldout, max_new_tokens,
+                              progress=_progress(heldout * len(synthdoc.STYLES), "reader")) if heldout else None
     reference = evaluate(model, processor, requests, "full", max_new_tokens=max_new_tokens,
                          progress=_progress(len(requests), "full (reference)"))
     scored_by["full"] = reference
@@ -49,7 +51,7 @@ def run(model, processor, requests, policies, sweep_rho, sweep_beta, max_new_tok
                  "answer": s.request.answers[0], "stale": s.request.stale,
                  **{p: scored_by[p][i].prediction for p in ("full", "naive", "vismemo") if p in scored_by}}
                 for i, s in enumerate(reference) if s.request.about_edit][:8]
-    return {"policies": results, "sweeps": sweeps, "edited_examples": examples}
+    return {"reader": reading, "policies": results, "sweeps": sweeps, "edited_examples": examples}
 
 
 def _fmt(x, digits=3):
@@ -90,10 +92,10 @@ def main(args) -> int:
     rho = [float(x) for x in args.sweep_rho.split(",")] if args.sweep_rho else []
     beta = [float(x) for x in args.sweep_beta.split(",")] if args.sweep_beta else []
     t0 = time.time()
-    result = run(model, processor, requests, policies, rho, beta, args.max_new_tokens)
+    result = run(model, processor, requests, policies, rho, beta, args.max_new_tokens, args.heldout)
     command = (f"vismemo report quality --model {args.model} --streams {args.streams} --bases {args.bases} "
                f"--policies {args.policies} --sweep-rho {args.sweep_rho} --sweep-beta {args.sweep_beta} "
-               f"--max-new-tokens {args.max_new_tokens}")
+               f"--max-new-tokens {args.max_new_tokens} --heldout {args.heldout}")
     kinds = {k: sum(r.intended == k for r in requests) for k in ("miss", "exact", "approximate")}
     result.update(command=command, model=args.model, requests=len(requests), intended=kinds,
                   machine=f"{platform.machine()}, torch {torch.__version__}, CPU fp32", seconds=round(time.time() - t0))
@@ -101,11 +103,12 @@ def main(args) -> int:
     out.mkdir(parents=True, exist_ok=True)
     (out / "quality.json").write_text(json.dumps(result, indent=2))
     lines = [
-        "# Table 1: quality of each policy on synthetic form streams", "",
-        f"Command: `{command}`  ", f"Model: `{args.model}` (Qwen2-VL architecture, trained here to read forms), "
-        f"{result['machine']}; {len(requests)} requests in stream order ({kinds['miss']} new pages, "
-        f"{kinds['exact']} same page + other question, {kinds['approximate']} near-duplicates: edited value, "
-        "shift, JPEG / brightness), one store per policy, greedy answers. Reference for fidelity: `full`.", "",
+        "# Table 1: quality of each policy on synthetic document streams", "",
+        f"Command: `{command}`  ", f"Model: `{args.model}` (Qwen2-VL architecture, trained here to read synthetic "
+        f"pages), {result['machine']}; {len(requests)} requests in stream order ({kinds['miss']} new pages of the "
+        f"five page types, {kinds['exact']} same page with another question or another text before the image, "
+        f"{kinds['approximate']} near-duplicates: edited value, shift, JPEG / brightness, switched status light), "
+        "one store per policy, greedy answers. Reference for fidelity: `full`.", "",
         "| policy | ANLS | exact | approximate | edited value | stale answers | first-token agree | sequence match | "
         "first-token KL |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
@@ -113,10 +116,23 @@ def main(args) -> int:
         lines.append(f"| {name} | {_fmt(r['anls'])} | {_fmt(r['anls_exact'])} | {_fmt(r['anls_approximate'])} | "
                      f"{_fmt(r['anls_edited_value'])} | {_fmt(r['stale_rate'])} | {_fmt(r['first_token_agreement'])} | "
                      f"{_fmt(r['sequence_match'])} | {_fmt(r['first_token_kl'], 4)} |")
+    variants = sorted({v for r in result["policies"].values() for v in r["anls_by_variant"]})
+    lines += ["", "ANLS by variant (the follow-ups' kind of change; `base-*`: the first request of a page):", "",
+              "| policy | " + " | ".join(variants) + " |", "| --- |" + " --- |" * len(variants)]
+    for name, r in result["policies"].items():
+        lines.append(f"| {name} | " + " | ".join(_fmt(r["anls_by_variant"].get(v)) for v in variants) + " |")
     counts = result["policies"].get("vismemo") or next(iter(result["policies"].values()))
     lines += ["", f"Hit kinds seen (vismemo run): exact {counts['n_exact']}, approximate {counts['n_approximate']}, "
               f"miss {counts['n_miss']}. \"edited value\": questions about the value that changed; \"stale answers\": "
               "share of those answered with the value before the edit.", ""]
+    if result["reader"]:
+        lines += ["## The reader: full prefill on held-out pages", "",
+                  f"`quality.heldout_pages`: {args.heldout} pages per type that no training step drew, one "
+                  "question each, answered with a plain `DynamicCache` (no VisMemo).", "",
+                  "| page type | ANLS | exact match | pages |", "| --- | --- | --- | --- |"]
+        for style, r in result["reader"].items():
+            lines.append(f"| {style} | {_fmt(r['anls'])} | {_fmt(r['exact_match'])} | {r['n']} |")
+        lines.append("")
     for name, sweep in result["sweeps"].items():
         if not sweep:
             continue
