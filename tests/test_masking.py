@@ -62,3 +62,44 @@ def test_partial_recompute_equals_reference_that_hides_the_mask_set(tiny, pages)
         ext = extend(inputs, tokens[:, :step])
         ref = masked_logits(model, ext, late_layers(model, 1, torch.cat([hide, torch.zeros(1, step, dtype=torch.bool)], 1)))
         assert (scores[:, step] - ref).abs().max() <= 1e-4, f"decoding step {step}"
+
+
+def test_blocked_attention_equals_one_dense_call():
+    """The prefill's query blocks see only their visible key prefix: same output as one SDPA call."""
+    from types import SimpleNamespace
+
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from vismemo_hf.attention import blocked_sdpa
+    from vismemo_hf.cache import VisMemoLayer
+
+    g = torch.Generator().manual_seed(0)
+    module = SimpleNamespace(num_key_value_groups=2, is_causal=True, training=False)
+    reused = torch.tensor([[3, 5, 6, 9, 20, 21], [2, 4, -1, -1, -1, -1]])  # a padded second row
+    active = torch.tensor([[0, 1, 2, 4, 7, 8, 10, 11, 12, 22, 23, 24, 25, 26],
+                           [0, 1, 3, 5, 6, 7, 8, 9, 10, 11, 12, -1, -1, -1]])
+    slots = torch.cat([reused, active], 1)
+    mask = VisMemoLayer.mask_for(slots, active, None)
+    q = torch.randn(2, 4, active.shape[1], 8, generator=g)
+    k, v = (torch.randn(2, 2, slots.shape[1], 8, generator=g) for _ in range(2))
+    dense, _ = sdpa_attention_forward(module, q, k, v, mask)
+    for blocks in (2, 3, 5):
+        out, _ = blocked_sdpa(module, q, k, v, mask, blocks=blocks)
+        assert out.shape == dense.shape and (out - dense).abs().max() <= 1e-6
+
+
+def test_blocked_attention_in_the_runner_changes_nothing(tiny, pages, monkeypatch):
+    from vismemo_hf import attention
+
+    model, processor = tiny
+    store = stored(model, processor, pages["base"])
+    inputs = build_inputs(processor, [pages["edit"]])
+    opts = dict(store=store, recompute_ratio=0.5, reuse_ratio=0.2, warmup_layers=1)
+    _, dense = generate(model, inputs, vismemo_hf.VisMemoCache(**opts), 3)
+    calls = []
+    real = attention.blocked_sdpa
+    monkeypatch.setattr(attention, "MIN_BLOCK_ROWS", 4)
+    monkeypatch.setattr(attention, "blocked_sdpa", lambda *a, **k: calls.append(k["blocks"]) or real(*a, **k))
+    _, blocked = generate(model, inputs, vismemo_hf.VisMemoCache(**opts), 3)
+    assert max(calls) > 1  # the late layers' prefill ran in blocks
+    assert (blocked - dense).abs().max() <= 1e-5

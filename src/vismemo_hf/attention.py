@@ -1,7 +1,9 @@
 """The attention function ``enable()`` installs ("vismemo"): SDPA plus two duties.
 
 1. On a layer whose slots are not the plain sequence (reused / masked tokens), build the
-   mask from the slots' request columns instead of the model's positional mask.
+   mask from the slots' request columns instead of the model's positional mask, and run the
+   prefill's queries in blocks that each see only the key slots up to their last visible one
+   (a dense mask makes SDPA pay for every masked future pair; blocks skip most of them).
 2. During warmup, record the observation window's attention probabilities (SDPA does not
    return them) for the policy.
 
@@ -41,15 +43,40 @@ def window_probabilities(module, query, key, mask, rows, scaling) -> torch.Tenso
     return torch.softmax(scores, dim=-1)
 
 
+def blocked_sdpa(module, query, key, value, mask, scaling=None, blocks: int = 1, **kwargs):
+    """SDPA of ``blocks`` query blocks, each over the key prefix its rows can see (exactly SDPA: the
+    keys left out are masked for every row of the block)."""
+    q_len = query.shape[2]
+    if blocks <= 1 or mask is None or mask.dtype != torch.bool:
+        return sdpa_attention_forward(module, query, key, value, mask, scaling=scaling, **kwargs)
+    bounds = torch.linspace(0, q_len, blocks + 1).round().long().tolist()
+    outs = []
+    for r0, r1 in zip(bounds[:-1], bounds[1:]):
+        part = mask[:, :, r0:r1]
+        seen = torch.nonzero(part.any(dim=(0, 1, 2))).flatten()
+        end = int(seen[-1]) + 1 if seen.numel() else mask.shape[-1]
+        out, _ = sdpa_attention_forward(module, query[:, :, r0:r1], key[:, :, :end], value[:, :, :end],
+                                        part[..., :end], scaling=scaling, **kwargs)
+        outs.append(out)
+    return torch.cat(outs, dim=1), None
+
+
+#: query rows per block at least (smaller blocks cost more in call overhead than they save)
+MIN_BLOCK_ROWS = 128
+MAX_BLOCKS = 8
+
+
 def vismemo_attention_forward(module, query, key, value, attention_mask, scaling=None, **kwargs):
     cache = ACTIVE_CACHE.get()
     layer_idx = getattr(module, "layer_idx", None)
     if cache is None or not cache._in_forward or layer_idx is None or layer_idx >= len(cache.layers):
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
     layer = cache.layers[layer_idx]
+    blocks = 1
     if layer.query_columns is not None:
         attention_mask = cache._slot_mask if cache._slot_mask is not None else layer.attention_mask(cache.valid_columns)
-    out = sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
+        blocks = min(MAX_BLOCKS, query.shape[2] // MIN_BLOCK_ROWS)
+    out = blocked_sdpa(module, query, key, value, attention_mask, scaling=scaling, blocks=blocks, **kwargs)
     capture = cache._capture
     if capture is not None and capture[0] == layer_idx:
         probs = window_probabilities(module, query, key, attention_mask, capture[1], scaling)
