@@ -8,7 +8,9 @@ loss that makes the model's own logits at every visual token name the glyph of i
 (value cells name the first letter of their row's key, which is unique on a page, so they
 learn to carry their row's identity), and a curriculum on the number of filled rows (here from one row, a pure
 copy task). Ours: a second readout at mid depth keeps every token naming its own glyph, so
-the digits stay available where the answer reads them.
+the digits stay available where the answer reads them, and one head of the last layer is taught
+where to look: at each answer digit it attends to that digit's cell of the asked row (attention
+supervision; the other heads stay free).
 """
 
 from __future__ import annotations
@@ -142,6 +144,7 @@ def train(out: str | Path, minutes: float = 55.0, max_steps: int = 20000, batch_
         model = new_model(processor.tokenizer, seed)
         first_step, history = 0, []
     tok = processor.tokenizer
+    model.set_attn_implementation("eager")  # attention probabilities for the supervised head (short sequences)
     model.train()
     image_id = model.config.image_token_id
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
@@ -159,7 +162,7 @@ def train(out: str | Path, minutes: float = 55.0, max_steps: int = 20000, batch_
             synthdoc.ROWS - 1, int((synthdoc.ROWS - 1) * step / curriculum_steps + 1e-9))
         pages, questions, answers, prefixes = zip(*[sample(rng, n_rows) for _ in range(batch_size)])
         batch = _batch(processor, pages, questions, answers, prefixes)
-        outputs = model(**batch, output_hidden_states=True)
+        outputs = model(**batch, output_hidden_states=True, output_attentions=True)
         logits = outputs.logits
         ids = batch["input_ids"]
         n_answer = len(answers[0]) + 1  # digits + <|im_end|>
@@ -173,7 +176,8 @@ def train(out: str | Path, minutes: float = 55.0, max_steps: int = 20000, batch_
         middle = outputs.hidden_states[len(outputs.hidden_states) // 2][ids == image_id]
         mid_logits = model.lm_head(model.model.language_model.norm(middle))
         own_loss = torch.nn.functional.cross_entropy(mid_logits, _own_targets(tok, pages).reshape(-1))
-        loss = qa_loss + aux_loss + own_loss
+        look_loss = _look_loss(outputs.attentions[-1][:, 0], ids, image_id, pages, questions, n_answer)
+        loss = qa_loss + aux_loss + own_loss + look_loss
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -181,7 +185,7 @@ def train(out: str | Path, minutes: float = 55.0, max_steps: int = 20000, batch_
         step += 1
         if step % 50 == 0:
             log(f"step {step} rows {n_rows} lr {lr_now:.2e} qa {qa_loss.item():.3f} aux {aux_loss.item():.3f} "
-                f"t {time.time() - start:.0f}s")
+                f"look {look_loss.item():.3f} t {time.time() - start:.0f}s")
         if step % 500 == 0:
             acc = teacher_forced_accuracy(model, processor, held_out)
             history.append({"step": step, "seconds": round(time.time() - start), "qa_loss": qa_loss.item(),
@@ -198,6 +202,20 @@ def train(out: str | Path, minutes: float = 55.0, max_steps: int = 20000, batch_
     return {"steps": step, "history": history, "best_heldout_exact": max(best, acc)}
 
 
+def _look_loss(attention, ids, image_id, pages, questions, n_answer) -> torch.Tensor:
+    """-log attention of one head (B, q, k), at the position predicting answer digit j, to digit j's cell."""
+    first_image = (ids == image_id).int().argmax(1)
+    length = ids.shape[1]
+    losses = []
+    for b, (page, question) in enumerate(zip(pages, questions)):
+        row = [k for k, _ in page.rows].index(question.rstrip("?"))
+        for j in range(n_answer - 1):
+            query = length - n_answer - 1 + j
+            cell = int(first_image[b]) + row * synthdoc.COLS + synthdoc.VALUE_COL + j
+            losses.append(-torch.log(attention[b, query, cell].clamp_min(1e-9)))
+    return torch.stack(losses).mean()
+
+
 @torch.no_grad()
 def teacher_forced_accuracy(model, processor, items) -> float:
     model.eval()
@@ -212,6 +230,9 @@ def teacher_forced_accuracy(model, processor, items) -> float:
 def save(model, processor, out, info: dict) -> None:
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
+    used = model.config._attn_implementation
+    model.set_attn_implementation("sdpa")  # what serving uses
     model.save_pretrained(out)
+    model.set_attn_implementation(used)
     processor.save_pretrained(out)
     (out / "training.json").write_text(json.dumps(info, indent=2))
