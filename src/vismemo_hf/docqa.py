@@ -4,9 +4,10 @@ Random-weight models answer the same whatever the image shows, so a reuse mistak
 invisible with them. This model reads: asked ``"KEY?"`` about a form page it answers the
 4-digit value of that key's row. Training (``vismemo train-docqa``, CPU, under an hour)
 follows what ``shared/notes/docqa-training.md`` measured: the QA loss plus an auxiliary
-loss that makes the model's own logits at every visual token name the glyph of its cell
-(value cells name the first letter of their row's key, which is unique on a page, so they
-learn to carry their row's identity), and a curriculum on the number of filled rows (here from one row, a pure
+loss that makes the model's logits at every visual token, read at the input of the last layer,
+name the glyph of its cell (value cells name the first letter of their row's key, which is
+unique on a page, so they carry their row's identity where the last layer looks; the positions
+that predict the digits name the asked key's first letter there), and a curriculum on the number of filled rows (here from one row, a pure
 copy task). Ours: a second readout at mid depth keeps every token naming its own glyph, so
 the digits stay available where the answer reads them, and one head of the last layer is taught
 where to look: at each answer digit it attends to that digit's cell of the asked row (attention
@@ -169,15 +170,24 @@ def train(out: str | Path, minutes: float = 55.0, max_steps: int = 20000, batch_
         qa_logits = logits[:, -n_answer - 1 : -1]
         qa_loss = torch.nn.functional.cross_entropy(qa_logits.reshape(-1, qa_logits.shape[-1]),
                                                     ids[:, -n_answer:].reshape(-1))
-        img_logits = logits[ids == image_id].reshape(batch_size, -1, logits.shape[-1])
+        hidden = outputs.hidden_states  # embeddings, then the output of every layer
+
+        def readout(states):  # what the vocabulary head reads in intermediate states
+            return model.lm_head(model.model.language_model.norm(states))
+
+        # into the last layer: value cells name their row's first key letter (what the looking head matches),
+        # and the positions that predict the digits name the asked key's first letter (what it looks for)
+        last_in = hidden[-2]
         aux = _aux_targets(tok, pages)
-        aux_loss = torch.nn.functional.cross_entropy(img_logits.reshape(-1, logits.shape[-1]), aux.reshape(-1))
-        # mid-depth readout: every visual token still names its own glyph (keeps the digits available)
-        middle = outputs.hidden_states[len(outputs.hidden_states) // 2][ids == image_id]
-        mid_logits = model.lm_head(model.model.language_model.norm(middle))
-        own_loss = torch.nn.functional.cross_entropy(mid_logits, _own_targets(tok, pages).reshape(-1))
+        aux_loss = torch.nn.functional.cross_entropy(readout(last_in[ids == image_id]), aux.reshape(-1))
+        asked = torch.tensor([_char_id(tok, q[0]) for q in questions]).repeat_interleave(n_answer - 1)
+        query_loss = torch.nn.functional.cross_entropy(
+            readout(last_in[:, -n_answer - 1 : -2]).reshape(-1, logits.shape[-1]), asked)
+        # mid-depth: every visual token names its own glyph (keeps the digits available to read)
+        middle = hidden[len(hidden) // 2][ids == image_id]
+        own_loss = torch.nn.functional.cross_entropy(readout(middle), _own_targets(tok, pages).reshape(-1))
         look_loss = _look_loss(outputs.attentions[-1][:, 0], ids, image_id, pages, questions, n_answer)
-        loss = qa_loss + aux_loss + own_loss + look_loss
+        loss = qa_loss + aux_loss + query_loss + own_loss + look_loss
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -185,7 +195,7 @@ def train(out: str | Path, minutes: float = 55.0, max_steps: int = 20000, batch_
         step += 1
         if step % 50 == 0:
             log(f"step {step} rows {n_rows} lr {lr_now:.2e} qa {qa_loss.item():.3f} aux {aux_loss.item():.3f} "
-                f"look {look_loss.item():.3f} t {time.time() - start:.0f}s")
+                f"query {query_loss.item():.3f} look {look_loss.item():.3f} t {time.time() - start:.0f}s")
         if step % 500 == 0:
             acc = teacher_forced_accuracy(model, processor, held_out)
             history.append({"step": step, "seconds": round(time.time() - start), "qa_loss": qa_loss.item(),
