@@ -1,7 +1,6 @@
-"""The packaged reading model: loads offline, reads held-out forms, and exposes stale reuse."""
+"""The packaged reading model: loads offline, reads held-out pages of every type, and exposes stale reuse."""
 
 import functools
-import random
 
 import pytest
 
@@ -30,18 +29,15 @@ def test_packaged_checkpoint_is_small_and_loads_by_name():
     assert model.config.model_type == "qwen2_vl" and processor.tokenizer.eos_token == "<|im_end|>"
 
 
-def test_full_prefill_partly_reads_held_out_forms():
-    """The packaged checkpoint reads only partly (ANLS 0.18 measured on these pages; the 0.9 target of
-    issue D is not reached yet): this guards against regressions, not the target."""
+def test_full_prefill_reads_held_out_pages_of_every_type():
+    """Issue D's bar: full-prefill ANLS >= 0.9 on held-out pages of every page type it was trained on."""
+    from vismemo_hf.quality import reading_by_type
+
     model, processor = _model()
-    rng = random.Random(123456)
-    requests = []
-    for i in range(48):
-        page = synthdoc.random_form(900_000 + i)
-        key, value = page.rows[rng.randrange(synthdoc.ROWS)]
-        requests.append(synthdoc.Request(f"h{i}", page, synthdoc.question_for(key), [value], "miss", "base"))
-    scored = evaluate(model, processor, requests, policy="plain", max_new_tokens=6)
-    assert sum(s.anls for s in scored) / len(scored) >= READ_THRESHOLD
+    reading = reading_by_type(model, processor, per_type=12)
+    assert set(reading) == set(synthdoc.STYLES) | {"all"}
+    for style, r in reading.items():
+        assert r["n"] > 0 and r["anls"] >= 0.9, (style, r)
 
 
 def test_naive_reuse_answers_stale_values_that_full_prefill_gets_right():
@@ -50,13 +46,11 @@ def test_naive_reuse_answers_stale_values_that_full_prefill_gets_right():
     ref = evaluate(model, processor, requests, policy="full", max_new_tokens=6)
     naive = evaluate(model, processor, requests, policy="naive", max_new_tokens=6)
     full_s, naive_s = summarise(ref), summarise(naive, ref)
-    assert full_s["anls_edited_value"] > naive_s["anls_edited_value"] + 0.2
+    assert full_s["anls_edited_value"] >= 0.9 and naive_s["anls_edited_value"] <= 0.5
+    assert naive_s["stale_rate"] >= 0.5  # naive reuse answers the value from before the edit
     edited = [i for i, r in enumerate(requests) if r.about_edit]
     right = lambda scored: sum(scored[i].prediction == requests[i].answers[0] for i in edited)  # noqa: E731
     assert right(naive) <= right(ref)
-
-
-READ_THRESHOLD = 0.12
 
 
 def test_quality_report_writes_table_and_sweeps(tmp_path):
