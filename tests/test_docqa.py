@@ -68,6 +68,8 @@ def test_quality_report_writes_table_and_sweeps(tmp_path):
     assert data["policies"]["full"]["first_token_agreement"] == 1.0
     assert set(data["reader"]) == set(synthdoc.STYLES) | {"all"} and data["reader"]["all"]["n"] == 2 * len(synthdoc.STYLES)
     assert "## The reader: full prefill on held-out pages" in table and "ANLS by variant" in table
+    cells = data["policies"]["vismemo"]["answer_cells"]
+    assert cells is None or abs(sum(cells.values()) - 1.0) < 1e-9
 
 
 def test_demo_hit_kinds_with_the_reading_model(capsys):
@@ -78,3 +80,19 @@ def test_demo_hit_kinds_with_the_reading_model(capsys):
     assert main(["demo", "--json", "--new-tokens", "4"]) == 0
     kinds = [r["kind"] for r in json.loads(capsys.readouterr().out)["requests"]]
     assert kinds == ["miss", "exact", "approximate", "approximate", "miss"]
+
+
+def test_answer_cell_routing_counts_the_asked_cells():
+    import torch
+
+    from vismemo_hf.plan import HitKind, ImagePlan
+    from vismemo_hf.quality import answer_cell_routing
+
+    page = synthdoc.random_form(3)
+    key = page.rows[2][0]
+    request = synthdoc.Request("r", page, synthdoc.question_for(key), [page.answer(key)], "approximate", "shift")
+    cells = [2 * synthdoc.COLS + synthdoc.VALUE_COL + j for j in range(4)]  # row 2's value
+    others = [i for i in range(48) if i not in cells]
+    plan = ImagePlan(HitKind.APPROXIMATE, 48, 3, torch.tensor(cells[:3]), torch.tensor([cells[3]] + others[:5]),
+                     torch.tensor(others[5:]), "alias")
+    assert answer_cell_routing(request, plan) == {"R": 3, "B": 1, "M": 0}

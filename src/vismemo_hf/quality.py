@@ -48,6 +48,16 @@ class Scored:
     anls: float
     first_token_logprobs: torch.Tensor | None = field(default=None, repr=False)
     tokens: list[int] = field(default_factory=list)
+    #: approximate hits: how many of the asked value's cells the plan put in R, B and M
+    answer_cells: dict | None = None
+
+
+def answer_cell_routing(request: synthdoc.Request, plan) -> dict:
+    """Where the plan put the visual tokens that hold the asked value (one token per glyph)."""
+    row = [k for k, _ in request.page.rows].index(request.question.rstrip("?"))
+    cells = [row * synthdoc.COLS + synthdoc.VALUE_COL + j for j in range(synthdoc.VALUE_LEN)]
+    sets = {"R": plan.recompute, "B": plan.reuse, "M": plan.mask}
+    return {name: sum(int(c) in set(tokens.tolist()) for c in cells) for name, tokens in sets.items()}
 
 
 @torch.no_grad()
@@ -72,7 +82,8 @@ def evaluate(model, processor, requests, policy: str = "vismemo", store: VisMemo
         cache = DynamicCache() if policy == "plain" else VisMemoCache(store=store, policy=policy, **options)
         prediction, tokens, logprobs = answer(model, processor, request, cache, max_new_tokens)
         kind = "miss" if policy == "plain" else str(cache.events[0].kind)
-        scored.append(Scored(request, prediction, kind, anls(prediction, request.answers), logprobs, tokens))
+        routing = answer_cell_routing(request, cache.events[0].plan) if kind == "approximate" else None
+        scored.append(Scored(request, prediction, kind, anls(prediction, request.answers), logprobs, tokens, routing))
         if progress is not None:
             progress.update(1)
     return scored
@@ -91,6 +102,9 @@ def summarise(scored: list[Scored], reference: list[Scored] | None = None) -> di
         out[f"n_{kind}"] = len(subset)
     variants = sorted({s.request.variant for s in scored})
     out["anls_by_variant"] = {v: mean([s.anls for s in scored if s.request.variant == v]) for v in variants}
+    routed = [s.answer_cells for s in scored if s.answer_cells is not None]
+    total = sum(sum(r.values()) for r in routed)
+    out["answer_cells"] = {k: sum(r[k] for r in routed) / total for k in ("R", "B", "M")} if total else None
     edited = [s for s in scored if s.request.about_edit]
     out["anls_edited_value"] = mean([s.anls for s in edited])
     out["stale_rate"] = mean([float(s.request.stale is not None and s.prediction == s.request.stale) for s in edited])

@@ -121,6 +121,13 @@ def main(args) -> int:
               "| policy | " + " | ".join(variants) + " |", "| --- |" + " --- |" * len(variants)]
     for name, r in result["policies"].items():
         lines.append(f"| {name} | " + " | ".join(_fmt(r["anls_by_variant"].get(v)) for v in variants) + " |")
+    lines += ["", "Where each policy's plans put the tokens of the asked value on approximate hits (share of "
+              "those cells recomputed R / reused B / masked M; `quality.answer_cell_routing`):", "",
+              "| policy | R | B | M |", "| --- | --- | --- | --- |"]
+    for name, r in result["policies"].items():
+        cells = r.get("answer_cells")
+        if cells:
+            lines.append(f"| {name} | {_fmt(cells['R'])} | {_fmt(cells['B'])} | {_fmt(cells['M'])} |")
     counts = result["policies"].get("vismemo") or next(iter(result["policies"].values()))
     lines += ["", f"Hit kinds seen (vismemo run): exact {counts['n_exact']}, approximate {counts['n_approximate']}, "
               f"miss {counts['n_miss']}. \"edited value\": questions about the value that changed; \"stale answers\": "
