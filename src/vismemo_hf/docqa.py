@@ -1,17 +1,16 @@
-"""``vismemo-docqa-tiny``: a Qwen2-VL-architecture model trained here to read synthetic forms.
+"""``vismemo-docqa-tiny``: a Qwen2-VL-architecture model trained here to read synthetic pages.
 
 Random-weight models answer the same whatever the image shows, so a reuse mistake is
-invisible with them. This model reads: asked ``"KEY?"`` about a form page it answers the
-4-digit value of that key's row. Training (``vismemo train-docqa``, CPU, under an hour)
-follows what ``shared/notes/docqa-training.md`` measured: the QA loss plus an auxiliary
-loss that makes the model's logits at every visual token, read at the input of the last layer,
-name the glyph of its cell (value cells name the first letter of their row's key, which is
-unique on a page, so they carry their row's identity where the last layer looks; the positions
-that predict the digits name the asked key's first letter there), and a curriculum on the number of filled rows (here from one row, a pure
-copy task). Ours: a second readout at mid depth keeps every token naming its own glyph, so
-the digits stay available where the answer reads them, and one head of the last layer is taught
-where to look: at each answer digit it attends to that digit's cell of the asked row (attention
-supervision; the other heads stay free).
+invisible with them. This model reads: asked ``"KEY?"`` about a page of any ``synthdoc``
+type it answers the 4-digit value of that key's row. Training (``vismemo train-docqa``, CPU)
+starts from ``shared/notes/docqa-training.md`` (QA loss, auxiliary glyph readouts through the
+vocabulary head, a curriculum on filled rows) and adds what made the row lookup learnable here:
+
+* at mid depth every visual token names its own glyph (the digits stay readable);
+* at the input of the last layer value cells name their row's first key letter (unique on a
+  page) and the positions that predict the digits name the asked key's first letter;
+* one head of the last layer is supervised to look, at each answer digit, at that digit's cell
+  of the asked row (the other heads stay free).
 """
 
 from __future__ import annotations
