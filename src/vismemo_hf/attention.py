@@ -17,7 +17,7 @@ from contextvars import ContextVar
 
 import torch
 from transformers import AttentionInterface
-from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 ATTENTION_NAME = "vismemo"
@@ -32,8 +32,11 @@ def window_probabilities(module, query, key, mask, rows, scaling) -> torch.Tenso
     ``mask`` None means plain causal attention over a plain layout (query row i sees slots <= i)."""
     idx = rows[:, None, :, None].expand(-1, query.shape[1], -1, query.shape[-1])
     q = query.gather(2, idx).float()
-    k = repeat_kv(key, getattr(module, "num_key_value_groups", 1)).float()
-    scores = torch.matmul(q, k.transpose(-1, -2)) * (scaling if scaling is not None else query.shape[-1] ** -0.5)
+    batch, heads, window, dim = q.shape
+    kv_heads = key.shape[1]
+    # grouped query heads share their K/V head: one matmul per K/V head, no repeated (copied) keys
+    scores = torch.matmul(q.reshape(batch, kv_heads, heads // kv_heads * window, dim), key.float().transpose(-1, -2))
+    scores = scores.reshape(batch, heads, window, -1) * (scaling if scaling is not None else dim ** -0.5)
     if mask is not None:
         m = mask.gather(2, rows[:, None, :, None].expand(-1, mask.shape[1], -1, mask.shape[-1]))
         scores = scores.masked_fill(~m, float("-inf")) if m.dtype == torch.bool else scores + m.float()
