@@ -64,13 +64,13 @@ def test_partial_recompute_equals_reference_that_hides_the_mask_set(tiny, pages)
         assert (scores[:, step] - ref).abs().max() <= 1e-4, f"decoding step {step}"
 
 
-def test_blocked_attention_equals_one_dense_call():
+def test_blocked_attention_equals_one_dense_call(monkeypatch):
     """The prefill's query blocks see only their visible key prefix: same output as one SDPA call."""
     from types import SimpleNamespace
 
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    from vismemo_hf.attention import blocked_sdpa
+    from vismemo_hf import attention
     from vismemo_hf.cache import VisMemoLayer
 
     g = torch.Generator().manual_seed(0)
@@ -83,8 +83,12 @@ def test_blocked_attention_equals_one_dense_call():
     q = torch.randn(2, 4, active.shape[1], 8, generator=g)
     k, v = (torch.randn(2, 2, slots.shape[1], 8, generator=g) for _ in range(2))
     dense, _ = sdpa_attention_forward(module, q, k, v, mask)
-    for blocks in (2, 3, 5):
-        out, _ = blocked_sdpa(module, q, k, v, mask, blocks=blocks)
+    monkeypatch.setattr(attention, "MIN_BLOCK_ROWS", 2)
+    for most in (2, 3, 5):
+        monkeypatch.setattr(attention, "MAX_BLOCKS", most)
+        blocks = attention.query_blocks(mask)
+        assert len(blocks) == most and blocks[0][2] < slots.shape[1]  # the first block skips later slots
+        out, _ = attention.blocked_sdpa(module, q, k, v, mask, blocks)
         assert out.shape == dense.shape and (out - dense).abs().max() <= 1e-6
 
 
@@ -99,7 +103,7 @@ def test_blocked_attention_in_the_runner_changes_nothing(tiny, pages, monkeypatc
     calls = []
     real = attention.blocked_sdpa
     monkeypatch.setattr(attention, "MIN_BLOCK_ROWS", 4)
-    monkeypatch.setattr(attention, "blocked_sdpa", lambda *a, **k: calls.append(k["blocks"]) or real(*a, **k))
+    monkeypatch.setattr(attention, "blocked_sdpa", lambda *a, **k: calls.append(len(a[5])) or real(*a, **k))
     _, blocked = generate(model, inputs, vismemo_hf.VisMemoCache(**opts), 3)
     assert max(calls) > 1  # the late layers' prefill ran in blocks
     assert (blocked - dense).abs().max() <= 1e-5

@@ -46,27 +46,37 @@ def window_probabilities(module, query, key, mask, rows, scaling) -> torch.Tenso
     return torch.softmax(scores, dim=-1)
 
 
-def blocked_sdpa(module, query, key, value, mask, scaling=None, blocks: int = 1, **kwargs):
-    """SDPA of ``blocks`` query blocks, each over the key prefix its rows can see (exactly SDPA: the
-    keys left out are masked for every row of the block)."""
-    q_len = query.shape[2]
-    if blocks <= 1 or mask is None or mask.dtype != torch.bool:
-        return sdpa_attention_forward(module, query, key, value, mask, scaling=scaling, **kwargs)
-    bounds = torch.linspace(0, q_len, blocks + 1).round().long().tolist()
-    outs = []
-    for r0, r1 in zip(bounds[:-1], bounds[1:]):
-        part = mask[:, :, r0:r1]
-        seen = torch.nonzero(part.any(dim=(0, 1, 2))).flatten()
-        end = int(seen[-1]) + 1 if seen.numel() else mask.shape[-1]
-        out, _ = sdpa_attention_forward(module, query[:, :, r0:r1], key[:, :, :end], value[:, :, :end],
-                                        part[..., :end], scaling=scaling, **kwargs)
-        outs.append(out)
-    return torch.cat(outs, dim=1), None
-
-
 #: query rows per block at least (smaller blocks cost more in call overhead than they save)
 MIN_BLOCK_ROWS = 128
 MAX_BLOCKS = 8
+
+
+def query_blocks(mask: torch.Tensor) -> list[tuple[int, int, int]]:
+    """(first row, end row, key end) of each query block of a boolean (B, 1, q, S) mask: the block's rows see
+    no key slot at or after ``key end``. One block (the whole mask) when the queries are few."""
+    q_len, s_len = mask.shape[-2:]
+    blocks = min(MAX_BLOCKS, q_len // MIN_BLOCK_ROWS)
+    if blocks <= 1:
+        return [(0, q_len, s_len)]
+    bounds = torch.linspace(0, q_len, blocks + 1).round().long().tolist()
+    out = []
+    for r0, r1 in zip(bounds[:-1], bounds[1:]):
+        seen = torch.nonzero(mask[:, :, r0:r1].any(dim=(0, 1, 2))).flatten()
+        out.append((r0, r1, int(seen[-1]) + 1 if seen.numel() else s_len))
+    return out
+
+
+def blocked_sdpa(module, query, key, value, mask, blocks, scaling=None, **kwargs):
+    """SDPA of each query block over the key prefix its rows can see (``query_blocks``): exactly SDPA, the
+    keys left out being masked for every row of the block."""
+    if len(blocks) <= 1:
+        return sdpa_attention_forward(module, query, key, value, mask, scaling=scaling, **kwargs)
+    outs = []
+    for r0, r1, end in blocks:
+        out, _ = sdpa_attention_forward(module, query[:, :, r0:r1], key[:, :, :end], value[:, :, :end],
+                                        mask[:, :, r0:r1, :end], scaling=scaling, **kwargs)
+        outs.append(out)
+    return torch.cat(outs, dim=1), None
 
 
 def vismemo_attention_forward(module, query, key, value, attention_mask, scaling=None, **kwargs):
@@ -75,11 +85,13 @@ def vismemo_attention_forward(module, query, key, value, attention_mask, scaling
     if cache is None or not cache._in_forward or layer_idx is None or layer_idx >= len(cache.layers):
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
     layer = cache.layers[layer_idx]
-    blocks = 1
-    if layer.query_columns is not None:
-        attention_mask = cache._slot_mask if cache._slot_mask is not None else layer.attention_mask(cache.valid_columns)
-        blocks = min(MAX_BLOCKS, query.shape[2] // MIN_BLOCK_ROWS)
-    out = blocked_sdpa(module, query, key, value, attention_mask, scaling=scaling, blocks=blocks, **kwargs)
+    if layer.query_columns is not None and cache._slot_mask is not None:  # a prefill layout: its mask and blocks
+        attention_mask, blocks = cache._slot_mask, cache._slot_blocks
+        out = blocked_sdpa(module, query, key, value, attention_mask, blocks, scaling=scaling, **kwargs)
+    else:
+        if layer.query_columns is not None:
+            attention_mask = layer.attention_mask(cache.valid_columns)
+        out = sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
     capture = cache._capture
     if capture is not None and capture[0] == layer_idx:
         probs = window_probabilities(module, query, key, attention_mask, capture[1], scaling)

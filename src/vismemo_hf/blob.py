@@ -161,6 +161,24 @@ def decode_meta(header: BlobHeader, meta: bytes) -> Entry:
                  header.offset, patch_hashes, n_layers=header.n_layers)
 
 
+def decode_entry(header: BlobHeader, data: torch.Tensor) -> Entry:
+    """The whole entry, K/V included, from a whole blob (uint8 tensor); checks the digest and every hash."""
+    entry = decode_meta(header, data[header.meta_start :].numpy().tobytes())
+    region = data[HEADER_SIZE : header.meta_start].view(header.n_tokens, header.token_bytes)
+    entry.kv = decode_blocks(header, region, 0)
+    entry.n_layers = header.n_layers
+    return entry
+
+
+def decode_ranges(header: BlobHeader, chunks: list[bytes], first_layer: int) -> tuple[torch.Tensor, int]:
+    """K/V of the tokens whose ranges (``header.token_range(t, first_layer)``) were read, and their bytes."""
+    length = header.token_range(0, first_layer)[1]
+    if any(len(c) != length for c in chunks):
+        raise BlobError("truncated blob")
+    data = torch.frombuffer(bytearray(b"".join(chunks)), dtype=torch.uint8).view(len(chunks), length)
+    return decode_blocks(header, data, first_layer), len(chunks) * length
+
+
 def decode_blocks(header: BlobHeader, data: torch.Tensor, first_layer: int) -> torch.Tensor:
     """(T, L - first_layer, 2, H, D) K/V from T token ranges of layers >= ``first_layer``; checks each layer hash.
 

@@ -187,6 +187,7 @@ class VisMemoCache(DynamicCache):
         self._pending = None  # PrefillRequest set by lookup, consumed by the runner
         self._capture = None  # (layer, window rows (B, W), row validity (B, W)) while warmup collects attention
         self._slot_mask = None  # the prefill runner's mask for the current slot layout (shared by equal layers)
+        self._slot_blocks = None  # and its query blocks (attention.query_blocks)
         self.captured: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
 
     # -- transformers Cache API ----------------------------------------------------------------

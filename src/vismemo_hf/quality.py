@@ -57,7 +57,7 @@ def answer_cell_routing(request: synthdoc.Request, plan) -> dict:
     row = [k for k, _ in request.page.rows].index(request.question.rstrip("?"))
     cells = [row * synthdoc.COLS + synthdoc.VALUE_COL + j for j in range(synthdoc.VALUE_LEN)]
     sets = {"R": plan.recompute, "B": plan.reuse, "M": plan.mask}
-    return {name: sum(int(c) in set(tokens.tolist()) for c in cells) for name, tokens in sets.items()}
+    return {name: len(set(cells) & set(tokens.tolist())) for name, tokens in sets.items()}
 
 
 @torch.no_grad()

@@ -290,11 +290,7 @@ class RemoteTier:
         header = self._checked(key, blob.parse_header(data[: blob.HEADER_SIZE]))
         if len(data) != header.total_bytes:
             raise blob.BlobError("blob size does not match its header")
-        buf = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        entry = blob.decode_meta(header, data[header.meta_start :])
-        region = buf[blob.HEADER_SIZE : header.meta_start].view(header.n_tokens, header.token_bytes)
-        entry.kv = blob.decode_blocks(header, region, 0)
-        entry.n_layers = header.n_layers
+        entry = blob.decode_entry(header, torch.frombuffer(bytearray(data), dtype=torch.uint8))
         self.track(key, header)  # known now, even if its index record has not been read yet
         return entry
 
@@ -312,13 +308,9 @@ class RemoteTier:
         chunks = self._call(fetch) if ranges else []
         self.ranges_read = ranges
         self.stats["bytes_read"] += sum(len(c) for c in chunks)
-        length = ranges[0][1] if ranges else 0
-        if any(len(c) != length for c in chunks):
-            if not any(chunks):
-                raise KeyError(key)
-            raise blob.BlobError("truncated blob")
-        data = torch.frombuffer(bytearray(b"".join(chunks)), dtype=torch.uint8).view(len(ranges), length)
-        return blob.decode_blocks(header, data, first_layer), len(ranges) * length
+        if ranges and not any(chunks):  # deleted between the header read and now
+            raise KeyError(key)
+        return blob.decode_ranges(header, chunks, first_layer)
 
     def close(self) -> None:
         self.flush()

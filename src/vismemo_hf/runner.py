@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 from transformers.modeling_outputs import BaseModelOutputWithPast
 
+from .attention import query_blocks
 from .compress import window_stats
 from .lookup import ImageState, PrefillRequest, store_call
 from .plan import HitKind, WarmupSignals
@@ -330,6 +331,7 @@ class PrefillRunner:
                 if slot_layout is None or not torch.equal(slot_layout, slots):  # same layout: same mask
                     slot_layout = slots
                     cache._slot_mask = cache_layer.mask_for(slots, active, cache.valid_columns)
+                    cache._slot_blocks = query_blocks(cache._slot_mask)
             if capturing:
                 cache._capture = (layer_idx, *self._window_rows(active, capture_rows))
             hidden = decoder_layer(
@@ -350,7 +352,7 @@ class PrefillRunner:
                 cache._capture = None
             if deepstack_rank is not None and layer_idx < len(deepstack_visual_embeds):
                 hidden = self._add_deepstack(hidden, active, deepstack_rank, deepstack_visual_embeds[layer_idx])
-        cache._incoming = cache._slot_mask = None
+        cache._incoming = cache._slot_mask = cache._slot_blocks = None
         self._scatter(active, hidden, final)
         hidden = text.norm(final)
         t_end = time.perf_counter()

@@ -94,10 +94,7 @@ class HostTier:
 
     def full(self, key: str) -> Entry:
         header, data = self.blobs[key]
-        entry = blob.decode_meta(header, data[header.meta_start :].numpy().tobytes())
-        entry.kv = self._blocks(header, data, torch.arange(header.n_tokens), 0)
-        entry.n_layers = header.n_layers
-        return entry
+        return blob.decode_entry(header, data)
 
     def meta(self, key: str) -> Entry:
         header, data = self.blobs[key]
@@ -219,11 +216,7 @@ class DiskTier:
             handle.seek(0)
             if handle.readinto(data.numpy()) != header.total_bytes or handle.read(1):
                 raise blob.BlobError("blob size does not match its header")
-        entry = blob.decode_meta(header, data[header.meta_start :].numpy().tobytes())
-        region = data[blob.HEADER_SIZE : header.meta_start].view(header.n_tokens, header.token_bytes)
-        entry.kv = blob.decode_blocks(header, region, 0)
-        entry.n_layers = header.n_layers
-        return entry
+        return blob.decode_entry(header, data)
 
     def tokens(self, key: str, tokens: torch.Tensor, first_layer: int) -> tuple[torch.Tensor, int]:
         with self._open(key) as handle:
@@ -231,9 +224,7 @@ class DiskTier:
             ranges = [header.token_range(int(t), first_layer) for t in tokens.tolist()]
             chunks = [self._pread(handle, start, length) for start, length in ranges]
         self.ranges_read = ranges
-        length = ranges[0][1] if ranges else 0
-        data = torch.frombuffer(bytearray(b"".join(chunks)), dtype=torch.uint8).view(len(ranges), length)
-        return blob.decode_blocks(header, data, first_layer), len(ranges) * length
+        return blob.decode_ranges(header, chunks, first_layer)
 
     def close(self) -> None:
         self.cache.close()

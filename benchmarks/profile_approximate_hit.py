@@ -1,0 +1,51 @@
+"""cProfile of one VisMemo approximate hit on the latency bench's default preset.
+
+    python benchmarks/profile_approximate_hit.py --tokens 2048 --threads 1
+
+Prints the stage timings of the profiled prefill, the share of its time spent in SDPA and the
+functions with the most own time. Used to find where an approximate hit's time goes (issue E).
+"""
+
+import argparse
+import cProfile
+import pstats
+
+import torch
+
+from vismemo_hf import VisMemoCache, VisMemoStore, enable
+from vismemo_hf.bench.latency import _inputs, _page, _prefill
+from vismemo_hf.models import load_model
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--preset", default="qwen3-vl-8b-narrow")
+    parser.add_argument("--tokens", type=int, default=2048)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--top", type=int, default=12)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    model, processor = load_model(args.preset)
+    enable(model)
+    patch = model.config.vision_config.patch_size
+    processor.image_processor.size = {"shortest_edge": 4 * (2 * patch) ** 2, "longest_edge": 20000 * (2 * patch) ** 2}
+    base, edited = _page(args.tokens, patch)
+    store = VisMemoStore()
+    _prefill(model, _inputs(processor, base), VisMemoCache(store=store))  # the alias entry
+    edit_in = _inputs(processor, edited)
+    _prefill(model, edit_in, VisMemoCache(store=store, store_misses=False))  # warm-up
+    profile = cProfile.Profile()
+    profile.enable()
+    out = _prefill(model, edit_in, VisMemoCache(store=store, store_misses=False))
+    profile.disable()
+    stats = pstats.Stats(profile)
+    total = stats.total_tt
+    sdpa = sum(v[2] for k, v in stats.stats.items() if k[2] == "<built-in method torch._C._nn.scaled_dot_product_attention>")
+    print(f"{out['kind']} hit, {out['n_tokens']} visual tokens, R/B/M {out['recomputed']}/{out['reused']}/{out['masked']}")
+    print("stages (ms):", {k: round(v, 1) for k, v in out["timings"].items()})
+    print(f"profiled {total:.2f} s, SDPA {sdpa:.2f} s ({sdpa / total:.0%})")
+    stats.sort_stats("tottime").print_stats(args.top)
+
+
+if __name__ == "__main__":
+    main()
