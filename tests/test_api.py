@@ -6,7 +6,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 import vismemo_hf
 from vismemo_hf import HitKind
-from vismemo_hf.attention import ACTIVE_CACHE
+from vismemo_hf.context import current as current_forward
 from vismemo_hf.testing import tiny_model
 
 from conftest import build_inputs, generate, stored
@@ -68,7 +68,7 @@ def test_warmup_longer_than_model_is_rejected(qwen2, pages):
     with pytest.raises(ValueError, match="warmup_layers"):
         generate(model, build_inputs(processor, [pages["edit"]]),
                  vismemo_hf.VisMemoCache(store=store, warmup_layers=99), 1)
-    assert ACTIVE_CACHE.get() is None  # a failed forward leaves nothing behind for the next one
+    assert current_forward() is None  # a failed forward leaves nothing behind for the next one
 
 
 def test_failed_lookup_leaves_no_active_cache(qwen2, pages):
@@ -78,7 +78,7 @@ def test_failed_lookup_leaves_no_active_cache(qwen2, pages):
     kwargs = {k: v for k, v in inputs.items() if k != "input_ids"}
     with pytest.raises(ValueError, match="input_ids"), torch.no_grad():
         model(**kwargs, inputs_embeds=embeds, past_key_values=vismemo_hf.VisMemoCache(), use_cache=True)
-    assert ACTIVE_CACHE.get() is None
+    assert current_forward() is None
     from transformers import DynamicCache
 
     _, ref = generate(model, inputs, DynamicCache(), 1)

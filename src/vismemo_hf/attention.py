@@ -13,17 +13,14 @@ ordinary requests unchanged.
 
 from __future__ import annotations
 
-from contextvars import ContextVar
-
 import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-ATTENTION_NAME = "vismemo"
+from . import context
 
-#: the VisMemoCache of the forward pass in progress (set by the hooks enable() installs)
-ACTIVE_CACHE: ContextVar = ContextVar("vismemo_active_cache", default=None)
+ATTENTION_NAME = "vismemo"
 
 
 def window_probabilities(module, query, key, mask, rows, scaling) -> torch.Tensor:
@@ -80,22 +77,21 @@ def blocked_sdpa(module, query, key, value, mask, blocks, scaling=None, **kwargs
 
 
 def vismemo_attention_forward(module, query, key, value, attention_mask, scaling=None, **kwargs):
-    cache = ACTIVE_CACHE.get()
+    ctx = context.current()
     layer_idx = getattr(module, "layer_idx", None)
-    if cache is None or not cache._in_forward or layer_idx is None or layer_idx >= len(cache.layers):
+    if ctx is None or layer_idx is None or layer_idx >= len(ctx.cache.layers):
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
-    layer = cache.layers[layer_idx]
-    if layer.query_columns is not None and cache._slot_mask is not None:  # a prefill layout: its mask and blocks
-        attention_mask, blocks = cache._slot_mask, cache._slot_blocks
-        out = blocked_sdpa(module, query, key, value, attention_mask, blocks, scaling=scaling, **kwargs)
+    layer = ctx.cache.layers[layer_idx]
+    if layer.query_columns is not None and ctx.slot_mask is not None:  # a prefill layout: its mask and blocks
+        attention_mask = ctx.slot_mask
+        out = blocked_sdpa(module, query, key, value, attention_mask, ctx.slot_blocks, scaling=scaling, **kwargs)
     else:
         if layer.query_columns is not None:
-            attention_mask = layer.attention_mask(cache.valid_columns)
+            attention_mask = layer.attention_mask(ctx.valid)
         out = sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
-    capture = cache._capture
-    if capture is not None and capture[0] == layer_idx:
-        probs = window_probabilities(module, query, key, attention_mask, capture[1], scaling)
-        cache.captured[layer_idx] = (probs, layer.columns)
+    capture = ctx.capture
+    if capture is not None and capture.layer == layer_idx:
+        capture.probs = window_probabilities(module, query, key, attention_mask, capture.rows, scaling)
     return out
 
 

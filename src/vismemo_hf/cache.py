@@ -9,11 +9,10 @@ where a full prefill would have attended them.
 
 from __future__ import annotations
 
-import time
-
 import torch
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
+from . import context
 from .compress import VLCacheCompression
 from .plan import CacheEvent
 from .policies import RoutingPolicy, get_policy
@@ -181,14 +180,6 @@ class VisMemoCache(DynamicCache):
         self.compress = compress
         self.events: list[CacheEvent] = []
         self._length = 0
-        self._valid: torch.Tensor | None = None  # (B, columns) False at padding
-        self._incoming: torch.Tensor | None = None  # (B, q) columns the runner computes; None = continuation
-        self._in_forward = False
-        self._pending = None  # PrefillRequest set by lookup, consumed by the runner
-        self._capture = None  # (layer, window rows (B, W), row validity (B, W)) while warmup collects attention
-        self._slot_mask = None  # the prefill runner's mask for the current slot layout (shared by equal layers)
-        self._slot_blocks = None  # and its query blocks (attention.query_blocks)
-        self.captured: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
 
     # -- transformers Cache API ----------------------------------------------------------------
     def layer(self, layer_idx: int) -> VisMemoLayer:
@@ -197,18 +188,19 @@ class VisMemoCache(DynamicCache):
         return self.layers[layer_idx]
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
-        if not self._in_forward:
+        ctx = context.current(self)
+        if ctx is None:
             raise RuntimeError(
                 "VisMemoCache is used by a model that was not prepared: call vismemo_hf.enable(model) once "
                 "before generate() (without it every image would silently get a full prefill)"
             )
-        if self._incoming is None:  # a continuation: the next columns in order
+        if ctx.incoming is None:  # a continuation: the next columns in order
             q = key_states.shape[-2]
             cols = torch.arange(self._length, self._length + q, device=key_states.device)
             return self.layer(layer_idx).update(
                 key_states, value_states, columns=cols.expand(key_states.shape[0], q), contiguous=True
             )
-        return self.layer(layer_idx).update(key_states, value_states, columns=self._incoming, contiguous=False)
+        return self.layer(layer_idx).update(key_states, value_states, columns=ctx.incoming, contiguous=False)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self._length
@@ -224,40 +216,9 @@ class VisMemoCache(DynamicCache):
         super().reset()
         self.layers = []
         self._length = 0
-        self._valid = None
 
-    # -- forward bookkeeping (driven by the hooks enable() installs) -----------------------------
-    def _begin_forward(self, attention_mask: torch.Tensor | None) -> None:
-        self._in_forward = True
-        self._forward_start = (time.perf_counter(), len(self.events))
-        self._incoming = None
-        if attention_mask is not None and attention_mask.ndim == 2 and not bool(attention_mask.all()):
-            self._valid = attention_mask.bool()
-        else:
-            self._valid = None
-
-    def _end_forward(self, new_tokens: int) -> None:
-        """Close a forward pass; its new events get the whole pass's wall time as ``prefill``."""
-        started, first_event = self._forward_start
-        elapsed = (time.perf_counter() - started) * 1e3
-        for event in self.events[first_event:]:
-            event.timings["prefill"] = elapsed
-        self._in_forward = False
-        self._incoming = None
-        self._capture = None
-        self._pending = None
-        self._slot_mask = None
+    def advance(self, new_tokens: int) -> None:
+        """Close a forward that added ``new_tokens`` request columns (called by ``context.close_forward``)."""
         self._length += new_tokens
         for layer in self.layers:
             layer.query_columns = None
-
-    @property
-    def valid_columns(self) -> torch.Tensor | None:
-        return self._valid
-
-    def summary(self) -> dict:
-        """Counts of this cache's events by hit kind."""
-        out = {"exact": 0, "approximate": 0, "miss": 0}
-        for e in self.events:
-            out[str(e.kind)] += 1
-        return out

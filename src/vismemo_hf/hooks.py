@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import types
 
-from . import attention
+from . import attention, context
 from .cache import VisMemoCache
 from .families import ModelAdapter
 from .lookup import DeferredImageFeatures, lookup_request
@@ -44,15 +44,14 @@ def enable(model, *, image_mean=None, image_std=None):
         cache = _cache_of(kwargs)
         if cache is None:
             return None
-        cache._begin_forward(kwargs.get("attention_mask"))
-        cache._context_token = attention.ACTIVE_CACHE.set(cache)
+        ctx = context.open_forward(cache, kwargs.get("attention_mask"))
         try:
-            return args, _look_up_images(cache, kwargs)
+            return args, _look_up_images(ctx, kwargs)
         except BaseException:
-            _close(cache, 0)
+            context.close_forward(ctx, 0)
             raise
 
-    def _look_up_images(cache, kwargs):
+    def _look_up_images(ctx, kwargs):
         encoded = dict(kwargs.get("mm_encoder_outputs") or {})
         deferred = encoded.get("image")
         deferred = deferred if isinstance(deferred, DeferredImageFeatures) and not deferred.resolved else None
@@ -62,31 +61,29 @@ def enable(model, *, image_mean=None, image_std=None):
             pixels, grids = deferred.pixel_values, deferred.image_grid_thw
         else:
             return kwargs
-        request, outputs = lookup_request(adapter, cache, kwargs.get("input_ids"), pixels, grids, get_image_features)
-        cache._pending = request
+        request, outputs = lookup_request(adapter, ctx.cache, kwargs.get("input_ids"), pixels, grids,
+                                          get_image_features)
+        ctx.request = request
         if deferred is not None:
             deferred.provide(outputs)
         encoded["image"] = outputs
         return {**kwargs, "pixel_values": None, "mm_encoder_outputs": encoded}
 
-    def _close(cache, new_tokens):
-        cache._end_forward(new_tokens)
-        attention.ACTIVE_CACHE.reset(cache._context_token)
-
     def after(module, args, kwargs, output):
         cache = _cache_of(kwargs)
-        if cache is None or not cache._in_forward:
+        ctx = context.current(cache) if cache is not None else None
+        if ctx is None:
             return None
         ids = kwargs.get("input_ids")
-        _close(cache, ids.shape[1] if ids is not None else kwargs["inputs_embeds"].shape[1])
+        context.close_forward(ctx, ids.shape[1] if ids is not None else kwargs["inputs_embeds"].shape[1])
         return None
 
     def forward(self, *args, **kwargs):
         cache = _cache_of(kwargs)
-        if cache is not None and cache._pending is not None:
-            request, cache._pending = cache._pending, None
+        ctx = context.current(cache) if cache is not None else None
+        if ctx is not None and ctx.request is not None:
             kwargs = {k: v for k, v in kwargs.items() if k != "past_key_values"}
-            return run_prefill(adapter, request, **{**kwargs, "cache": cache})
+            return run_prefill(adapter, ctx.take_request(), **{**kwargs, "ctx": ctx})
         return text_forward(*args, **kwargs)
 
     base.get_image_features = deferred_image_features

@@ -19,6 +19,7 @@ from transformers.modeling_outputs import BaseModelOutputWithPast
 
 from .attention import query_blocks
 from .compress import window_stats
+from .context import AttentionCapture, ForwardContext
 from .lookup import ImageState, PrefillRequest, store_call
 from .plan import HitKind, WarmupSignals
 from .rope import rerotate, rotate_half
@@ -59,9 +60,10 @@ def _pad(rows: list[torch.Tensor], fill: int, device) -> torch.Tensor:
 class PrefillRunner:
     """One prefill with images: plans, fetches, the layer loop, storing and events."""
 
-    def __init__(self, adapter, cache, request: PrefillRequest, inputs_embeds, attention_mask, position_ids):
-        self.adapter, self.cache, self.request = adapter, cache, request
-        self.policy = cache.policy
+    def __init__(self, adapter, ctx: ForwardContext, request: PrefillRequest, inputs_embeds, attention_mask,
+                 position_ids):
+        self.adapter, self.ctx, self.cache, self.request = adapter, ctx, ctx.cache, request
+        self.policy = self.cache.policy
         self.text = adapter.text
         self.batch, self.length, self.hidden_size = inputs_embeds.shape
         self.device = inputs_embeds.device
@@ -286,7 +288,7 @@ class PrefillRunner:
 
     # -- execution ------------------------------------------------------------------------------------
     def run(self, inputs_embeds, visual_pos_masks=None, deepstack_visual_embeds=None) -> BaseModelOutputWithPast:
-        cache, text = self.cache, self.text
+        cache, ctx, text = self.cache, self.ctx, self.text
         t_start = time.perf_counter()
         self.prepare()
         cos, sin = text.rotary_emb(inputs_embeds, self.positions)
@@ -321,19 +323,19 @@ class PrefillRunner:
             wants_attention = bool(pending) and self.policy.needs_attention
             capturing = capture_rows is not None and (wants_attention or compress is not None)
             if identity:
-                cache._incoming = None
+                ctx.incoming = None
                 if self.valid is not None:  # padding; without it SDPA's causal mode is exact (and faster)
                     identity_mask = identity_mask if identity_mask is not None else self._causal_mask()
                     mask = identity_mask
             else:
-                cache._incoming = active
+                ctx.incoming = active
                 slots = active if reused is None else torch.cat([reused[2], active], dim=1)
                 if slot_layout is None or not torch.equal(slot_layout, slots):  # same layout: same mask
                     slot_layout = slots
-                    cache._slot_mask = cache_layer.mask_for(slots, active, cache.valid_columns)
-                    cache._slot_blocks = query_blocks(cache._slot_mask)
+                    ctx.slot_mask = cache_layer.mask_for(slots, active, ctx.valid)
+                    ctx.slot_blocks = query_blocks(ctx.slot_mask)
             if capturing:
-                cache._capture = (layer_idx, *self._window_rows(active, capture_rows))
+                ctx.capture = AttentionCapture(layer_idx, *self._window_rows(active, capture_rows))
             hidden = decoder_layer(
                 hidden,
                 attention_mask=mask,
@@ -343,16 +345,16 @@ class PrefillRunner:
                 position_embeddings=(pos_cos, pos_sin),
             )
             if capturing:
-                probs, window_valid = cache.captured.pop(layer_idx)[0], cache._capture[2]
+                probs, window_valid = ctx.capture.probs, ctx.capture.valid
                 if wants_attention:
                     self._collect_attention(layer_idx, pending, probs, window_valid)
                 if compress is not None:
                     window_stats_per_layer.append(
                         window_stats(probs, window_valid, cache_layer.slot_columns(), self._visual_columns()))
-                cache._capture = None
+                ctx.capture = None
             if deepstack_rank is not None and layer_idx < len(deepstack_visual_embeds):
                 hidden = self._add_deepstack(hidden, active, deepstack_rank, deepstack_visual_embeds[layer_idx])
-        cache._incoming = cache._slot_mask = cache._slot_blocks = None
+        ctx.incoming = ctx.slot_mask = ctx.slot_blocks = None
         self._scatter(active, hidden, final)
         hidden = text.norm(final)
         t_end = time.perf_counter()
@@ -454,7 +456,7 @@ class PrefillRunner:
             store_call("write", lambda e=entry: cache.store.put(e), None)
 
 
-def run_prefill(adapter, request, *, cache, inputs_embeds, attention_mask=None, position_ids=None,
+def run_prefill(adapter, request, *, ctx: ForwardContext, inputs_embeds, attention_mask=None, position_ids=None,
                 visual_pos_masks=None, deepstack_visual_embeds=None, **_ignored) -> BaseModelOutputWithPast:
-    runner = PrefillRunner(adapter, cache, request, inputs_embeds, attention_mask, position_ids)
+    runner = PrefillRunner(adapter, ctx, request, inputs_embeds, attention_mask, position_ids)
     return runner.run(inputs_embeds, visual_pos_masks, deepstack_visual_embeds)

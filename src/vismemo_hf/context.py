@@ -1,0 +1,87 @@
+"""Per-forward state: one ``ForwardContext`` per model forward that uses a ``VisMemoCache``.
+
+The hooks that ``enable`` installs open it before the base model's forward and close it after;
+the lookup leaves its ``PrefillRequest`` on it, the prefill runner sets the columns, slot mask and
+attention capture of the layer it is running, and the attention function and ``VisMemoCache.update``
+read them. It travels in a context variable, so nothing per-forward is written on the cache, and
+nested or concurrent forwards (other threads, other caches) never see each other's state.
+"""
+
+from __future__ import annotations
+
+import time
+from contextvars import ContextVar, Token
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class AttentionCapture:
+    """Ask the attention function of ``layer`` for the softmax rows of the observation window.
+
+    ``rows`` (B, W): positions of the window's queries among the layer's queries; ``valid`` (B, W):
+    False for padding entries of short rows. The function leaves ``probs`` (B, heads, W, slots)."""
+
+    layer: int
+    rows: torch.Tensor
+    valid: torch.Tensor
+    probs: torch.Tensor | None = None
+
+
+@dataclass
+class ForwardContext:
+    """What one forward of ``cache`` needs beyond the cache's own K/V.
+
+    ``valid``: (B, columns) False at padding columns, None without padding.
+    ``request``: the lookup's result for the prefill runner (None: no image to look up).
+    ``incoming``: (B, q) request columns of the queries the current layer computes; None while the
+    forward is a plain continuation of the sequence (decoding, or a layer with every token).
+    ``slot_mask`` / ``slot_blocks``: the prefill runner's boolean mask of the current slot layout
+    and its query blocks (``attention.query_blocks``), shared by every layer with that layout.
+    """
+
+    cache: object
+    valid: torch.Tensor | None = None
+    request: object | None = None
+    incoming: torch.Tensor | None = None
+    slot_mask: torch.Tensor | None = None
+    slot_blocks: list | None = None
+    capture: AttentionCapture | None = None
+    started: float = field(default_factory=time.perf_counter)
+    first_event: int = 0
+    token: Token | None = field(default=None, repr=False)
+
+    def take_request(self):
+        """The lookup's request, once (the runner consumes it)."""
+        request, self.request = self.request, None
+        return request
+
+
+_CURRENT: ContextVar[ForwardContext | None] = ContextVar("vismemo_forward", default=None)
+
+
+def current(cache=None) -> ForwardContext | None:
+    """The forward in progress (of ``cache``, when given), or None."""
+    ctx = _CURRENT.get()
+    if ctx is None or (cache is not None and ctx.cache is not cache):
+        return None
+    return ctx
+
+
+def open_forward(cache, attention_mask: torch.Tensor | None) -> ForwardContext:
+    valid = None
+    if attention_mask is not None and attention_mask.ndim == 2 and not bool(attention_mask.all()):
+        valid = attention_mask.bool()
+    ctx = ForwardContext(cache, valid=valid, first_event=len(cache.events))
+    ctx.token = _CURRENT.set(ctx)
+    return ctx
+
+
+def close_forward(ctx: ForwardContext, new_tokens: int) -> None:
+    """End ``ctx``: its events get the whole pass's wall time as ``prefill``; the cache advances."""
+    elapsed = (time.perf_counter() - ctx.started) * 1e3
+    for event in ctx.cache.events[ctx.first_event:]:
+        event.timings["prefill"] = elapsed
+    ctx.cache.advance(new_tokens)
+    _CURRENT.reset(ctx.token)
