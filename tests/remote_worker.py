@@ -18,7 +18,7 @@ from transformers import DynamicCache  # noqa: E402
 import vismemo_hf  # noqa: E402
 from conftest import _enabled_tiny, build_inputs, generate, page_set  # noqa: E402
 
-OPTS = dict(reuse_ratio=0.5, entropy_threshold=1.0)
+OPTS = dict(policy="vismemo", reuse_ratio=0.5, entropy_threshold=1.0)
 
 
 def run(model, processor, image, cache):

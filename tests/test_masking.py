@@ -13,7 +13,7 @@ def test_mask_everything_equals_reference_in_prefill_and_decoding(tiny, pages):
     model, processor = tiny
     store = stored(model, processor, pages["base"])
     inputs = build_inputs(processor, [pages["edit"]])
-    cache = vismemo_hf.VisMemoCache(store=store, recompute_ratio=0.0, reuse_ratio=0.0, warmup_layers=2)
+    cache = vismemo_hf.VisMemoCache(store=store, policy="vismemo", recompute_ratio=0.0, reuse_ratio=0.0, warmup_layers=2)
     tokens, scores = generate(model, inputs, cache, new_tokens=4)
     event = cache.events[0]
     assert event.kind is HitKind.APPROXIMATE and event.masked == event.n_tokens
@@ -32,7 +32,7 @@ def test_late_layers_hold_only_text_recomputed_and_reused_tokens(qwen2, pages):
     model, processor = qwen2
     store = stored(model, processor, pages["base"])
     inputs = build_inputs(processor, [pages["edit"]])
-    cache = vismemo_hf.VisMemoCache(store=store, warmup_layers=2, recompute_ratio=0.25, reuse_ratio=0.25)
+    cache = vismemo_hf.VisMemoCache(store=store, policy="vismemo", warmup_layers=2, recompute_ratio=0.25, reuse_ratio=0.25)
     generate(model, inputs, cache, new_tokens=3)
     event = cache.events[0]
     length = inputs["input_ids"].shape[1] + 2  # two decoding steps appended K/V
@@ -51,7 +51,7 @@ def test_partial_recompute_equals_reference_that_hides_the_mask_set(tiny, pages)
     model, processor = tiny
     store = stored(model, processor, pages["base"])
     inputs = build_inputs(processor, [pages["edit"]])
-    cache = vismemo_hf.VisMemoCache(store=store, recompute_ratio=0.5, reuse_ratio=0.0, warmup_layers=1)
+    cache = vismemo_hf.VisMemoCache(store=store, policy="vismemo", recompute_ratio=0.5, reuse_ratio=0.0, warmup_layers=1)
     tokens, scores = generate(model, inputs, cache, 3)
     plan = cache.events[0].plan
     assert plan.recompute.numel() == (plan.n_tokens + 1) // 2 and plan.mask.numel() == plan.n_tokens // 2
@@ -98,7 +98,7 @@ def test_blocked_attention_in_the_runner_changes_nothing(tiny, pages, monkeypatc
     model, processor = tiny
     store = stored(model, processor, pages["base"])
     inputs = build_inputs(processor, [pages["edit"]])
-    opts = dict(store=store, recompute_ratio=0.5, reuse_ratio=0.2, warmup_layers=1)
+    opts = dict(store=store, policy="vismemo", recompute_ratio=0.5, reuse_ratio=0.2, warmup_layers=1)
     _, dense = generate(model, inputs, vismemo_hf.VisMemoCache(**opts), 3)
     calls = []
     real = attention.blocked_sdpa

@@ -130,7 +130,7 @@ def test_two_processes_share_exact_and_approximate_hits(server):
 
 def test_killing_redis_mid_stream_loses_no_request(qwen2, pages, server):
     model, processor = qwen2
-    opts = dict(reuse_ratio=0.5, entropy_threshold=1.0)
+    opts = dict(policy="vismemo", reuse_ratio=0.5, entropy_threshold=1.0)
     other = _store(server.url)  # another process that saw the base page and the noise image
     for name in ("base", "noise"):
         generate(model, build_inputs(processor, [pages[name]]), vismemo_hf.VisMemoCache(store=other, **opts), 1)
@@ -185,7 +185,7 @@ def _flip_bytes(client, name, where):
 
 def test_corrupt_remote_blob_is_a_miss_and_is_deleted(qwen2, pages, server):
     model, processor = qwen2
-    opts = dict(reuse_ratio=0.5, entropy_threshold=1.0)
+    opts = dict(policy="vismemo", reuse_ratio=0.5, entropy_threshold=1.0)
     client = server.client()
     for page, where in (("edit", lambda h: [(t, h.n_layers - 1) for t in range(h.n_tokens)]),  # sparse read
                         ("base", lambda h: [(0, 0)])):  # an exact hit's full read

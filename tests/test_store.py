@@ -68,7 +68,7 @@ def test_store_faults_degrade_to_misses_with_full_prefill_output(qwen2, pages):
         store = FaultyStore([])
         generate(model, build_inputs(processor, [pages["base"]]), vismemo_hf.VisMemoCache(store=store), 1)
         store.fail = fail
-        cache = vismemo_hf.VisMemoCache(store=store, reuse_ratio=0.5, entropy_threshold=1.0)
+        cache = vismemo_hf.VisMemoCache(store=store, policy="vismemo", reuse_ratio=0.5, entropy_threshold=1.0)
         _, scores = generate(model, inputs, cache, 2)
         # a failed put or full read does not concern an approximate hit (index and peek still work)
         expected = HitKind.APPROXIMATE if fail in (["put"], ["get"]) else HitKind.MISS

@@ -138,6 +138,10 @@ class _UnsetFloat(float, _Unset):
     pass
 
 
+#: the routing of ``VisMemoCache()`` (README: why)
+DEFAULT_POLICY = "attend-deviate"
+
+
 class VisMemoCache(DynamicCache):
     """Cache that looks every image of a request up in ``store`` and reuses what it may.
 
@@ -146,18 +150,20 @@ class VisMemoCache(DynamicCache):
     ``CacheEvent`` per image seen. Extra keyword arguments are options of the policy.
 
     ``policy`` is a registered name (``vismemo_hf.available_policies()``), a preset in
-    ``configs/policies/`` or a YAML path, or a policy instance. ``warmup_layers``,
-    ``recompute_ratio`` and ``reuse_ratio`` show the vismemo defaults; a policy with other
-    defaults (cacheblend: 1 check layer, 15 %) keeps its own unless they are passed.
+    ``configs/policies/`` or a YAML path, or a policy instance; the default, ``attend-deviate``,
+    recomputes what changed or what the question attends to and reuses the rest (``vismemo`` is
+    the paper's routing, METHOD §2). ``warmup_layers``, ``recompute_ratio`` and ``reuse_ratio``
+    show the default policy's values; a policy with other defaults (vismemo: 3, 30 %, 10 %;
+    cacheblend: 1 check layer, 15 %) keeps its own unless they are passed.
     ``compress=VLCacheCompression(ratio)`` shrinks the K/V kept for decoding after prefill.
     """
 
     def __init__(
         self,
         store: VisMemoStore | None = None,
-        policy: str | RoutingPolicy = "vismemo",
-        warmup_layers: int = _UnsetInt(3),
-        recompute_ratio: float = _UnsetFloat(0.3),
+        policy: str | RoutingPolicy = DEFAULT_POLICY,
+        warmup_layers: int = _UnsetInt(1),
+        recompute_ratio: float = _UnsetFloat(0.2),
         reuse_ratio: float = _UnsetFloat(0.1),
         tau: float = 0.8,
         top_k: int = 5,

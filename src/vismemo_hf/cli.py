@@ -8,6 +8,8 @@ import logging
 import sys
 import warnings
 
+from .cache import DEFAULT_POLICY
+
 
 def _demo_requests():
     """Five requests on synthetic forms: (name, page, question, expected answer)."""
@@ -170,7 +172,7 @@ def main(argv=None) -> int:
                    help="vismemo-docqa-tiny (packaged, trained), a preset such as tiny (random weights) or a checkpoint")
     p.add_argument("--family", default=None, choices=["qwen2_vl", "qwen2_5_vl", "qwen3_vl"],
                    help="family for family-agnostic presets")
-    p.add_argument("--policy", default="vismemo")
+    p.add_argument("--policy", default=DEFAULT_POLICY)
     p.add_argument("--new-tokens", type=int, default=6)
     p.add_argument("--json", action="store_true", help="print the table as JSON")
     p.set_defaults(func=demo)

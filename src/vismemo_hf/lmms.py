@@ -16,6 +16,7 @@ from lmms_eval.models.registry_v2 import ModelManifest
 from tqdm import tqdm
 
 from . import VisMemoCache, VisMemoStore, enable
+from .cache import DEFAULT_POLICY
 from .models import load_model
 
 HIT_KINDS: dict[str, str] = {}
@@ -35,7 +36,7 @@ def _number(value):
 class VisMemoLMM(lmms):
     is_simple = True
 
-    def __init__(self, pretrained: str = "vismemo-docqa-tiny", policy: str = "vismemo", store: str = "memory",
+    def __init__(self, pretrained: str = "vismemo-docqa-tiny", policy: str = DEFAULT_POLICY, store: str = "memory",
                  max_new_tokens: int = 16, dtype: str = "float32", device: str = "cpu", **method_args):
         super().__init__()
         self.model, self.processor = load_model(pretrained, dtype=getattr(torch, dtype))

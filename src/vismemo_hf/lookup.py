@@ -44,6 +44,10 @@ class ImageState:
     fetch_future: object | None = None  # a background read started before warmup
     attention: list[torch.Tensor] = field(default_factory=list)  # per warmup layer (H, rows, N)
     timings: dict[str, float] = field(default_factory=dict)
+    prefix: str = ""  # hash of the text (and earlier images) before the image in its row
+    prefix_changed: bool = False  # exact hits: the stored entry was computed after another prefix
+    restored: tuple | None = None  # (FetchedKV, positions) of masked tokens given back for decoding
+    bytes_read: int = 0  # alias K/V bytes read for this image
 
     @property
     def n_tokens(self) -> int:
@@ -66,6 +70,8 @@ class ImageState:
             score=self.score,
             timings=dict(self.timings),
             plan=plan,
+            prefix_changed=self.prefix_changed,
+            bytes_read=self.bytes_read,
         )
 
 

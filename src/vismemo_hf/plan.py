@@ -49,6 +49,9 @@ class ImagePlan:
     mask: torch.Tensor
     alias: str | None = None
     reuse_from: torch.Tensor | None = None
+    #: after prefill, give decoding the alias's K/V of the masked tokens (layers >= warmup), so tokens
+    #: generated later can still attend to them
+    restore_masked: bool = False
 
     def __post_init__(self) -> None:
         self.kind = HitKind(self.kind)
@@ -125,19 +128,47 @@ class ImageFeatures:
 
 @dataclass
 class WarmupSignals:
-    """What the warmup layers observed for one image.
+    """What the warmup layers observed for one image: everything a policy may route by.
 
     ``attention``: (warmup layers, heads, window rows, N) attention probabilities from the
     observation-window queries to this image's visual tokens (rows of the softmax over all
-    keys, not renormalised).
-    ``fresh_kv`` / ``cached_kv``: (K, V) of this image's tokens at layer ``warmup_layers``,
-    each (KV heads, N, D), computed from this request's hidden states / read from the alias
-    (keys re-rotated to this request's offset).
+    keys, not renormalised). Collected for policies with ``needs_attention``.
+    ``key_deviation`` / ``value_deviation``: (warmup layers, N) squared distance between the K (V)
+    this request computed for each visual token and the alias's cached K (V) at that layer (keys
+    re-rotated to this request's offset), summed over heads and dims and divided by the layer's
+    mean squared norm of the cached K (V) over the image: 0 where nothing differs, about 2 for
+    unrelated vectors. Collected for policies with ``needs_deviation`` (their prefetch reads the
+    alias's K/V of every token from layer 0).
+    ``fresh_kv`` / ``cached_kv``: (K, V) of this image's tokens at the check layer (the first layer
+    after warmup), each (KV heads, N, D), projected from this request's hidden states / read from
+    the alias (keys re-rotated). Collected for policies with ``needs_check_kv``.
+    ``span``: (first, end) request columns of the image in its row; ``window``: the request columns
+    of the observation window (text after the row's last image, else its last 16 tokens).
+    ``prefix_changed``: an exact hit whose text before the image differs from the stored entry's.
     """
 
     attention: torch.Tensor | None = None
+    key_deviation: torch.Tensor | None = None
+    value_deviation: torch.Tensor | None = None
     fresh_kv: tuple[torch.Tensor, torch.Tensor] | None = None
     cached_kv: tuple[torch.Tensor, torch.Tensor] | None = None
+    span: tuple[int, int] | None = None
+    window: torch.Tensor | None = None
+    prefix_changed: bool = False
+
+    @property
+    def check_deviation(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(key, value) deviation at the check layer, scaled like ``key_deviation``: (N,) each."""
+        if self.fresh_kv is None or self.cached_kv is None:
+            return None
+        return tuple(relative_deviation(f, c) for f, c in zip(self.fresh_kv, self.cached_kv))
+
+
+def relative_deviation(fresh: torch.Tensor, cached: torch.Tensor) -> torch.Tensor:
+    """(H, N, D) x 2 -> (N,): squared distance per token over the mean squared norm of ``cached``."""
+    fresh, cached = fresh.float(), cached.float().to(fresh.device)
+    scale = cached.pow(2).sum(dim=(0, 2)).mean().clamp_min(1e-12)
+    return ((fresh - cached).pow(2).sum(dim=(0, 2)) / scale).cpu()
 
 
 @dataclass
@@ -155,6 +186,10 @@ class CacheEvent:
     score: float | None = None
     timings: dict[str, float] = field(default_factory=dict)
     plan: ImagePlan | None = field(default=None, repr=False)
+    #: an exact hit whose text before the image differs from the stored entry's
+    prefix_changed: bool = False
+    #: bytes of alias K/V this request read (a full entry for exact hits from a lower tier, ranges otherwise)
+    bytes_read: int = 0
 
     def as_dict(self) -> dict:
         return {
@@ -167,5 +202,7 @@ class CacheEvent:
             "reused": self.reused,
             "masked": self.masked,
             "score": self.score,
+            "prefix_changed": self.prefix_changed,
+            "bytes_read": self.bytes_read,
             "timings": dict(self.timings),
         }

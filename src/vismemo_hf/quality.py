@@ -14,7 +14,7 @@ import torch
 from transformers import DynamicCache
 
 from . import synthdoc
-from .cache import VisMemoCache
+from .cache import DEFAULT_POLICY, VisMemoCache
 from .store import VisMemoStore
 
 
@@ -73,7 +73,7 @@ def answer(model, processor, request: synthdoc.Request, cache, max_new_tokens: i
     return prediction, tokens, torch.log_softmax(out.scores[0][0].float(), -1).cpu()
 
 
-def evaluate(model, processor, requests, policy: str = "vismemo", store: VisMemoStore | None = None,
+def evaluate(model, processor, requests, policy: str = DEFAULT_POLICY, store: VisMemoStore | None = None,
              max_new_tokens: int = 8, progress=None, **options) -> list[Scored]:
     """Answer ``requests`` in order with one store; ``policy="plain"`` uses a ``DynamicCache`` (no VisMemo)."""
     store = store if store is not None else VisMemoStore()

@@ -21,7 +21,7 @@ from .attention import query_blocks
 from .compress import window_stats
 from .context import AttentionCapture, ForwardContext
 from .lookup import ImageState, PrefillRequest, store_call
-from .plan import HitKind, WarmupSignals
+from .plan import HitKind, WarmupSignals, relative_deviation
 from .rope import rerotate, rotate_half
 from .entry import Entry
 
@@ -98,6 +98,7 @@ class PrefillRunner:
             )
         fetched = None
         if kv is not None and kv.shape[:2] == (tokens.numel(), self.adapter.num_layers - first_layer):
+            img.bytes_read += kv.numel() * kv.element_size()
             keys = kv[:, :, 0].permute(1, 2, 0, 3)  # (L', H, T, D)
             keys = rerotate(keys, img.offset - img.alias_offset, self.text.rotary_emb.inv_freq)
             fetched = FetchedKV(tokens, first_layer, keys, kv[:, :, 1].permute(1, 2, 0, 3))
@@ -144,40 +145,87 @@ class PrefillRunner:
                 return
         img.fetch_index = img.fetched.positions(plan.reuse)
 
+    def decide_layer(self, img: ImageState) -> int:
+        """The layer before which ``img``'s plan is made (the end of its warmup)."""
+        return self.policy.prefix_check_layer if img.kind is HitKind.EXACT else self.policy.warmup_layers
+
     def prepare(self) -> None:
         for img in self.request.images:
             img.offset = int(self.positions[0, img.row, img.start])
             if img.kind is HitKind.EXACT:
-                img.plan = self.policy.exact_plan(img.features, img.alias.key)
-                self._bind(img)
+                img.plan = self.policy.exact_plan(img.features, img.alias.key, img.prefix_changed)
+                if img.plan is not None:
+                    self._bind(img)
+                else:  # decided at the check layer: the whole entry is at hand
+                    self._fetch(img, torch.arange(img.n_tokens), 0)
             elif img.kind is HitKind.MISS:
                 img.plan = self.policy.miss_plan(img.features)
             else:
                 t0 = time.perf_counter()
-                img.prefetched = self.policy.prefetch_tokens(img.features, img.alias).sort().values
+                tokens = self.policy.prefetch_tokens(img.features, img.alias).sort().values
+                first = self.policy.warmup_layers
+                if self.policy.needs_deviation:  # the warmup layers' K/V of every token, for the deviation
+                    tokens, first = torch.arange(img.n_tokens), 0
+                img.prefetched = tokens
                 img.timings["plan"] = (time.perf_counter() - t0) * 1e3
-                if img.prefetched.numel():
-                    self._fetch(img, img.prefetched, self.policy.warmup_layers, background=True)
+                if tokens.numel():
+                    self._fetch(img, tokens, first, background=True)
 
     def _finish_plans(self, layer: int, hidden, active, cos, sin) -> None:
         for img in self.request.images:
-            if img.plan is not None or self.policy.warmup_layers != layer:
+            if img.plan is not None or self.decide_layer(img) != layer:
                 continue
             if not self._await(img):  # the prefetch failed: no alias K/V to reuse
                 self._demote(img)
                 continue
             t0 = time.perf_counter()
-            signals = WarmupSignals(torch.stack(img.attention) if img.attention else None)
-            if self.policy.needs_check_kv:
-                signals.fresh_kv = self._fresh_kv(layer, img, hidden, active, cos, sin)
-                everything = torch.arange(img.n_tokens)
-                if img.fetched is not None and img.fetched.first_layer <= layer and img.fetched.covers(everything):
-                    at = layer - img.fetched.first_layer
-                    pos = img.fetched.positions(everything)
-                    signals.cached_kv = (img.fetched.keys[at][:, pos], img.fetched.values[at][:, pos])
-            img.plan = self.policy.plan(img.features, img.alias, img.prefetched, signals)
+            signals = self._signals(img, layer, hidden, active, cos, sin)
+            if img.kind is HitKind.EXACT:
+                img.plan = self.policy.prefix_plan(img.features, img.alias.key, signals)
+            else:
+                img.plan = self.policy.plan(img.features, img.alias, img.prefetched, signals)
             img.timings["plan"] = img.timings.get("plan", 0.0) + (time.perf_counter() - t0) * 1e3
             self._bind(img)
+
+    def _cached_at(self, img: ImageState, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The alias's (K, V) of every token of ``img`` at ``layer``, (H, N, D) each, if they were read."""
+        everything = torch.arange(img.n_tokens)
+        f = img.fetched
+        if f is None or f.first_layer > layer or not f.covers(everything):
+            return None
+        pos = f.positions(everything)
+        at = layer - f.first_layer
+        return f.keys[at][:, pos], f.values[at][:, pos]
+
+    def _signals(self, img: ImageState, layer: int, hidden, active, cos, sin) -> WarmupSignals:
+        """Everything routing may use (``WarmupSignals``), gathered at ``layer`` (the end of warmup)."""
+        window = self._window_columns()[img.row]
+        signals = WarmupSignals(
+            attention=torch.stack(img.attention) if img.attention else None,
+            span=(img.start, img.start + img.n_tokens),
+            window=window,
+            prefix_changed=img.prefix_changed,
+        )
+        exact = img.kind is HitKind.EXACT
+        if self.policy.needs_deviation and not exact:
+            cols = img.columns(torch.arange(img.n_tokens, device=self.device))
+            k_dev, v_dev = [], []
+            for l in range(layer):
+                cached = self._cached_at(img, l)
+                if cached is None:
+                    break
+                cache_layer = self.cache.layers[l]
+                slots = cache_layer.slot_of(cols, img.row)
+                fresh = cache_layer.keys[img.row][:, slots], cache_layer.values[img.row][:, slots]
+                k_dev.append(relative_deviation(fresh[0], cached[0]))
+                v_dev.append(relative_deviation(fresh[1], cached[1]))
+            else:
+                if k_dev:
+                    signals.key_deviation, signals.value_deviation = torch.stack(k_dev), torch.stack(v_dev)
+        if (self.policy.needs_check_kv or exact) and layer < self.adapter.num_layers:
+            signals.fresh_kv = self._fresh_kv(layer, img, hidden, active, cos, sin)
+            signals.cached_kv = self._cached_at(img, layer)
+        return signals
 
     def _fresh_kv(self, layer_idx: int, img: ImageState, hidden, active, cos, sin):
         """K/V the layer would compute for the image's tokens from this request's hidden states: (H, N, D) each."""
@@ -222,21 +270,61 @@ class PrefillRunner:
         return _pad(rows, -1, self.device)
 
     def _reused(self, layer: int):
-        """Reused K/V at ``layer``, on that layer's device (device maps): keys, values (B, H, R, D) and
-        their columns (B, R), or None."""
+        """Reused K/V at ``layer``: keys, values (B, H, R, D) and their columns (B, R), or None."""
+
+        def select(img):
+            if img.fetch_index is None:
+                return None
+            selected = img.plan.reuse_selected_at(layer)
+            return img.plan.reuse[selected], img.fetch_index[selected]
+
+        return self._alias_kv(layer, select)
+
+    def _restore_masked(self) -> None:
+        """Plans with ``restore_masked``: the alias's K/V of their masked tokens join each late layer for decoding."""
+        images = [img for img in self.request.images
+                  if img.plan is not None and img.plan.restore_masked and img.plan.mask.numel()]
+        for img in images:
+            first = img.plan.warmup_layers
+            f = img.fetched
+            if f is None or f.first_layer > first or not f.covers(img.plan.mask):
+                f, ms = self._read(img, img.plan.mask, first)
+                img.timings["fetch"] = img.timings.get("fetch", 0.0) + ms
+                if f is None:
+                    logger.warning("vismemo: masked tokens of %s not restored (alias K/V unavailable)",
+                                   img.features.key[:12])
+                    continue
+            img.restored = (f, f.positions(img.plan.mask))
+        if not any(img.restored is not None for img in images):
+            return
+        for layer in range(min(img.plan.warmup_layers for img in images), self.adapter.num_layers):
+
+            def select(img, layer=layer):
+                if img.restored is None or layer < img.plan.warmup_layers:
+                    return None
+                return img.plan.mask, img.restored[1]
+
+            restored = self._alias_kv(layer, select, lambda img: img.restored[0] if img.restored else None)
+            if restored is not None:
+                self.cache.layer(layer).preload(*restored)
+
+    def _alias_kv(self, layer: int, select, source=lambda img: img.fetched):
+        """Alias K/V at ``layer`` of the tokens ``select(img)`` names ((tokens, positions in ``source(img)``), or
+        None), on that layer's device (device maps): keys, values (B, H, T, D) and their columns (B, T), or None."""
         device = next(self.text.layers[layer].parameters()).device
         per_row = []
         for b in range(self.batch):
             parts = []
             for img in self.rows[b]:
-                if img.plan is None or img.fetch_index is None:
+                if img.plan is None or source(img) is None:
                     continue
-                selected = img.plan.reuse_selected_at(layer)
-                if not bool(selected.any()):
+                picked = select(img)
+                if picked is None or picked[0].numel() == 0:
                     continue
-                f, at = img.fetched, layer - img.fetched.first_layer
-                idx = img.fetch_index[selected]
-                columns = img.columns(img.plan.reuse[selected]).to(device)
+                tokens, idx = picked
+                f = source(img)
+                at = layer - f.first_layer
+                columns = img.columns(tokens).to(device)
                 if idx.numel() == f.tokens.numel():  # every fetched token, in order: no gather
                     keys, values = f.keys[at], f.values[at]
                 else:
@@ -308,6 +396,7 @@ class PrefillRunner:
         for layer_idx, decoder_layer in enumerate(text.layers):
             self._finish_plans(layer_idx, hidden, active, pos_cos, pos_sin)
             pending = [i for i in self.request.images if i.plan is None]
+            warming = [i for i in pending if i.kind is HitKind.APPROXIMATE]
             if not pending and t_warm_end is None:
                 t_warm_end = time.perf_counter()
             new_active = self._active(layer_idx)
@@ -320,7 +409,7 @@ class PrefillRunner:
             mask = None
             if reused is not None:
                 cache_layer.preload(*reused)
-            wants_attention = bool(pending) and self.policy.needs_attention
+            wants_attention = bool(warming) and self.policy.needs_attention
             capturing = capture_rows is not None and (wants_attention or compress is not None)
             if identity:
                 ctx.incoming = None
@@ -347,7 +436,7 @@ class PrefillRunner:
             if capturing:
                 probs, window_valid = ctx.capture.probs, ctx.capture.valid
                 if wants_attention:
-                    self._collect_attention(layer_idx, pending, probs, window_valid)
+                    self._collect_attention(layer_idx, warming, probs, window_valid)
                 if compress is not None:
                     window_stats_per_layer.append(
                         window_stats(probs, window_valid, cache_layer.slot_columns(), self._visual_columns()))
@@ -359,6 +448,7 @@ class PrefillRunner:
         hidden = text.norm(final)
         t_end = time.perf_counter()
         t_warm_end = t_warm_end or t_end
+        self._restore_masked()
         self._store_complete()
         if compress is not None:
             keep = compress.keep(window_stats_per_layer, self._visual_columns())

@@ -40,6 +40,7 @@ class FormPage:
     shift: tuple[int, int] = (0, 0)
     brightness: float = 1.0
     jpeg_quality: int | None = None
+    noise: float = 0.0  # std of seeded Gaussian pixel noise (0-255 scale)
     meta: dict = field(default_factory=dict, compare=False, hash=False)
 
     def answer(self, key: str) -> str:
@@ -120,6 +121,12 @@ def render(page: FormPage) -> Image.Image:
         draw.text((x, y), ch, fill="black", font=font)
     if page.brightness != 1.0:
         img = ImageEnhance.Brightness(img).enhance(page.brightness)
+    if page.noise:
+        import numpy as np
+
+        pixels = np.asarray(img, dtype=np.float32)
+        pixels = pixels + np.random.default_rng(hash(page.rows) & 0xFFFF).normal(0, page.noise, pixels.shape)
+        img = Image.fromarray(pixels.clip(0, 255).astype(np.uint8))
     if page.jpeg_quality is not None:
         import io
 
@@ -158,6 +165,28 @@ def reencode(page: FormPage, quality: int = 70) -> FormPage:
 
 def brighten(page: FormPage, factor: float = 0.9) -> FormPage:
     return replace(page, brightness=factor)
+
+
+def edit_key(page: FormPage, row: int, rng: random.Random) -> FormPage:
+    """One key renamed (its first letter kept, so the page's keys still start with different letters)."""
+    key, value = page.rows[row]
+    new = key[0] + "".join(rng.choice([c for c in KEY_ALPHABET if c != old]) for old in key[1:])
+    rows = list(page.rows)
+    rows[row] = (new, value)
+    return replace(page, rows=tuple(rows))
+
+
+def swap_rows(page: FormPage, a: int, b: int) -> FormPage:
+    """Two rows trade places: every glyph of both rows moves."""
+    rows, lights = list(page.rows), list(page.lights)
+    rows[a], rows[b] = rows[b], rows[a]
+    if lights:
+        lights[a], lights[b] = lights[b], lights[a]
+    return replace(page, rows=tuple(rows), lights=tuple(lights))
+
+
+def noisy(page: FormPage, std: float = 6.0) -> FormPage:
+    return replace(page, noise=std)
 
 
 # -- request streams -------------------------------------------------------------------------------------
@@ -229,6 +258,47 @@ def stream(seed: int, n_bases: int = 20, variants_per_base: int = 4) -> list[Req
         pending = pending[len(release):]
         out.extend(release)
     out.extend(pending)
+    return out
+
+
+PERTURBATIONS = ("edit_two", "edit_key", "swap_rows", "edit_shift", "noise", "dim", "shift_one")
+
+
+def perturbation_stream(seed: int, n_bases: int = 20, variants_per_base: int = 3) -> list[Request]:
+    """Approximate follow-ups of kinds that ``stream`` never makes, to check routing beyond the variants it
+    was designed on: two values edited (one asked), a renamed key asked, two rows swapped (one asked),
+    an edited value on a page shifted by one pixel, pixel noise, a dimmed page, a one-pixel shift.
+    Each base page comes first (a miss), its follow-ups right after it."""
+    rng = random.Random(seed)
+    out: list[Request] = []
+    for b in range(n_bases):
+        base = random_form(seed * 100_003 + b, style=STYLES[b % len(STYLES)])
+        r0 = rng.randrange(ROWS)
+        key0 = base.rows[r0][0]
+        out.append(Request(f"p{seed}b{b}", base, question_for(key0), [base.answer(key0)], "miss", f"base-{base.style}"))
+        for v in range(variants_per_base):
+            kind = PERTURBATIONS[(v + b * variants_per_base) % len(PERTURBATIONS)]
+            row = rng.randrange(ROWS)
+            page, about = base, False
+            if kind == "edit_two":
+                other = (row + 1 + rng.randrange(ROWS - 1)) % ROWS
+                page, about = edit_value(edit_value(base, row, rng), other, rng), True
+            elif kind == "edit_key":
+                page, about = edit_key(base, row, rng), False
+            elif kind == "swap_rows":
+                page = swap_rows(base, row, (row + 1 + rng.randrange(ROWS - 1)) % ROWS)
+            elif kind == "edit_shift":
+                page, about = shift(edit_value(base, row, rng), rng.choice([-1, 1])), True
+            elif kind == "noise":
+                page = noisy(base)
+            elif kind == "dim":
+                page = brighten(base, 0.75)
+            else:
+                page = shift(base, rng.choice([-1, 1]), rng.choice([-1, 0, 1]))
+            key = page.rows[row][0]
+            stale = base.answer(base.rows[row][0]) if about else None
+            out.append(Request(f"p{seed}b{b}v{v}", page, question_for(key), [page.answer(key)], "approximate",
+                               kind, about, stale))
     return out
 
 

@@ -41,11 +41,6 @@ def _preset(name: str) -> dict | None:
     return data
 
 
-def policy_option_names(policy: str) -> set[str]:
-    cls = _REGISTRY.get(policy)
-    return {f.name for f in fields(cls)} if cls else set()
-
-
 def get_policy(policy: "str | RoutingPolicy", **options) -> "RoutingPolicy":
     """A policy from a registered name or a preset, with options (unknown options are an error)."""
     if isinstance(policy, RoutingPolicy):
@@ -85,26 +80,51 @@ class RoutingPolicy:
     """
 
     name: ClassVar[str] = ""
-    #: which warmup signals ``plan`` reads; the runner collects only these
+    #: which warmup signals ``plan`` reads (``WarmupSignals``); the runner collects only these
     needs_attention: ClassVar[bool] = False
     needs_check_kv: ClassVar[bool] = False
+    needs_deviation: ClassVar[bool] = False
 
     warmup_layers: int = 3
     recompute_ratio: float = 0.3
     reuse_ratio: float = 0.1
+    #: an exact hit after another text before the image: ``"reuse"`` every token (METHOD §2, whose K/V
+    #: then carry the old text's context from layer 1 on) or ``"check"``: compute every token up to
+    #: ``prefix_check_layer``, then recompute the ``prefix_recompute_ratio`` whose fresh K/V deviate most
+    #: from the stored ones there (CacheBlend's selection) and reuse the rest
+    prefix_routing: str = "reuse"
+    prefix_check_layer: int = 1
+    prefix_recompute_ratio: float = 0.15
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.recompute_ratio <= 1.0 or not 0.0 <= self.reuse_ratio <= 1.0:
             raise ValueError("recompute_ratio and reuse_ratio must lie in [0, 1]")
         if self.warmup_layers < 0:
             raise ValueError("warmup_layers must be >= 0")
+        if self.prefix_routing not in ("reuse", "check"):
+            raise ValueError(f"prefix_routing must be 'reuse' or 'check', got {self.prefix_routing!r}")
+        if self.prefix_check_layer < 0 or not 0.0 <= self.prefix_recompute_ratio <= 1.0:
+            raise ValueError("prefix_check_layer must be >= 0 and prefix_recompute_ratio lie in [0, 1]")
 
     @staticmethod
     def budget(ratio: float, n_tokens: int) -> int:
         return min(n_tokens, math.ceil(ratio * n_tokens - 1e-9))
 
-    def exact_plan(self, image: ImageFeatures, alias: str) -> ImagePlan:
+    def exact_plan(self, image: ImageFeatures, alias: str, prefix_changed: bool = False) -> ImagePlan | None:
+        """The plan of an exact hit, or None to decide at ``prefix_check_layer`` with ``prefix_plan``."""
+        if prefix_changed and self.prefix_routing == "check":
+            return None
         return ImagePlan.exact(image.n_tokens, alias)
+
+    def prefix_plan(self, image: ImageFeatures, alias: str, signals: WarmupSignals) -> ImagePlan:
+        """An exact hit after another text: recompute the tokens whose K/V deviate most at the check layer."""
+        deviation = signals.check_deviation
+        if deviation is None:
+            raise ValueError("prefix_plan needs the fresh and cached K/V of the check layer")
+        n = image.n_tokens
+        score = deviation[0] + deviation[1]
+        recompute, reuse = split_by_score(score, torch.arange(n), self.budget(self.prefix_recompute_ratio, n))
+        return ImagePlan(HitKind.EXACT, n, self.prefix_check_layer, recompute, reuse, [], alias)
 
     def miss_plan(self, image: ImageFeatures) -> ImagePlan:
         return ImagePlan.full(HitKind.MISS, image.n_tokens)

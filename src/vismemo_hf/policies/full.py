@@ -14,7 +14,7 @@ from .base import RoutingPolicy, register_policy
 class FullPolicy(RoutingPolicy):
     name: ClassVar[str] = "full"
 
-    def exact_plan(self, image: ImageFeatures, alias: str) -> ImagePlan:
+    def exact_plan(self, image: ImageFeatures, alias: str, prefix_changed: bool = False) -> ImagePlan:
         return ImagePlan.full(HitKind.EXACT, image.n_tokens, alias)
 
     def plan(self, image: ImageFeatures, alias: ImageFeatures, prefetched, signals: WarmupSignals) -> ImagePlan:

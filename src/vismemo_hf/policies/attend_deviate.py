@@ -1,0 +1,109 @@
+"""``attend-deviate`` (the default): recompute what changed or what the question attends to, reuse the rest.
+
+Warmup attention alone does not find what an answer needs: later answer tokens look at other
+tokens than the prefill's window does, and early layers may not attend to the answer region at
+all, so a token masked or reused on attention alone turns into a wrong or stale answer. This
+policy therefore:
+
+1. recomputes R = the tokens whose K/V deviate most from the alias's (changed content, or changed
+   context) united with the tokens the warmup window attends to most. ``recompute_ratio`` is R's
+   budget, ``deviation_share`` of it picked by deviation first. Deviation *outliers* (above
+   ``outlier_factor`` x the image's median deviation, and above ``min_deviation``) are recomputed
+   even past the budget, up to ``max_recompute_ratio``: an edit larger than the budget is not reused
+   stale, while a shift or re-encoding, which moves every token a little, stays within budget;
+2. reuses every other token from the alias;
+3. masks only what attention confidently rules out: tokens whose normalised warmup attention is
+   below ``mask_below`` x uniform (1/N), the least attended first and at most ``max_mask_ratio`` of
+   the image; ``mask_below=0`` masks nothing;
+4. with ``restore_masked`` (default), gives decoding the alias's K/V of the masked tokens, so
+   tokens generated later can still attend to them.
+
+The deviation of a token is the largest, over the warmup layers and the check layer, of its
+relative K plus V deviation (``WarmupSignals``). Exact hits after another text before the image
+are checked the same way (``prefix_routing="check"``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from ..plan import ImageFeatures, ImagePlan, WarmupSignals
+from .base import RoutingPolicy, approximate_plan, register_policy, split_by_score
+from .vismemo import warmup_score
+
+
+def deviation_score(signals: WarmupSignals, n_tokens: int) -> torch.Tensor:
+    """(N,) the largest relative K + V deviation of each token over the warmup and check layers."""
+    layers = []
+    if signals.key_deviation is not None and signals.value_deviation is not None:
+        layers.extend(signals.key_deviation + signals.value_deviation)
+    check = signals.check_deviation
+    if check is not None:
+        layers.append(check[0] + check[1])
+    if not layers:
+        raise ValueError("attend-deviate needs K/V deviation signals (warmup or check layer)")
+    return torch.stack([x.float().reshape(n_tokens) for x in layers]).amax(0)
+
+
+@register_policy
+@dataclass
+class AttendDeviatePolicy(RoutingPolicy):
+    name: ClassVar[str] = "attend-deviate"
+    needs_attention: ClassVar[bool] = True
+    needs_deviation: ClassVar[bool] = True
+    needs_check_kv: ClassVar[bool] = True
+
+    warmup_layers: int = 1
+    recompute_ratio: float = 0.2
+    #: share of the recompute budget picked by deviation (the rest by attention)
+    deviation_share: float = 0.5
+    outlier_factor: float = 4.0
+    min_deviation: float = 0.01
+    max_recompute_ratio: float = 0.6
+    mask_below: float = 0.1
+    max_mask_ratio: float = 0.05
+    restore_masked: bool = True
+    prefix_routing: str = "check"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not all(0.0 <= x <= 1.0 for x in (self.deviation_share, self.max_recompute_ratio, self.max_mask_ratio)):
+            raise ValueError("deviation_share, max_recompute_ratio and max_mask_ratio must lie in [0, 1]")
+        if self.outlier_factor <= 0 or self.min_deviation < 0 or self.mask_below < 0:
+            raise ValueError("outlier_factor must be > 0, min_deviation and mask_below >= 0")
+
+    def prefetch_tokens(self, image: ImageFeatures, alias: ImageFeatures) -> torch.Tensor:
+        return torch.arange(image.n_tokens)  # every token not recomputed is reused
+
+    def select(self, signals: WarmupSignals, n: int) -> torch.Tensor:
+        """R, sorted: deviation first (outliers past the budget, capped), then attention."""
+        deviation = deviation_score(signals, n)
+        budget = self.budget(self.recompute_ratio, n)
+        by_deviation = self.budget(self.deviation_share * self.recompute_ratio, n)
+        threshold = max(self.outlier_factor * float(deviation.median()), self.min_deviation)
+        outliers = int((deviation > threshold).sum())
+        cap = max(self.budget(self.max_recompute_ratio, n), budget)
+        chosen, _ = split_by_score(deviation, torch.arange(n), min(max(by_deviation, outliers), cap))
+        attention = warmup_score(signals, n)
+        free = torch.ones(n, dtype=torch.bool)
+        free[chosen] = False
+        top, _ = split_by_score(attention, torch.nonzero(free).flatten(), budget - by_deviation)
+        return torch.cat([chosen, top]).sort().values
+
+    def plan(self, image: ImageFeatures, alias: ImageFeatures, prefetched: torch.Tensor,
+             signals: WarmupSignals) -> ImagePlan:
+        n = image.n_tokens
+        recompute = self.select(signals, n)
+        rest = torch.ones(n, dtype=torch.bool)
+        rest[recompute] = False
+        mask = torch.zeros(0, dtype=torch.long)
+        if self.mask_below > 0 and signals.attention is not None and signals.attention.shape[0]:
+            attention = warmup_score(signals, n)
+            unlikely = torch.nonzero(rest & (attention < self.mask_below / n)).flatten()
+            mask, _ = split_by_score(-attention, unlikely, self.budget(self.max_mask_ratio, n))
+            rest[mask] = False
+        reuse = torch.nonzero(rest).flatten()
+        return approximate_plan(self, image, alias, recompute, reuse, mask, restore_masked=self.restore_masked)
