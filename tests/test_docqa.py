@@ -57,7 +57,8 @@ def test_quality_report_writes_table_and_sweeps(tmp_path):
     from vismemo_hf.cli import main
 
     args = ["report", "quality", "--streams", "1", "--bases", "2", "--policies", "full,naive,vismemo",
-            "--sweep-rho", "0.3,1.0", "--sweep-beta", "0.1", "--heldout", "2", "--out", str(tmp_path)]
+            "--sweep-rho", "0.3,1.0", "--sweep-beta", "0.1", "--heldout", "2", "--heldout-bases", "1",
+            "--out", str(tmp_path)]
     assert main(args) == 0
     table = (tmp_path / "table1.md").read_text()
     assert "| naive |" in table and "| vismemo |" in table and "Command: `vismemo report quality" in table
@@ -68,6 +69,8 @@ def test_quality_report_writes_table_and_sweeps(tmp_path):
     assert data["policies"]["full"]["first_token_agreement"] == 1.0
     assert set(data["reader"]) == set(synthdoc.STYLES) | {"all"} and data["reader"]["all"]["n"] == 2 * len(synthdoc.STYLES)
     assert "## The reader: full prefill on held-out pages" in table and "ANLS by variant" in table
+    assert "## Held-out streams" in table and set(data["heldout"]) == {"stream", "perturbations"}
+    assert (tmp_path / "sweep_attend-deviate_recompute_ratio.png").stat().st_size > 1000
     cells = data["policies"]["vismemo"]["answer_cells"]
     assert cells is None or abs(sum(cells.values()) - 1.0) < 1e-9
 

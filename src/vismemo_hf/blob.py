@@ -3,7 +3,8 @@
     [header][token 0 block][token 1 block]...[token N-1 block][metadata]
 
 * header: fixed ``struct`` with magic, layout version, dtype, shapes, grid, offset, model
-  fingerprint, key, the size of each region and a BLAKE2b digest of the metadata.
+  fingerprint, key, the hash of the text before the image, the size of each region, a BLAKE2b
+  digest of the metadata, and last a CRC-32 of all the header's bytes before it.
 * token block (patch-first): for each layer l, an 8-byte CRC-32 of the layer's K/V followed
   by that K/V (2 x heads x head_dim values). The late layers of one token (l >= W) with
   their hashes are one contiguous byte range: an approximate hit reads one range per
@@ -24,9 +25,10 @@ import torch
 from .entry import Entry
 
 MAGIC = b"VMEM"
-LAYOUT_VERSION = 1
-_HEADER = struct.Struct("<4sHBB" + "I" * 9 + "q32s64s16sQQ")
-HEADER_SIZE = _HEADER.size
+LAYOUT_VERSION = 2
+_FIELDS = struct.Struct("<4sHBB" + "I" * 9 + "q32s64s16sQQ16s")
+_HEADER_CRC = struct.Struct("<I")
+HEADER_SIZE = _FIELDS.size + _HEADER_CRC.size
 HASH_BYTES = 8
 
 DTYPES = {0: torch.float32, 1: torch.float16, 2: torch.bfloat16}
@@ -67,6 +69,7 @@ class BlobHeader:
     meta_digest: bytes
     meta_bytes: int
     total_bytes: int
+    prefix: str = ""
 
     @property
     def layer_bytes(self) -> int:
@@ -90,16 +93,25 @@ class BlobHeader:
 def parse_header(data: bytes) -> BlobHeader:
     if len(data) < HEADER_SIZE:
         raise BlobError("truncated header")
-    magic, version, dtype, flags, n, layers, heads, hdim, edim, levels, t, h, w, offset, fp, key, digest, meta, total = (
-        _HEADER.unpack(bytes(data[:HEADER_SIZE])))
+    raw = bytes(data[:HEADER_SIZE])
+    if raw[:4] != MAGIC:
+        raise BlobError("not a vismemo blob")
+    if zlib.crc32(raw[: _FIELDS.size]) != _HEADER_CRC.unpack(raw[_FIELDS.size :])[0]:
+        raise BlobError("header checksum mismatch")
+    (magic, version, dtype, flags, n, layers, heads, hdim, edim, levels, t, h, w, offset, fp, key, digest, meta, total,
+     prefix) = _FIELDS.unpack(raw[: _FIELDS.size])
     if magic != MAGIC:
         raise BlobError("not a vismemo blob")
     if version != LAYOUT_VERSION:
         raise BlobError(f"layout version {version}, expected {LAYOUT_VERSION}")
     if dtype not in DTYPES:
         raise BlobError(f"unknown dtype code {dtype}")
+    try:
+        fingerprint, key = fp.decode("ascii").rstrip("\0"), key.decode("ascii").rstrip("\0")
+    except UnicodeDecodeError as err:
+        raise BlobError("header names are not ascii") from err
     header = BlobHeader(DTYPES[dtype], flags, n, layers, heads, hdim, edim, levels, (t, h, w), offset,
-                        fp.decode("ascii").rstrip("\0"), key.decode("ascii").rstrip("\0"), digest, meta, total)
+                        fingerprint, key, digest, meta, total, prefix.hex() if any(prefix) else "")
     if header.meta_start + meta != total:
         raise BlobError("header sizes disagree")
     return header
@@ -129,12 +141,13 @@ def encode(entry: Entry) -> bytes:
     flags = (1 if entry.deepstack is not None else 0) | (2 if entry.patch_hashes is not None else 0)
     levels = entry.deepstack.shape[0] if entry.deepstack is not None else 0
     body_start = HEADER_SIZE + blocks.numel()
-    header = _HEADER.pack(
+    fields = _FIELDS.pack(
         MAGIC, LAYOUT_VERSION, DTYPE_CODES[kv.dtype], flags, n, layers, heads, hdim, entry.embeds.shape[-1], levels,
         *entry.grid, int(entry.offset), entry.fingerprint.encode("ascii"), entry.key.encode("ascii"),
         hashlib.blake2b(meta, digest_size=16).digest(), len(meta), body_start + len(meta),
+        bytes.fromhex(entry.prefix) if entry.prefix else bytes(16),
     )
-    return header + blocks.numpy().tobytes() + meta
+    return fields + _HEADER_CRC.pack(zlib.crc32(fields)) + blocks.numpy().tobytes() + meta
 
 
 def decode_meta(header: BlobHeader, meta: bytes) -> Entry:
@@ -158,7 +171,7 @@ def decode_meta(header: BlobHeader, meta: bytes) -> Entry:
     deepstack = take(header.deepstack_levels * n * d, header.dtype, (header.deepstack_levels, n, d)) if header.flags & 1 else None
     patch_hashes = take(n, torch.int64, (n,)) if header.flags & 2 else None
     return Entry(header.key, header.fingerprint, header.grid, embeds, deepstack, descriptors, entropy, None,
-                 header.offset, patch_hashes, n_layers=header.n_layers)
+                 header.offset, patch_hashes, prefix=header.prefix, n_layers=header.n_layers)
 
 
 def decode_entry(header: BlobHeader, data: torch.Tensor) -> Entry:

@@ -125,6 +125,8 @@ def train_docqa(args) -> int:
 
 
 def build_stream(args) -> int:
+    from collections import Counter
+
     from . import synthdoc
 
     out = args.out or f".cache/vismemo-data/{args.task}/test.parquet"
@@ -132,16 +134,33 @@ def build_stream(args) -> int:
         requests = [r for seed in args.seeds.split(",") for r in synthdoc.stream(int(seed), n_bases=args.bases)]
         rows = synthdoc.request_rows(requests)
     else:
-        rows = synthdoc.page_stream(_real_pages(args), seed=args.seed)
+        pages = _real_pages(args)
+        near = {}
+        if args.near_model:
+            from .models import load_model
+
+            model, processor = load_model(args.near_model)
+            near = synthdoc.near_duplicates({pid: image for pid, image, _ in pages}, model, processor)
+        rows = synthdoc.page_stream(pages, seed=args.seed, near=near)
     path = synthdoc.save_rows(rows, out)
-    kinds = {k: sum(r["intended"] == k for r in rows) for k in ("miss", "exact", "approximate")}
-    print(f"wrote {len(rows)} requests ({kinds}) to {path}")
+    kinds = Counter(r["intended"] for r in rows)
+    variants = Counter(r["variant"] for r in rows)
+    print(f"wrote {len(rows)} requests to {path}")
+    print("intended hit kinds: " + ", ".join(f"{k} {kinds.get(k, 0)}" for k in ("miss", "exact", "approximate")))
+    print("variants: " + ", ".join(f"{k} {v}" for k, v in sorted(variants.items())))
     return 0
+
+
+#: columns naming the page image of a row, most specific first (DocVQA: docId; InfographicVQA: image_url)
+PAGE_COLUMNS = ("docId", "image_url", "image_id", "questionId")
+#: columns naming the document a page belongs to (DocVQA: ucsf_document_id)
+DOCUMENT_COLUMNS = ("ucsf_document_id",)
 
 
 def _real_pages(args):
     """(page id, image, [(question, answers)]) from a local DocVQA / InfographicVQA copy: parquet files or a
-    dataset in the HF datasets cache (HF_DATASETS_OFFLINE=1 keeps it offline)."""
+    dataset in the HF datasets cache (HF_DATASETS_OFFLINE=1 keeps it offline). Pages of one document come
+    together (other pages of a document or template are natural near-duplicate candidates)."""
     import glob
 
     import datasets
@@ -153,15 +172,23 @@ def _real_pages(args):
         data = datasets.load_dataset("parquet", data_files={"data": files}, split="data")
     else:
         data = datasets.load_dataset(args.source, split=args.split)
+    missing = {"question", "answers", "image"} - set(data.column_names)
+    if missing:
+        raise SystemExit(f"{args.source}: no column(s) {sorted(missing)}; expected the DocVQA / InfographicVQA schema")
+    page_col = next(c for c in PAGE_COLUMNS if c in data.column_names) if any(
+        c in data.column_names for c in PAGE_COLUMNS) else None
+    doc_col = next((c for c in DOCUMENT_COLUMNS if c in data.column_names), None)
     pages: dict = {}
-    for row in data:
-        page_id = str(row.get("docId", row.get("image_id", row.get("ucsf_document_id", row.get("questionId")))))
-        entry = pages.setdefault(page_id, [row["image"], []])
-        entry[1].append((row["question"], list(row["answers"])))
-        if len(pages) > args.pages:
-            pages.pop(page_id)
+    for i, row in enumerate(data):
+        page_id = str(row[page_col]) if page_col else str(i)
+        if page_id not in pages and len(pages) == args.pages:
             break
-    return [(pid, image, qas) for pid, (image, qas) in pages.items()]
+        entry = pages.setdefault(page_id, [row["image"], [], str(row[doc_col]) if doc_col else page_id])
+        entry[1].append((row["question"], list(row["answers"])))
+    by_document: dict = {}
+    for pid, (image, qas, doc) in pages.items():
+        by_document.setdefault(doc, []).append((pid, image, qas))
+    return [page for group in by_document.values() for page in group]
 
 
 def main(argv=None) -> int:
@@ -202,6 +229,9 @@ def main(argv=None) -> int:
     p.add_argument("--seeds", default="0", help="synthdoc: stream seeds")
     p.add_argument("--bases", type=int, default=20, help="synthdoc: new pages per stream")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--near-model", default=None,
+                   help="docvqa/infovqa: a model (checkpoint, preset or vismemo-docqa-tiny) whose lookup descriptors "
+                        "find natural near-duplicate pages, placed after the page they resemble")
     p.add_argument("--out", default=None, help="default .cache/vismemo-data/TASK/test.parquet (what the tasks read)")
     p.set_defaults(func=build_stream)
     bench = sub.add_parser("bench", help="benchmarks (reports under results/)")
@@ -268,8 +298,16 @@ def main(argv=None) -> int:
     p.add_argument("--sweep-beta", default="0,0.05,0.1,0.2,0.4")
     p.add_argument("--max-new-tokens", type=int, default=6)
     p.add_argument("--heldout", type=int, default=40, help="held-out pages per page type for the reader's own accuracy")
+    p.add_argument("--heldout-bases", type=int, default=15,
+                   help="new pages per held-out stream (seeds that informed no design choice); 0 skips them")
     p.add_argument("--out", default="results/quality")
     p.set_defaults(func=_bench("quality"))
+    p = report_sub.add_parser("prefix", help="exact hits after another text before the image vs a full prefill")
+    p.add_argument("--pages", type=int, default=20)
+    p.add_argument("--lengths", default="0,10,50,100,200,400", help="token counts of the changed text")
+    p.add_argument("--seed", type=int, default=4000)
+    p.add_argument("--out", default="results/quality")
+    p.set_defaults(func=_bench("prefix"))
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     warnings.filterwarnings("ignore", category=FutureWarning)  # transformers' past_key_values rename notice

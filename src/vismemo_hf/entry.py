@@ -28,6 +28,9 @@ class Entry:
     kv: torch.Tensor | None
     offset: int
     patch_hashes: torch.Tensor | None = None
+    #: hash of the text (and earlier images) before the image when its K/V were computed
+    #: (``lookup.prefix_digest``; 32 hex digits, "" when unknown)
+    prefix: str = ""
     #: layer count, taken from ``kv`` when present (a metadata-only view has ``kv=None``)
     n_layers: int = 0
 

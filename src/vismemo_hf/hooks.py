@@ -62,7 +62,7 @@ def enable(model, *, image_mean=None, image_std=None):
         else:
             return kwargs
         request, outputs = lookup_request(adapter, ctx.cache, kwargs.get("input_ids"), pixels, grids,
-                                          get_image_features)
+                                          get_image_features, ctx.valid)
         ctx.request = request
         if deferred is not None:
             deferred.provide(outputs)

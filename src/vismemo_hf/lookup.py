@@ -8,6 +8,7 @@ on the cache for the runner; the model receives ``mm_encoder_outputs`` instead o
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 from dataclasses import dataclass, field
@@ -146,8 +147,22 @@ def _compatible(entry: Entry | None, n_tokens: int, n_layers: int) -> bool:
     return entry is not None and entry.n_tokens == n_tokens and entry.n_layers == n_layers
 
 
-def lookup_request(adapter, cache, input_ids, pixel_values, grids, get_image_features) -> tuple[PrefillRequest, object]:
-    """Look every image up; return the request state and the ``mm_encoder_outputs["image"]`` object."""
+def prefix_digest(input_ids: torch.Tensor, valid: torch.Tensor | None, start: int, earlier: list[str]) -> str:
+    """Hash of what precedes an image in its row: the real (unpadded) token ids before column ``start``
+    and the keys of the row's earlier images (their placeholder tokens alone would not tell them apart)."""
+    ids = input_ids[:start]
+    if valid is not None:
+        ids = ids[valid[:start].to(ids.device)]
+    h = hashlib.blake2b(ids.to(torch.int64).cpu().numpy().tobytes(), digest_size=16)
+    for key in earlier:
+        h.update(key.encode())
+    return h.hexdigest()
+
+
+def lookup_request(adapter, cache, input_ids, pixel_values, grids, get_image_features,
+                   valid: torch.Tensor | None = None) -> tuple[PrefillRequest, object]:
+    """Look every image up; return the request state and the ``mm_encoder_outputs["image"]`` object.
+    ``valid``: (B, columns) False at padding, so that a left-padded row hashes its prefix like an unpadded one."""
     if input_ids is None:
         raise ValueError("VisMemoCache needs input_ids (not inputs_embeds) to locate the images of a request")
     if cache.get_seq_length() > 0:
@@ -176,20 +191,24 @@ def lookup_request(adapter, cache, input_ids, pixel_values, grids, get_image_fea
         encoded = dict(zip(todo, fresh))
 
     images = []
+    earlier: dict[int, list[str]] = {}
     for i, ((row, start), key, grid) in enumerate(zip(spans, keys, grid_list)):
         t0 = time.perf_counter()
+        prefix = prefix_digest(input_ids[row], None if valid is None else valid[row], start, earlier.get(row, []))
+        earlier.setdefault(row, []).append(key)
         if exact[i]:
             entry = entries[i]
             feats = entry.features()
             state = ImageState(row, start, feats, entry.embeds, entry.deepstack, entry.descriptors, HitKind.EXACT,
-                               alias=feats, alias_entry=entry, alias_offset=entry.offset, score=1.0)
+                               alias=feats, alias_entry=entry, alias_offset=entry.offset, score=1.0,
+                               prefix=prefix, prefix_changed=entry.prefix != prefix)
             encoder_ms = 0.0
         else:
             embeds, deepstack = encoded[i]
             entropy = patch_entropy(pixels[i], **adapter.entropy_kwargs())
             feats = ImageFeatures(key, grid, embeds, entropy, patch_hashes(pixels[i], merge))
             desc = region_descriptors(embeds, grid, merge)
-            state = ImageState(row, start, feats, embeds, deepstack, desc, HitKind.MISS)
+            state = ImageState(row, start, feats, embeds, deepstack, desc, HitKind.MISS, prefix=prefix)
             _approximate(state, cache, fp, n_layers)
             encoder_ms = t_encoder
         state.timings["lookup"] = t_exact / len(keys) + (time.perf_counter() - t0) * 1e3

@@ -458,7 +458,7 @@ class PrefillRunner:
             img.timings["warmup"] = (t_warm_end - t_start) * 1e3 if img.kind is HitKind.APPROXIMATE else 0.0
             img.timings["recompute"] = (t_end - t_warm_end) * 1e3
             cache.events.append(img.event())
-            store_call("stats", lambda k=img.kind: cache.store.record(k), None)
+            store_call("stats", lambda i=img: cache.store.record(i.kind, prefix_changed=i.prefix_changed), None)
         return BaseModelOutputWithPast(last_hidden_state=hidden, cache=cache)
 
     def _scatter(self, active, hidden, final) -> None:
@@ -542,6 +542,7 @@ class PrefillRunner:
                 kv=kv.detach(),
                 offset=img.offset,
                 patch_hashes=img.features.patch_hashes,
+                prefix=img.prefix,
             )
             store_call("write", lambda e=entry: cache.store.put(e), None)
 

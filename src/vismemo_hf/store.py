@@ -172,7 +172,7 @@ class VisMemoStore:
             "hits": {"exact": 0, "approximate": 0, "miss": 0},
             "hits_by_tier": {t: 0 for t in TIERS},
             "puts": 0, "evictions": 0, "demotions": 0, "promotions": 0, "rejected": 0, "corrupt": 0,
-            "write_failures": 0, "bytes_read_full": 0, "bytes_read_sparse": 0,
+            "write_failures": 0, "bytes_read_full": 0, "bytes_read_sparse": 0, "exact_prefix_changed": 0,
         }
         if self.disk is not None:
             self._rebuild_from_disk()
@@ -476,9 +476,11 @@ class VisMemoStore:
             return self._index.search(fingerprint, grid, descriptors, tau, top_k)
 
     # -- bookkeeping -------------------------------------------------------------------------------
-    def record(self, kind: str) -> None:
+    def record(self, kind: str, prefix_changed: bool = False) -> None:
+        """Count a served image by hit kind; ``prefix_changed``: an exact hit after another text before it."""
         with self._lock:
             self._stats["hits"][str(kind)] += 1
+            self._stats["exact_prefix_changed"] += int(prefix_changed)
 
     def __contains__(self, key: str) -> bool:
         return self._tier_of(key) is not None

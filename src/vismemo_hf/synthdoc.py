@@ -318,31 +318,87 @@ def reencode_image(image: Image.Image, quality: int = 70) -> Image.Image:
     return Image.open(buf).convert("RGB")
 
 
-def page_stream(pages, seed: int = 0) -> list[dict]:
+def brighten_image(image: Image.Image, factor: float = 0.9) -> Image.Image:
+    return ImageEnhance.Brightness(image.convert("RGB")).enhance(factor)
+
+
+#: near-duplicate copies every real page gets (each keeps the page's answers)
+COPIES = ("shift", "reencode", "brighten")
+
+
+def page_stream(pages, seed: int = 0, near: dict | None = None) -> list[dict]:
     """Rows of a stream over real pages. ``pages``: iterable of (page id, image, [(question, answers), ...]).
-    Per page: its first question (miss), a second question on the same image (exact), and the page shifted
-    by a few pixels or re-encoded as JPEG with another question (approximate)."""
+
+    Per page: its first question (a miss), another question on the same image (an exact hit; the first one
+    again when the page has one question), and three near-duplicate copies (shifted by a few pixels,
+    re-encoded as JPEG, brightened), each asking one of the page's questions in turn (approximate hits).
+    ``near``: {page id: id of an earlier page it is a natural near-duplicate of} (``near_duplicates``): such a
+    page comes right after that page and is marked ``variant="natural"``, ``intended="approximate"``.
+    Follow-ups are released in a shuffled order, interleaved with later pages."""
     rng = random.Random(seed)
+    near = near or {}
+    pages = list(pages)
+    order = [p for p in pages if p[0] not in near]
+    for page in pages:  # natural near-duplicates right after the page they resemble
+        if page[0] in near:
+            at = next((i for i, p in enumerate(order) if p[0] == near[page[0]]), len(order) - 1)
+            order.insert(at + 1, page)
     rows, pending = [], []
-    for page_id, image, qas in pages:
+
+    def row(page_id, j, question, answers, intended, variant, image):
+        return dict(id=f"{page_id}/{j}", question=question, answers=list(answers), intended=intended,
+                    variant=variant, about_edit=False, stale="", prefix="", image=image)
+
+    for page_id, image, qas in order:
         image = image.convert("RGB")
+        natural = page_id in near
         q0, a0 = qas[0]
-        rows.append(dict(id=f"{page_id}/0", question=q0, answers=list(a0), intended="miss", variant="base",
-                         about_edit=False, stale="", prefix="", image=image))
-        for j, (q, a) in enumerate(qas[1:3], 1):
-            if j == 1:
-                pending.append(dict(id=f"{page_id}/{j}", question=q, answers=list(a), intended="exact",
-                                    variant="same", about_edit=False, stale="", prefix="", image=image))
+        rows.append(row(page_id, 0, q0, a0, "approximate" if natural else "miss", "natural" if natural else "base",
+                        image))
+        q1, a1 = qas[1 % len(qas)]
+        pending.append(row(page_id, 1, q1, a1, "exact", "same", image))
+        for j, variant in enumerate(COPIES, 2):
+            q, a = qas[j % len(qas)]
+            if variant == "shift":
+                img = shift_image(image, rng.choice([-3, -2, 2, 3]), rng.choice([-2, 0, 2]))
+            elif variant == "reencode":
+                img = reencode_image(image)
             else:
-                variant = rng.choice(["shift", "reencode"])
-                img = shift_image(image, rng.choice([-3, -2, 2, 3])) if variant == "shift" else reencode_image(image)
-                pending.append(dict(id=f"{page_id}/{j}", question=q, answers=list(a), intended="approximate",
-                                    variant=variant, about_edit=False, stale="", prefix="", image=img))
+                img = brighten_image(image, rng.choice([0.85, 0.9, 1.1]))
+            pending.append(row(page_id, j, q, a, "approximate", variant, img))
         rng.shuffle(pending)
         cut = rng.randrange(len(pending) + 1)
         rows.extend(pending[:cut])
         pending = pending[cut:]
     return rows + pending
+
+
+def near_duplicates(images: dict, model, processor, tau: float = 0.8, tau_fine: float | None = None) -> dict:
+    """{page id: earlier page id} for pages whose encoder output passes the lookup's own rule (METHOD §1: same
+    grid, all four regional cosines > ``tau``, mean per-token cosine >= ``tau_fine``) against an earlier page."""
+    import torch
+
+    from .families import ModelAdapter
+    from .features import region_descriptors, token_cosine
+
+    adapter = ModelAdapter.for_model(model)
+    seen, out = [], {}
+    for page_id, image in images.items():
+        inputs = processor.image_processor(images=[image.convert("RGB")], return_tensors="pt")
+        grid = tuple(int(x) for x in inputs["image_grid_thw"][0])
+        with torch.no_grad():
+            (embeds, _), = adapter.encode(adapter.base.get_image_features, inputs["pixel_values"].to(model.dtype),
+                                          inputs["image_grid_thw"])
+        desc = region_descriptors(embeds, grid, adapter.merge)
+        for other_id, other_grid, other_desc, other_embeds in seen:
+            if other_grid != grid:
+                continue
+            regional = torch.nn.functional.cosine_similarity(desc.float(), other_desc.float(), dim=-1)
+            if bool((regional > tau).all()) and float(token_cosine(embeds, other_embeds).mean()) >= (tau_fine or tau):
+                out[page_id] = other_id
+                break
+        seen.append((page_id, grid, desc, embeds))
+    return out
 
 
 def request_rows(requests: list[Request]) -> list[dict]:

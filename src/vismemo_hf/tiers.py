@@ -15,6 +15,7 @@ import io
 import logging
 import os
 from collections import OrderedDict
+from dataclasses import replace
 
 import diskcache
 import torch
@@ -41,9 +42,8 @@ class DeviceTier:
         return entry.nbytes
 
     def add(self, entry: Entry) -> None:
-        moved = Entry(entry.key, entry.fingerprint, entry.grid, entry.embeds.to(self.device),
-                      None if entry.deepstack is None else entry.deepstack.to(self.device),
-                      entry.descriptors, entry.entropy, entry.kv.to(self.device), entry.offset, entry.patch_hashes)
+        moved = replace(entry, embeds=entry.embeds.to(self.device), kv=entry.kv.to(self.device),
+                        deepstack=None if entry.deepstack is None else entry.deepstack.to(self.device))
         self.entries[entry.key] = moved
         self.bytes += moved.nbytes
 
