@@ -91,10 +91,13 @@ class RoutingPolicy:
     #: an exact hit after another text before the image: ``"reuse"`` every token (METHOD §2, whose K/V
     #: then carry the old text's context from layer 1 on) or ``"check"``: compute every token up to
     #: ``prefix_check_layer``, then recompute the ``prefix_recompute_ratio`` whose fresh K/V deviate most
-    #: from the stored ones there (CacheBlend's selection) and reuse the rest
+    #: from the stored ones there (CacheBlend's selection), and also every token whose relative K + V
+    #: deviation there exceeds ``prefix_tolerance`` (a long or very different text moves every token); reuse
+    #: the rest
     prefix_routing: str = "reuse"
     prefix_check_layer: int = 1
     prefix_recompute_ratio: float = 0.15
+    prefix_tolerance: float = 0.005
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.recompute_ratio <= 1.0 or not 0.0 <= self.reuse_ratio <= 1.0:
@@ -103,8 +106,8 @@ class RoutingPolicy:
             raise ValueError("warmup_layers must be >= 0")
         if self.prefix_routing not in ("reuse", "check"):
             raise ValueError(f"prefix_routing must be 'reuse' or 'check', got {self.prefix_routing!r}")
-        if self.prefix_check_layer < 0 or not 0.0 <= self.prefix_recompute_ratio <= 1.0:
-            raise ValueError("prefix_check_layer must be >= 0 and prefix_recompute_ratio lie in [0, 1]")
+        if self.prefix_check_layer < 0 or not 0.0 <= self.prefix_recompute_ratio <= 1.0 or self.prefix_tolerance < 0:
+            raise ValueError("prefix_check_layer and prefix_tolerance must be >= 0, prefix_recompute_ratio in [0, 1]")
 
     @staticmethod
     def budget(ratio: float, n_tokens: int) -> int:
@@ -123,7 +126,8 @@ class RoutingPolicy:
             raise ValueError("prefix_plan needs the fresh and cached K/V of the check layer")
         n = image.n_tokens
         score = deviation[0] + deviation[1]
-        recompute, reuse = split_by_score(score, torch.arange(n), self.budget(self.prefix_recompute_ratio, n))
+        count = max(self.budget(self.prefix_recompute_ratio, n), int((score > self.prefix_tolerance).sum()))
+        recompute, reuse = split_by_score(score, torch.arange(n), count)
         return ImagePlan(HitKind.EXACT, n, self.prefix_check_layer, recompute, reuse, [], alias)
 
     def miss_plan(self, image: ImageFeatures) -> ImagePlan:
