@@ -86,7 +86,12 @@ def test_real_page_streams_and_parquet(tmp_path):
     pages = [(f"doc{i}", Image.new("RGB", (64, 48), (255, 255 - i, 255)), [(f"q{i}{j}", [f"a{i}{j}"]) for j in range(3)])
              for i in range(4)]
     rows = synthdoc.page_stream(pages, seed=1)
-    assert len(rows) == 12 and sum(r["intended"] == "miss" for r in rows) == 4
+    kinds = [r["intended"] for r in rows]
+    assert len(rows) == 20 and (kinds.count("miss"), kinds.count("exact"), kinds.count("approximate")) == (4, 4, 12)
+    for r in rows:  # every copy keeps the answers of the page's question it asks
+        page = int(r["id"].split("/")[0][3:])
+        assert r["answers"] == [f"a{page}{r['question'][-1]}"]
+    assert {r["variant"] for r in rows if r["intended"] == "approximate"} == set(synthdoc.COPIES)
     order = [r["id"] for r in rows]
     for r in rows:
         assert order.index(r["id"].split("/")[0] + "/0") <= order.index(r["id"])

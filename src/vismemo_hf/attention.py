@@ -44,8 +44,8 @@ def window_probabilities(module, query, key, mask, rows, scaling) -> torch.Tenso
 
 
 #: query rows per block at least (smaller blocks cost more in call overhead than they save)
-MIN_BLOCK_ROWS = 128
-MAX_BLOCKS = 8
+MIN_BLOCK_ROWS = 32
+MAX_BLOCKS = 16
 
 
 def query_blocks(mask: torch.Tensor) -> list[tuple[int, int, int]]:
@@ -82,8 +82,12 @@ def vismemo_attention_forward(module, query, key, value, attention_mask, scaling
     if ctx is None or layer_idx is None or layer_idx >= len(ctx.cache.layers):
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
     layer = ctx.cache.layers[layer_idx]
+    order = None
     if layer.query_columns is not None and ctx.slot_mask is not None:  # a prefill layout: its mask and blocks
-        attention_mask = ctx.slot_mask
+        attention_mask, order = ctx.slot_mask, ctx.slot_order
+        if order is not None:  # keys in request-column order: each query block sees a prefix of them
+            idx = order[:, None, :, None].expand(-1, key.shape[1], -1, key.shape[-1])
+            key, value = key.gather(2, idx), value.gather(2, idx)
         out = blocked_sdpa(module, query, key, value, attention_mask, ctx.slot_blocks, scaling=scaling, **kwargs)
     else:
         if layer.query_columns is not None:
@@ -91,7 +95,10 @@ def vismemo_attention_forward(module, query, key, value, attention_mask, scaling
         out = sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
     capture = ctx.capture
     if capture is not None and capture.layer == layer_idx:
-        capture.probs = window_probabilities(module, query, key, attention_mask, capture.rows, scaling)
+        probs = window_probabilities(module, query, key, attention_mask, capture.rows, scaling)
+        if order is not None:  # back to the cache layer's slot order
+            probs = torch.empty_like(probs).scatter_(-1, order[:, None, None, :].expand_as(probs), probs)
+        capture.probs = probs
     return out
 
 

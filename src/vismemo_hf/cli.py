@@ -266,7 +266,7 @@ def main(argv=None) -> int:
     p.add_argument("--preset", default="qwen3-vl-8b-narrow")
     p.add_argument("--family", default=None)
     p.add_argument("--lengths", default="256,512,1024,2048,4096")
-    p.add_argument("--policies", default="vismemo,cacheblend,vlcache,naive")
+    p.add_argument("--policies", default="attend-deviate,vismemo,cacheblend")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--dtype", default="float32")
     p.add_argument("--device", default="cpu")

@@ -37,14 +37,18 @@ class ForwardContext:
     ``request``: the lookup's result for the prefill runner (None: no image to look up).
     ``incoming``: (B, q) request columns of the queries the current layer computes; None while the
     forward is a plain continuation of the sequence (decoding, or a layer with every token).
-    ``slot_mask`` / ``slot_blocks``: the prefill runner's boolean mask of the current slot layout
-    and its query blocks (``attention.query_blocks``), shared by every layer with that layout.
+    ``slot_order``: (B, S) the permutation that sorts the current slot layout by request column (None
+    when it is sorted already): attention reads the keys in column order, so that each query block
+    sees a prefix of them. ``slot_mask`` / ``slot_blocks``: the prefill runner's boolean mask of the
+    layout in that order and its query blocks (``attention.query_blocks``), shared by every layer with
+    that layout.
     """
 
     cache: object
     valid: torch.Tensor | None = None
     request: object | None = None
     incoming: torch.Tensor | None = None
+    slot_order: torch.Tensor | None = None
     slot_mask: torch.Tensor | None = None
     slot_blocks: list | None = None
     capture: AttentionCapture | None = None

@@ -421,7 +421,11 @@ class PrefillRunner:
                 slots = active if reused is None else torch.cat([reused[2], active], dim=1)
                 if slot_layout is None or not torch.equal(slot_layout, slots):  # same layout: same mask
                     slot_layout = slots
-                    ctx.slot_mask = cache_layer.mask_for(slots, active, ctx.valid)
+                    order = slots.argsort(dim=1, stable=True)
+                    ordered = bool((slots[:, 1:] >= slots[:, :-1]).all())
+                    ctx.slot_order = None if ordered else order
+                    ctx.slot_mask = cache_layer.mask_for(slots if ordered else slots.gather(1, order), active,
+                                                         ctx.valid)
                     ctx.slot_blocks = query_blocks(ctx.slot_mask)
             if capturing:
                 ctx.capture = AttentionCapture(layer_idx, *self._window_rows(active, capture_rows))
@@ -443,7 +447,7 @@ class PrefillRunner:
                 ctx.capture = None
             if deepstack_rank is not None and layer_idx < len(deepstack_visual_embeds):
                 hidden = self._add_deepstack(hidden, active, deepstack_rank, deepstack_visual_embeds[layer_idx])
-        ctx.incoming = ctx.slot_mask = ctx.slot_blocks = None
+        ctx.incoming = ctx.slot_order = ctx.slot_mask = ctx.slot_blocks = None
         self._scatter(active, hidden, final)
         hidden = text.norm(final)
         t_end = time.perf_counter()

@@ -31,15 +31,27 @@ def layer_flops(config, queries: int, keys: int) -> float:
     return linear + attention
 
 
-def plan_flops(config, n_text: int, n_visual: int, warmup: int, recompute: int, reuse: int) -> float:
-    """FLOPs of a prefill whose first ``warmup`` layers run on everything and the others on text + R, with
-    keys text + R + B (causal attention counted as half the square)."""
-    layers = config.text_config.num_hidden_layers
-    full = n_text + n_visual
-    early = layer_flops(config, full, full / 2) * warmup
-    late_q = n_text + recompute
-    late = layer_flops(config, late_q, late_q / 2 + reuse) * (layers - warmup)
-    return early + late
+def plan_flops(config, length: int, start: int, plan) -> float:
+    """FLOPs of a prefill of ``length`` columns whose image (at column ``start``) is routed by ``plan``: at each
+    layer the text and the plan's computed tokens are queries, and each query attends to exactly the keys it
+    sees (text, computed and reused tokens at or before its column; masked tokens are no keys)."""
+    n = plan.n_tokens
+    per_layout = {}
+    total = 0.0
+    for layer in range(config.text_config.num_hidden_layers):
+        computed, reused = plan.computed_at(layer), plan.reused_at(layer)
+        layout = (computed.numel(), reused.numel())  # the sets nest with depth: their sizes name them
+        if layout not in per_layout:
+            query = torch.ones(length, dtype=torch.bool)
+            query[start : start + n] = False
+            query[start + computed] = True
+            key = query.clone()
+            key[start + reused] = True
+            pairs = int(key.long().cumsum(0)[query].sum())
+            queries = int(query.sum())
+            per_layout[layout] = layer_flops(config, queries, pairs / queries)
+        total += per_layout[layout]
+    return total
 
 
 def _page(tokens: int, family_patch: int, seed: int = 1):
@@ -65,7 +77,7 @@ def _prefill(model, inputs, cache) -> dict:
     t = dict(event.timings)
     t["prefill"] = t["prefill"] - t.get("encoder", 0.0)
     return {"timings": t, "kind": str(event.kind), "recomputed": event.recomputed, "reused": event.reused,
-            "masked": event.masked, "n_tokens": event.n_tokens}
+            "masked": event.masked, "n_tokens": event.n_tokens, "bytes_read": event.bytes_read, "plan": event.plan}
 
 
 def run(model, processor, lengths, policies, repeats: int, progress=None) -> list[dict]:
@@ -77,7 +89,7 @@ def run(model, processor, lengths, policies, repeats: int, progress=None) -> lis
         miss_in, edit_in = _inputs(processor, base), _inputs(processor, edited)
         seeded = VisMemoStore()
         _prefill(model, miss_in, VisMemoCache(store=seeded))  # the alias entry every hit reads
-        runs = {("miss", "vismemo"): [], ("exact", "vismemo"): []}
+        runs = {("miss", "-"): [], ("exact", "-"): []}
         for policy in policies:
             runs[("approximate", policy)] = []
         for rep in range(repeats + 1):  # round 0 warms up
@@ -94,25 +106,22 @@ def run(model, processor, lengths, policies, repeats: int, progress=None) -> lis
                     runs[(kind, policy)].append(out)
                 if progress is not None:
                     progress.update(1)
-        n_text = int((miss_in["input_ids"] != model.config.image_token_id).sum())
-        n_visual = runs[("miss", "vismemo")][0]["n_tokens"]
-        miss_ms = statistics.median(r["timings"]["prefill"] for r in runs[("miss", "vismemo")])
-        miss_flops = plan_flops(model.config, n_text, n_visual, model.config.text_config.num_hidden_layers, 0, 0)
+        ids = miss_in["input_ids"][0]
+        is_image = ids == model.config.image_token_id
+        n_text, start = int((~is_image).sum()), int(is_image.nonzero()[0])
+        n_visual = runs[("miss", "-")][0]["n_tokens"]
+        miss_ms = statistics.median(r["timings"]["prefill"] for r in runs[("miss", "-")])
+        miss_flops = plan_flops(model.config, ids.numel(), start, runs[("miss", "-")][0]["plan"])
         for (kind, policy), outs in runs.items():
             first = outs[0]
-            if kind == "miss":
-                warm, r, b = model.config.text_config.num_hidden_layers, 0, 0
-            elif kind == "exact":
-                warm, r, b = 0, 0, n_visual
-            else:
-                warm = VisMemoCache(policy=policy, store=seeded).policy.warmup_layers
-                r, b = first["recomputed"], first["reused"]
-            floor = plan_flops(model.config, n_text, n_visual, warm, r, b) / miss_flops
+            r, b = first["recomputed"], first["reused"]
+            floor = plan_flops(model.config, ids.numel(), start, first["plan"]) / miss_flops
             median = {s: statistics.median(o["timings"].get(s, 0.0) for o in outs) for s in STAGES + ("prefill",)}
             records.append({
                 "visual_tokens": n_visual, "text_tokens": n_text, "family": family, "kind": kind, "policy": policy,
                 "prefill_ms": median["prefill"], "ratio_to_miss": median["prefill"] / miss_ms, "floor_ratio": floor,
-                "recomputed": r, "reused": b, "masked": first["masked"], "breakdown_ms": {s: median[s] for s in STAGES},
+                "recomputed": r, "reused": b, "masked": first["masked"], "bytes_read": first["bytes_read"],
+                "breakdown_ms": {s: median[s] for s in STAGES},
                 "repeats": len(outs),
             })
     return records
@@ -178,13 +187,18 @@ def main(args) -> int:
     lines = [f"# Prefill latency by hit kind ({args.preset})", "", f"Command: `{command}`  ", f"Machine: {machine}", "",
              "Median prefill of the language model (vision encoder excluded for every kind; its time is in the "
              f"`encoder` column) over {args.repeats} interleaved runs after a warm-up round; random weights. "
-             "`floor` is the plan's analytic FLOP ratio to a miss.", "",
-             "| visual tokens | kind | policy | prefill ms | / miss | floor | lookup | encoder | warmup | fetch wait | "
-             "plan | recompute |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "`floor` is the plan's analytic FLOP ratio to a miss (`bench.latency.plan_flops`: projections and MLP of "
+             "the computed tokens, attention over exactly the keys each query sees); `/ floor`: measured over floor; `R / B / M`: "
+             "visual tokens recomputed, reused and masked; `MB read`: alias K/V the hit read from the store.", "",
+             "| visual tokens | kind | policy | prefill ms | / miss | floor | / floor | R / B / M | MB read | lookup | "
+             "encoder | warmup | fetch wait | plan | recompute |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in records:
         b = r["breakdown_ms"]
         lines.append(f"| {r['visual_tokens']} | {r['kind']} | {r['policy'] if r['kind'] == 'approximate' else '-'} | "
-                     f"{r['prefill_ms']:.1f} | {r['ratio_to_miss']:.3f} | {r['floor_ratio']:.3f} | {b['lookup']:.1f} | "
+                     f"{r['prefill_ms']:.1f} | {r['ratio_to_miss']:.3f} | {r['floor_ratio']:.3f} | "
+                     f"{r['ratio_to_miss'] / r['floor_ratio']:.2f} | {r['recomputed']} / {r['reused']} / {r['masked']} | "
+                     f"{r['bytes_read'] / 2**20:.1f} | {b['lookup']:.1f} | "
                      f"{b['encoder']:.1f} | {b['warmup']:.1f} | {b['fetch_wait']:.1f} | {b['plan']:.1f} | {b['recompute']:.1f} |")
     lines += ["", "![latency](latency.png)"]
     (out / "latency.md").write_text("\n".join(lines) + "\n")
