@@ -9,10 +9,11 @@ import torch
 from PIL import Image
 
 import vismemo_hf
+import vismemo_hf.families
 from vismemo_hf import synthetic
 from vismemo_hf.testing import tiny_model
 
-FAMILIES = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"]
+FAMILIES = list(vismemo_hf.families.FAMILIES)
 
 
 @functools.lru_cache(maxsize=None)

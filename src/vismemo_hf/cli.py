@@ -9,6 +9,9 @@ import sys
 import warnings
 
 from .cache import DEFAULT_POLICY
+from .families import FAMILIES
+
+FAMILY_NAMES = list(FAMILIES)
 
 
 def _demo_requests():
@@ -197,7 +200,7 @@ def main(argv=None) -> int:
     p = sub.add_parser("demo", help="five document requests through the packaged reading model (no downloads, no GPU)")
     p.add_argument("--model", default="vismemo-docqa-tiny",
                    help="vismemo-docqa-tiny (packaged, trained), a preset such as tiny (random weights) or a checkpoint")
-    p.add_argument("--family", default=None, choices=["qwen2_vl", "qwen2_5_vl", "qwen3_vl"],
+    p.add_argument("--family", default=None, choices=FAMILY_NAMES,
                    help="family for family-agnostic presets")
     p.add_argument("--policy", default=DEFAULT_POLICY)
     p.add_argument("--new-tokens", type=int, default=6)

@@ -13,10 +13,56 @@ _CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 _CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 _HALF = (0.5, 0.5, 0.5)
 
-FAMILIES = {
-    "qwen2_vl": {"image_mean": _CLIP_MEAN, "image_std": _CLIP_STD, "deepstack": False},
-    "qwen2_5_vl": {"image_mean": _CLIP_MEAN, "image_std": _CLIP_STD, "deepstack": False},
-    "qwen3_vl": {"image_mean": _HALF, "image_std": _HALF, "deepstack": True},
+
+@dataclass(frozen=True)
+class FamilySpec:
+    """Everything that differs between the supported model families; adding a family is one entry of
+    ``FAMILIES``. Class names are looked up in ``transformers`` when needed."""
+
+    model_type: str
+    config_class: str
+    processor_class: str
+    video_processor_class: str  # "module:Class" under transformers.models
+    image_mean: tuple
+    image_std: tuple
+    patch_size: int
+    #: Qwen3-VL: the vision tower also returns deepstack features added to the first decoder layers
+    deepstack: bool = False
+    #: mixture-of-experts decoder (presets add their ``moe`` block of ``text_config``)
+    moe: bool = False
+    #: Qwen3-VL's M-RoPE interleaves its sections
+    mrope_interleaved: bool = False
+    #: Qwen2-VL's tower outputs the text hidden size directly (no ``out_hidden_size``)
+    vision_out_key: str = "out_hidden_size"
+    #: the chat template's default system turn (Qwen2 / 2.5-VL have one, Qwen3-VL has none)
+    system_turn: bool = True
+
+    def transformers_class(self, name: str):
+        import importlib
+
+        import transformers
+
+        if ":" in name:
+            module, cls = name.split(":")
+            return getattr(importlib.import_module(f"transformers.models.{module}"), cls)
+        return getattr(transformers, name)
+
+
+FAMILIES: dict[str, FamilySpec] = {
+    spec.model_type: spec
+    for spec in (
+        FamilySpec("qwen2_vl", "Qwen2VLConfig", "Qwen2VLProcessor",
+                   "qwen2_vl.video_processing_qwen2_vl:Qwen2VLVideoProcessor", _CLIP_MEAN, _CLIP_STD, 14,
+                   vision_out_key="hidden_size"),
+        FamilySpec("qwen2_5_vl", "Qwen2_5_VLConfig", "Qwen2_5_VLProcessor",
+                   "qwen2_vl.video_processing_qwen2_vl:Qwen2VLVideoProcessor", _CLIP_MEAN, _CLIP_STD, 14),
+        FamilySpec("qwen3_vl", "Qwen3VLConfig", "Qwen3VLProcessor",
+                   "qwen3_vl.video_processing_qwen3_vl:Qwen3VLVideoProcessor", _HALF, _HALF, 16,
+                   deepstack=True, mrope_interleaved=True, system_turn=False),
+        FamilySpec("qwen3_vl_moe", "Qwen3VLMoeConfig", "Qwen3VLProcessor",
+                   "qwen3_vl.video_processing_qwen3_vl:Qwen3VLVideoProcessor", _HALF, _HALF, 16,
+                   deepstack=True, moe=True, mrope_interleaved=True, system_turn=False),
+    )
 }
 
 
@@ -24,7 +70,7 @@ def model_family(model) -> str:
     family = getattr(getattr(model, "config", None), "model_type", None)
     if family not in FAMILIES or not hasattr(getattr(model, "model", None), "language_model"):
         raise ValueError(
-            f"vismemo supports Qwen2-VL, Qwen2.5-VL and Qwen3-VL (model_type {', '.join(FAMILIES)}) "
+            f"vismemo supports Qwen2-VL, Qwen2.5-VL, Qwen3-VL and Qwen3-VL-MoE (model_type {', '.join(FAMILIES)}) "
             f"loaded as *ForConditionalGeneration; got {type(model).__name__} (model_type={family!r})"
         )
     return family
@@ -68,8 +114,8 @@ class ModelAdapter:
             model=model,
             family=family,
             fingerprint=model_fingerprint(model),
-            image_mean=tuple(image_mean or spec["image_mean"]),
-            image_std=tuple(image_std or spec["image_std"]),
+            image_mean=tuple(image_mean or spec.image_mean),
+            image_std=tuple(image_std or spec.image_std),
         )
 
     # -- parts -----------------------------------------------------------------------------
@@ -82,8 +128,12 @@ class ModelAdapter:
         return self.model.model.language_model
 
     @property
+    def spec(self) -> FamilySpec:
+        return FAMILIES[self.family]
+
+    @property
     def has_deepstack(self) -> bool:
-        return FAMILIES[self.family]["deepstack"]
+        return self.spec.deepstack
 
     # -- geometry --------------------------------------------------------------------------
     @property

@@ -9,11 +9,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import yaml
-from transformers import Qwen2_5_VLConfig, Qwen2VLConfig, Qwen3VLConfig
 
 from .families import FAMILIES
-
-CONFIG_CLASSES = {"qwen2_vl": Qwen2VLConfig, "qwen2_5_vl": Qwen2_5_VLConfig, "qwen3_vl": Qwen3VLConfig}
 
 def config_dir() -> Path:
     """``configs/`` of a source checkout, or its copy inside an installed wheel."""
@@ -51,23 +48,26 @@ def preset_config(name: str, family: str | None = None, tokenizer=None):
         raise ValueError(f"preset {name!r} needs a family, one of {', '.join(FAMILIES)}")
     if preset.get("family") not in (None, family):
         raise ValueError(f"preset {name!r} is a {preset['family']} geometry, not {family}")
+    spec = FAMILIES[family]
     text = dict(preset["text_config"])
+    moe = text.pop("moe", None)
+    if spec.moe:
+        if moe is None:
+            raise ValueError(f"preset {name!r} has no `moe` block in text_config for the {family} family")
+        text.update(moe)
     vision = dict(preset["vision_config"].get(family, preset["vision_config"]))
     if any(k in FAMILIES for k in vision):
         raise ValueError(f"preset {name!r} has no vision tower for {family}")
     rope = {"rope_type": "default", "rope_theta": float(text.pop("rope_theta")),
             "mrope_section": list(text.pop("mrope_section"))}
-    if family == "qwen3_vl":
+    if spec.mrope_interleaved:
         rope["mrope_interleaved"] = True
     text.update(rope_parameters=rope, vocab_size=len(tokenizer) if tokenizer is not None else preset["vocab_size"])
-    if family == "qwen2_vl":
-        vision["hidden_size"] = text["hidden_size"]
-    else:
-        vision["out_hidden_size"] = text["hidden_size"]
+    vision[spec.vision_out_key] = text["hidden_size"]
     kwargs = {"text_config": text, "vision_config": vision}
     if tokenizer is not None:
         ids = tokenizer.convert_tokens_to_ids
         kwargs.update(image_token_id=ids("<|image_pad|>"), video_token_id=ids("<|video_pad|>"),
                       vision_start_token_id=ids("<|vision_start|>"), vision_end_token_id=ids("<|vision_end|>"))
         text.update(bos_token_id=None, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-    return CONFIG_CLASSES[family](**kwargs)
+    return spec.transformers_class(spec.config_class)(**kwargs)

@@ -30,9 +30,6 @@ _QWEN3_TEMPLATE = _QWEN2_TEMPLATE.replace(
     "{% if loop.first and message['role'] != 'system' and add_system_prompt is not defined %}"
     "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}", "")
 
-FAMILY_PATCH = {"qwen2_vl": 14, "qwen2_5_vl": 14, "qwen3_vl": 16}
-
-
 def byte_tokenizer():
     """A Qwen2 tokenizer over the 256 byte symbols (no merges) plus Qwen's special tokens."""
     from transformers import Qwen2Tokenizer
@@ -49,23 +46,20 @@ def byte_tokenizer():
 
 def offline_processor(family: str, tokenizer=None, min_tokens: int = 4, max_tokens: int = 256):
     """The family's processor with local image/video processors and ``tokenizer`` (default: byte-level)."""
-    from transformers import (Qwen2_5_VLProcessor, Qwen2VLImageProcessor, Qwen2VLProcessor,
-                              Qwen3VLProcessor)
-    from transformers.models.qwen2_vl.video_processing_qwen2_vl import Qwen2VLVideoProcessor
-    from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
+    from transformers import Qwen2VLImageProcessor
 
+    from .families import FAMILIES
+
+    spec = FAMILIES[family]
     tokenizer = tokenizer or byte_tokenizer()
-    patch = FAMILY_PATCH[family]
-    token_px = patch * 2
+    token_px = spec.patch_size * 2
     size = {"shortest_edge": min_tokens * token_px**2, "longest_edge": max_tokens * token_px**2}
-    if family == "qwen3_vl":
-        image = Qwen2VLImageProcessor(size=size, patch_size=16, image_mean=[0.5] * 3, image_std=[0.5] * 3)
-        return Qwen3VLProcessor(image_processor=image, tokenizer=tokenizer,
-                                video_processor=Qwen3VLVideoProcessor(), chat_template=_QWEN3_TEMPLATE)
-    image = Qwen2VLImageProcessor(size=size, patch_size=14)
-    cls = Qwen2VLProcessor if family == "qwen2_vl" else Qwen2_5_VLProcessor
-    return cls(image_processor=image, tokenizer=tokenizer, video_processor=Qwen2VLVideoProcessor(),
-               chat_template=_QWEN2_TEMPLATE)
+    image = Qwen2VLImageProcessor(size=size, patch_size=spec.patch_size, image_mean=list(spec.image_mean),
+                                  image_std=list(spec.image_std))
+    video = spec.transformers_class(spec.video_processor_class)()
+    return spec.transformers_class(spec.processor_class)(
+        image_processor=image, tokenizer=tokenizer, video_processor=video,
+        chat_template=_QWEN2_TEMPLATE if spec.system_turn else _QWEN3_TEMPLATE)
 
 
 def build_model(preset: str, family: str | None = None, seed: int = 0, dtype=torch.float32, tokenizer=None,

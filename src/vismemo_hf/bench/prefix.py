@@ -22,6 +22,7 @@ from transformers import DynamicCache
 
 from .. import VisMemoCache, VisMemoStore, enable, synthdoc
 from ..docqa import messages
+from ..families import FAMILIES
 
 ROUTINGS = {"reuse": dict(policy="attend-deviate", prefix_routing="reuse"),
             "check": dict(policy="attend-deviate")}
@@ -99,7 +100,7 @@ def main(args) -> int:
         return random_text(8, 2 * i), random_text(n, 2 * i + 1) if n else ""
 
     results["vismemo-docqa-tiny"] = measure(model, processor, pages, lengths, random_pair)
-    for family in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl"):
+    for family in FAMILIES:
         model, processor = load_model("tiny", family)
         enable(model)
         results[f"tiny {family} (random weights)"] = measure(model, processor, pages, lengths, random_pair)
