@@ -152,6 +152,34 @@ class ModelAdapter:
     def num_layers(self) -> int:
         return self.model.config.text_config.num_hidden_layers
 
+    @property
+    def deepstack_levels(self) -> int:
+        return len(getattr(self.vision_config, "deepstack_visual_indexes", ())) if self.has_deepstack else 0
+
+    def entry_problem(self, entry, grid) -> str | None:
+        """Why a stored entry cannot serve this model for an image of ``grid`` (None: it can). Checks what a
+        corrupt or foreign entry could get wrong: grid, token and layer counts, widths, K/V shape, offset."""
+        text = self.model.config.text_config
+        n = (grid[0] * grid[1] * grid[2]) // self.merge**2
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        levels = entry.deepstack.shape[0] if entry.deepstack is not None else 0
+        checks = [
+            (tuple(entry.grid) == tuple(grid), f"grid {tuple(entry.grid)} for {tuple(grid)}"),
+            (entry.n_tokens == n, f"{entry.n_tokens} tokens for {n}"),
+            (entry.n_layers == self.num_layers, f"{entry.n_layers} layers for {self.num_layers}"),
+            (entry.embeds.ndim == 2 and entry.embeds.shape[-1] == text.hidden_size,
+             f"embedding width {tuple(entry.embeds.shape)} for {text.hidden_size}"),
+            (levels == self.deepstack_levels, f"{levels} deepstack levels for {self.deepstack_levels}"),
+            (entry.deepstack is None or tuple(entry.deepstack.shape[1:]) == tuple(entry.embeds.shape),
+             "deepstack shape"),
+            (entry.kv is None or tuple(entry.kv.shape) == (n, self.num_layers, 2, text.num_key_value_heads, head_dim),
+             f"K/V shape {None if entry.kv is None else tuple(entry.kv.shape)}"),
+            (0 <= entry.offset < getattr(text, "max_position_embeddings", 2**31), f"offset {entry.offset}"),
+            (entry.entropy.shape == (n,) and bool(torch.isfinite(entry.entropy).all()), "patch entropy"),
+            (bool(torch.isfinite(entry.embeds).all()), "encoder output not finite"),
+        ]
+        return next((why for ok, why in checks if not ok), None)
+
     def entropy_kwargs(self) -> dict:
         vc = self.vision_config
         return dict(
@@ -166,7 +194,10 @@ class ModelAdapter:
     # -- vision encoder --------------------------------------------------------------------
     def encode(self, get_image_features, pixel_values, grids) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
         """Run the vision tower once over several images: per image (embeds (N, d), deepstack (k, N, d) | None)."""
-        out = get_image_features(pixel_values, grids, return_dict=True)
+        return self.split_encoded(get_image_features(pixel_values, grids, return_dict=True))
+
+    def split_encoded(self, out) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        """The tower's output per image: (embeds (N, d), deepstack (k, N, d) | None)."""
         embeds = list(out.pooler_output)
         if not self.has_deepstack:
             return [(e, None) for e in embeds]

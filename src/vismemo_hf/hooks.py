@@ -44,6 +44,11 @@ def enable(model, *, image_mean=None, image_std=None):
         cache = _cache_of(kwargs)
         if cache is None:
             return None
+        if kwargs.get("use_cache") is False:
+            raise ValueError(
+                "a VisMemoCache needs use_cache=True: with use_cache=False the model does not keep the reused K/V "
+                "and would compute wrong logits; drop use_cache=False, or pass no past_key_values to run "
+                "without VisMemo")
         ctx = context.open_forward(cache, kwargs.get("attention_mask"))
         try:
             return args, _look_up_images(ctx, kwargs)
@@ -54,15 +59,17 @@ def enable(model, *, image_mean=None, image_std=None):
     def _look_up_images(ctx, kwargs):
         encoded = dict(kwargs.get("mm_encoder_outputs") or {})
         deferred = encoded.get("image")
-        deferred = deferred if isinstance(deferred, DeferredImageFeatures) and not deferred.resolved else None
+        deferred = deferred if isinstance(deferred, DeferredImageFeatures) and not deferred.looked_up else None
+        expand, ran = 1, None
         if kwargs.get("pixel_values") is not None:
             pixels, grids = kwargs["pixel_values"], kwargs["image_grid_thw"]
-        elif deferred is not None:  # generate() asked for the encoder before the prefill
-            pixels, grids = deferred.pixel_values, deferred.image_grid_thw
+        elif deferred is not None:  # generate() asked for the encoder before the prefill (and maybe expanded it)
+            pixels, grids, expand, ran = (deferred.pixel_values, deferred.image_grid_thw, deferred.expand_factor,
+                                          deferred.encoded)
         else:
             return kwargs
         request, outputs = lookup_request(adapter, ctx.cache, kwargs.get("input_ids"), pixels, grids,
-                                          get_image_features, ctx.valid)
+                                          get_image_features, ctx.valid, expand=expand, encoded=ran)
         ctx.request = request
         if deferred is not None:
             deferred.provide(outputs)

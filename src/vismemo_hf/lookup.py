@@ -83,18 +83,45 @@ class DeferredImageFeatures:
     not known yet. ``enable`` makes ``get_image_features`` return this instead; the lookup
     then runs the tower only for images without an exact hit and ``provide``s the result.
     Any other reader (a plain cache, user code) gets the real output on first access.
+    Beam search and ``num_return_sequences`` make ``generate`` expand the output before the
+    forward (it rewrites ``pooler_output`` and ``deepstack_features``): those writes are kept
+    aside, so the lookup still sees the original images and knows the expansion factor.
     """
+
+    _OWN = ("pixel_values", "image_grid_thw", "_encode", "_kwargs", "_output", "_assigned", "_provided")
 
     def __init__(self, encode, pixel_values, image_grid_thw, kwargs):
         self.pixel_values, self.image_grid_thw = pixel_values, image_grid_thw
         self._encode, self._kwargs, self._output = encode, kwargs, None
+        self._assigned: dict = {}
+        self._provided = False
+
+    def __setattr__(self, name, value):
+        if name in self._OWN:
+            object.__setattr__(self, name, value)
+        else:  # generate's expansion of the encoder output
+            self._assigned[name] = value
 
     @property
-    def resolved(self) -> bool:
-        return self._output is not None
+    def looked_up(self) -> bool:
+        """The lookup already provided this request's output."""
+        return self._provided
+
+    @property
+    def encoded(self):
+        """The tower's output for the original images, if it ran already (else None)."""
+        return self._output
+
+    @property
+    def expand_factor(self) -> int:
+        """How many copies of each request row ``generate`` made (1: none)."""
+        expanded = self._assigned.get("pooler_output")
+        if expanded is None or self._output is None:
+            return 1
+        return max(1, len(expanded) // max(1, len(self._output.pooler_output)))
 
     def provide(self, output) -> None:
-        self._output = output
+        self._output, self._assigned, self._provided = output, {}, True
 
     def resolve(self):
         if self._output is None:
@@ -104,6 +131,8 @@ class DeferredImageFeatures:
     def __getattr__(self, name):
         if name.startswith("_"):
             raise AttributeError(name)
+        if name in self._assigned:
+            return self._assigned[name]
         return getattr(self.resolve(), name)
 
     def __getitem__(self, item):
@@ -143,8 +172,16 @@ def store_call(what: str, fn, default):
         return default
 
 
-def _compatible(entry: Entry | None, n_tokens: int, n_layers: int) -> bool:
-    return entry is not None and entry.n_tokens == n_tokens and entry.n_layers == n_layers
+def _usable(adapter, cache, entry: Entry | None, key: str, grid) -> bool:
+    """An entry the model can use as it is; an inconsistent one is logged and removed (a miss, never wrong K/V)."""
+    if entry is None:
+        return False
+    problem = adapter.entry_problem(entry, grid)
+    if problem is None:
+        return True
+    logger.warning("vismemo: entry %s does not fit this model (%s); removed", key[:12], problem)
+    store_call("discard", lambda: cache.store.discard(key), None)
+    return False
 
 
 def prefix_digest(input_ids: torch.Tensor, valid: torch.Tensor | None, start: int, earlier: list[str]) -> str:
@@ -159,36 +196,70 @@ def prefix_digest(input_ids: torch.Tensor, valid: torch.Tensor | None, start: in
     return h.hexdigest()
 
 
+def _expanded_order(input_ids: torch.Tensor, image_token_id: int, n_images: int, expand: int) -> list[int]:
+    """Original image index of each image of a request whose rows ``generate`` repeated ``expand`` times each."""
+    if expand == 1:
+        return list(range(n_images))
+    per_row = []
+    for row in range(0, input_ids.shape[0], expand):
+        is_img = (input_ids[row] == image_token_id).to(torch.int8)
+        per_row.append(int((torch.diff(torch.cat([is_img.new_zeros(1), is_img])) == 1).sum()))
+    if sum(per_row) != n_images:
+        raise ValueError(f"expanded request rows hold {sum(per_row)} images, the encoder saw {n_images}")
+    order, first = [], 0
+    for count in per_row:
+        order.extend(list(range(first, first + count)) * expand)
+        first += count
+    return order
+
+
 def lookup_request(adapter, cache, input_ids, pixel_values, grids, get_image_features,
-                   valid: torch.Tensor | None = None) -> tuple[PrefillRequest, object]:
+                   valid: torch.Tensor | None = None, expand: int = 1, encoded=None) -> tuple[PrefillRequest, object]:
     """Look every image up; return the request state and the ``mm_encoder_outputs["image"]`` object.
-    ``valid``: (B, columns) False at padding, so that a left-padded row hashes its prefix like an unpadded one."""
+
+    ``valid``: (B, columns) False at padding, so that a left-padded row hashes its prefix like an unpadded one.
+    ``expand``: ``generate`` repeated every row that many times (beam search, ``num_return_sequences``): the
+    images of ``pixel_values`` are looked up once per copy of their row. ``encoded``: the tower's output for
+    those images when it already ran (it is not run again)."""
     if input_ids is None:
         raise ValueError("VisMemoCache needs input_ids (not inputs_embeds) to locate the images of a request")
     if cache.get_seq_length() > 0:
-        raise NotImplementedError("VisMemoCache supports images only in the first forward of a cache (the prefill)")
+        raise NotImplementedError(
+            "VisMemoCache looks images up in the first forward of a cache (the prefill) only: pass a new "
+            "VisMemoCache() to every generate() call")
     store, fp, merge = cache.store, adapter.fingerprint, adapter.merge
     grid_list = [tuple(int(x) for x in g) for g in grids.tolist()]
-    counts = [t * h * w // merge**2 for t, h, w in grid_list]
-    spans = image_spans(input_ids, adapter.image_token_id, counts)
     patch_rows = torch.tensor([t * h * w for t, h, w in grid_list]).cumsum(0).tolist()
     pixels = torch.tensor_split(pixel_values, patch_rows[:-1])
-    n_layers = adapter.num_layers
+    source = _expanded_order(input_ids, adapter.image_token_id, len(grid_list), expand)
+    grid_list, pixels = [grid_list[i] for i in source], [pixels[i] for i in source]
+    counts = [t * h * w // merge**2 for t, h, w in grid_list]
+    spans = image_spans(input_ids, adapter.image_token_id, counts)
 
     t0 = time.perf_counter()
-    keys = [exact_key(fp, p, g) for p, g in zip(pixels, grid_list)]
-    entries = [store_call("read", lambda k=k: store.get(k, fp), None) for k in keys]
-    exact = [_compatible(e, n, n_layers) for e, n in zip(entries, counts)]
+    originals = sorted(set(source))
+    key_of = {i: exact_key(fp, pixels[source.index(i)], grid_list[source.index(i)]) for i in originals}
+    entry_of = {i: store_call("read", lambda k=key_of[i]: store.get(k, fp), None) for i in originals}
+    hit_of = {i: _usable(adapter, cache, entry_of[i], key_of[i], grid_list[source.index(i)]) for i in originals}
+    keys = [key_of[i] for i in source]
+    entries = [entry_of[i] for i in source]
+    exact = [hit_of[i] for i in source]
     t_exact = (time.perf_counter() - t0) * 1e3
 
-    todo = [i for i, hit in enumerate(exact) if not hit]
-    encoded: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
+    todo = [i for i in originals if not hit_of[i]]
+    encoded_of: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
     t_encoder = 0.0
     if todo:
         t0 = time.perf_counter()
-        fresh = adapter.encode(get_image_features, torch.cat([pixels[i] for i in todo]), grids[todo])
+        if encoded is not None:
+            per_image = adapter.split_encoded(encoded)
+            encoded_of = {i: per_image[i] for i in todo}
+        else:
+            fresh = adapter.encode(get_image_features, torch.cat([pixels[source.index(i)] for i in todo]),
+                                   torch.tensor([grid_list[source.index(i)] for i in todo]))
+            encoded_of = dict(zip(todo, fresh))
         t_encoder = (time.perf_counter() - t0) * 1e3
-        encoded = dict(zip(todo, fresh))
+    encoded = {j: encoded_of[i] for j, i in enumerate(source) if i in encoded_of}
 
     images = []
     earlier: dict[int, list[str]] = {}
@@ -209,7 +280,7 @@ def lookup_request(adapter, cache, input_ids, pixel_values, grids, get_image_fea
             feats = ImageFeatures(key, grid, embeds, entropy, patch_hashes(pixels[i], merge))
             desc = region_descriptors(embeds, grid, merge)
             state = ImageState(row, start, feats, embeds, deepstack, desc, HitKind.MISS, prefix=prefix)
-            _approximate(state, cache, fp, n_layers)
+            _approximate(adapter, state, cache, fp)
             encoder_ms = t_encoder
         state.timings["lookup"] = t_exact / len(keys) + (time.perf_counter() - t0) * 1e3
         state.timings["encoder"] = encoder_ms
@@ -218,7 +289,7 @@ def lookup_request(adapter, cache, input_ids, pixel_values, grids, get_image_fea
     return PrefillRequest(images), outputs
 
 
-def _approximate(state: ImageState, cache, fp: str, n_layers: int) -> None:
+def _approximate(adapter, state: ImageState, cache, fp: str) -> None:
     """Coarse (descriptor index) then fine (per-token cosine) stage; sets kind/alias on success."""
     if cache.top_k == 0:
         return
@@ -227,7 +298,7 @@ def _approximate(state: ImageState, cache, fp: str, n_layers: int) -> None:
     best, best_score = None, float("-inf")
     for key, _ in found:
         entry = store_call("read", lambda k=key: cache.store.peek(k, fp), None)
-        if not _compatible(entry, feats.n_tokens, n_layers):
+        if not _usable(adapter, cache, entry, key, feats.grid):
             continue
         score = float(token_cosine(feats.embeds, entry.embeds).mean())
         if score > best_score:

@@ -373,7 +373,7 @@ class VisMemoStore:
     def _corrupt(self, tier, key: str, err: Exception) -> None:
         logger.warning("vismemo: %s blob %s unusable (%s: %s); removed", tier.name, key[:12], type(err).__name__, err)
         self._stats["corrupt"] += 1
-        tier.remove(key) if tier is not self.disk else tier.discard(key)
+        tier.discard(key) if tier is self.disk or tier is self.remote else tier.remove(key)
         self._forget_if_gone(key)
 
     def clear(self) -> None:
@@ -474,6 +474,15 @@ class VisMemoStore:
         with self._lock:
             self._sync_remote()
             return self._index.search(fingerprint, grid, descriptors, tau, top_k)
+
+    def discard(self, key: str) -> None:
+        """Remove ``key`` from every tier (an entry found unusable for its model); counted as corrupt."""
+        with self._lock:
+            self._stats["corrupt"] += 1
+            for tier in (self.device, self.host, self.victim, self.disk, self.remote):
+                if tier is not None and key in tier:
+                    tier.discard(key) if tier is self.disk or tier is self.remote else tier.remove(key)
+            self._forget_if_gone(key)
 
     # -- bookkeeping -------------------------------------------------------------------------------
     def record(self, kind: str, prefix_changed: bool = False) -> None:
