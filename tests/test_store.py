@@ -1,5 +1,7 @@
 """The in-memory store: budgets, fingerprints, malformed entries, and faults that must become misses."""
 
+import time
+
 import torch
 from transformers import DynamicCache
 
@@ -91,3 +93,52 @@ def test_failed_exact_read_is_a_miss_and_failed_write_keeps_serving(qwen2, pages
     cache = vismemo_hf.VisMemoCache(store=store, tau=1.0)
     _, scores = generate(model, inputs, cache, 2)
     assert cache.events[0].kind is HitKind.MISS and (scores - ref).abs().max() <= 1e-4
+
+
+def test_a_directory_with_other_programs_keys_opens_and_skips_them(tmp_path):
+    import diskcache
+
+    first = VisMemoStore(device_bytes=0, disk_dir=str(tmp_path), disk_bytes=2**30)
+    assert first.put(_entry("ours"))
+    first.close()
+    other = diskcache.Cache(str(tmp_path))  # another program's keys and values in the same directory
+    other[("a", "tuple", "key")] = "pickled key"
+    other[7] = {"a": "pickled value"}
+    other["raw-bytes"] = b"not a vismemo blob"
+    other.set("a-file", b"x" * 50_000)
+    other.close()
+    store = VisMemoStore(device_bytes=0, disk_dir=str(tmp_path), disk_bytes=2**30)
+    assert store.tier_of("ours") == "disk" and store.get("ours", "fp") is not None
+    assert store.stats()["tiers"]["disk"]["foreign"] == 4 and store.stats()["corrupt"] == 0
+    store.close()
+    other = diskcache.Cache(str(tmp_path))
+    assert other[7] == {"a": "pickled value"} and other["raw-bytes"] == b"not a vismemo blob"  # left alone
+    other.close()
+
+
+def _blob_keys(directory) -> set:
+    import diskcache
+
+    with diskcache.Cache(str(directory)) as cache:
+        return {k for k in cache.iterkeys() if isinstance(k, str)}
+
+
+def test_disk_budget_holds_on_disk_under_bursts_and_at_reopen(tmp_path):
+    size = len(__import__("vismemo_hf").blob.encode(_entry("x")))
+    store = VisMemoStore(device_bytes=0, disk_dir=str(tmp_path), disk_bytes=int(2.2 * size))
+    for i in range(40):  # a burst: writes queue in the background while earlier entries are evicted
+        assert store.put(_entry(f"k{i}", seed=i))
+    store.flush()
+    on_disk = _blob_keys(tmp_path)
+    assert on_disk == set(store.disk.sizes) and len(on_disk) == 2 and store.disk.bytes <= int(2.2 * size)
+    store.close()
+    big = VisMemoStore(device_bytes=0, disk_dir=str(tmp_path / "big"), disk_bytes=2**30)
+    for i in (3, 1, 5, 0, 4, 2):  # written in this order: the oldest three go at reopen
+        big.put(_entry(f"b{i}", seed=i))
+        big.flush()
+        time.sleep(0.01)
+    big.close()
+    small = VisMemoStore(device_bytes=0, disk_dir=str(tmp_path / "big"), disk_bytes=int(3.5 * size))
+    assert len(_blob_keys(tmp_path / "big")) == 3 and small.disk.bytes <= int(3.5 * size)
+    assert {i for i in range(6) if small.tier_of(f"b{i}") == "disk"} == {0, 4, 2}
+    small.close()

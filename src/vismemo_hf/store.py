@@ -168,6 +168,7 @@ class VisMemoStore:
         self._lock = threading.RLock()
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vismemo-disk") if self.disk else None
         self._pending_writes: list = []
+        self._failed_writes: list[str] = []  # appended by the writer thread (list.append is atomic)
         self._stats = {
             "hits": {"exact": 0, "approximate": 0, "miss": 0},
             "hits_by_tier": {t: 0 for t in TIERS},
@@ -204,6 +205,7 @@ class VisMemoStore:
         return cls(**cfg)
 
     def _rebuild_from_disk(self) -> None:
+        """Index the blobs a directory already holds, then trim it to ``disk_bytes`` (oldest first)."""
         for key, header in self.disk.scan():
             self.disk.track(key, header.total_bytes)
             try:
@@ -213,6 +215,7 @@ class VisMemoStore:
                 continue
             self._where[key] = (meta.fingerprint, tuple(meta.grid))
             self._index.add(meta.fingerprint, meta.grid, key, meta.descriptors)
+        self._make_room(self.disk, 0)
 
     def _sync_remote(self) -> None:
         """Index what other processes published to the remote tier since the last look."""
@@ -235,6 +238,7 @@ class VisMemoStore:
             logger.warning("vismemo: not storing a malformed entry: %s", err)
             self._stats["rejected"] += 1
             return False
+        self._settle_writes()
         with self._lock:
             if self._tier_of(entry.key) is not None:
                 return True
@@ -335,17 +339,18 @@ class VisMemoStore:
         self._make_room(self.disk, len(data))
         self.disk.track(key, len(data))  # reserve now; the write itself runs in the background
 
-        def write():
+        def write():  # on the single writer thread; never takes the store lock (flush() may hold it)
             try:
                 self.disk.write(key, data)
             except Exception as err:  # noqa: BLE001 - disk full, unwritable directory, ...
                 logger.warning("vismemo: disk write failed (%s: %s); serving continues without it",
                                type(err).__name__, err)
-                with self._lock:
-                    self._stats["write_failures"] += 1
-                    if self.disk.sizes.pop(key, None) is not None:
-                        self.disk.bytes -= len(data)
-                    self._forget_if_gone(key)
+                self._failed_writes.append(key)  # settled under the lock by the next store call
+                return
+            # evicted while the write was queued: the file must not outlive its entry. Writes are serialised on
+            # this thread, so a later put of the same key writes again after this delete.
+            if key not in self.disk:
+                self.disk.cache.delete(key)
 
         self._pending_writes.append(self._writer.submit(write))
         return True
@@ -357,6 +362,17 @@ class VisMemoStore:
             future.result()
         if self.remote is not None:
             self.remote.flush()
+        self._settle_writes()
+
+    def _settle_writes(self) -> None:
+        """Forget the disk entries whose background write failed."""
+        while self._failed_writes:
+            key = self._failed_writes.pop()
+            with self._lock:
+                self._stats["write_failures"] += 1
+                if key in self.disk:
+                    self.disk.discard(key)
+                self._forget_if_gone(key)
 
     def _tier_of(self, key: str):
         for tier in (self.device, self.host, self.victim, self.disk, self.remote):
@@ -502,6 +518,7 @@ class VisMemoStore:
         return None if tier is None else tier.name
 
     def stats(self) -> dict:
+        self._settle_writes()
         with self._lock:
             tiers = {
                 "device": {"bytes": self.device.bytes, "budget": self.device.budget, "entries": len(self.device.entries)},
@@ -510,7 +527,8 @@ class VisMemoStore:
                          "entries": len(self.host.blobs) + len(self.victim.blobs),
                          "victim_entries": len(self.victim.blobs), "victim_bytes": self.victim.bytes},
                 "disk": {"bytes": self.disk.bytes if self.disk else 0, "budget": self.disk.budget if self.disk else 0,
-                         "entries": len(self.disk.sizes) if self.disk else 0},
+                         "entries": len(self.disk.sizes) if self.disk else 0,
+                         "foreign": self.disk.foreign if self.disk else 0},
                 "remote": {"bytes": self.remote.bytes if self.remote else 0, "budget": None,
                            "entries": len(self.remote.sizes) if self.remote else 0,
                            **(dict(self.remote.stats) if self.remote else {})},

@@ -112,6 +112,10 @@ class HostTier:
         return kv, tokens.numel() * header.token_range(0, first_layer)[1]
 
 
+#: what iterating a shared directory yields for a key that is not a raw string (written by another program)
+FOREIGN_KEY = object()
+
+
 class SafeDisk(diskcache.Disk):
     """diskcache storage that only ever handles raw bytes: pickled keys or values are refused."""
 
@@ -121,8 +125,8 @@ class SafeDisk(diskcache.Disk):
         return super().put(key)
 
     def get(self, key, raw):
-        if not raw:
-            raise blob.BlobError("pickled key refused")
+        if not raw:  # a pickled key another program stored here: never unpickled, never ours
+            return FOREIGN_KEY
         return super().get(key, raw)
 
     def store(self, value, read, key=diskcache.core.UNKNOWN):
@@ -146,6 +150,7 @@ class DiskTier:
                                      disk_min_file_size=0)
         self.sizes: OrderedDict[str, int] = OrderedDict()
         self.bytes = 0
+        self.foreign = 0  # keys or values in the directory that are not vismemo blobs (skipped, left alone)
         self.ranges_read: list[tuple[int, int]] = []  # (offset, length) of the last sparse read
 
     def __contains__(self, key: str) -> bool:
@@ -155,14 +160,36 @@ class DiskTier:
     def sizeof(data: bytes) -> int:
         return len(data)
 
+    def _is_blob(self, key) -> bool:
+        """Whether ``key`` holds a vismemo blob (by its magic); other programs' keys and values are not ours."""
+        if not isinstance(key, str):
+            return False
+        try:
+            with self._open(key) as handle:
+                return handle.read(len(blob.MAGIC)) == blob.MAGIC
+        except Exception:  # noqa: BLE001 - a pickled or unreadable value: not a blob of ours
+            return False
+
     def scan(self):
-        """Keys and headers of every blob in the directory (a restart rebuilds its index from these)."""
+        """Keys and headers of every blob in the directory, oldest write first (a restart rebuilds its index and
+        recency order from these). Keys and
+        values of other programs are skipped and counted in ``foreign``; a blob of ours that fails its checks is
+        deleted."""
+        self.foreign = 0
+        found = []
         for key in list(self.cache.iterkeys()):
+            if not self._is_blob(key):
+                self.foreign += 1
+                continue
             try:
-                yield key, self.header(key)
-            except Exception as err:  # noqa: BLE001 - anything unreadable is dropped
+                with self._open(key) as handle:
+                    written = os.fstat(handle.fileno()).st_mtime
+                found.append((written, key, self.header(key)))
+            except Exception as err:  # noqa: BLE001 - a corrupt blob of ours
                 logger.warning("vismemo: dropping unreadable disk blob %s (%s)", str(key)[:12], err)
                 self.discard(key)
+        for _, key, header in sorted(found, key=lambda f: f[0]):  # oldest first: the LRU end
+            yield key, header
 
     def track(self, key: str, size: int) -> None:
         if key not in self.sizes:
