@@ -250,3 +250,63 @@ def test_exact_lookup_asks_the_server_before_the_index_sync(server):
     assert got is not None and torch.equal(got.kv, entry.kv)
     assert [k for k, _ in b.candidates("fp", (1, 4, 5), entry.descriptors, 0.5, 3)] == ["late"]
     assert b.get("never-stored", "fp") is None and b.stats()["corrupt"] == 0
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+PASSWORD_CHARS = "abcXYZ019@:/?#%&=+!$*()[]~ é"
+
+
+def test_generated_passwords_never_leak(caplog):
+    """Any password, in any URL form, stays out of logs, errors, stats and the store's reports."""
+    import logging
+    import random as rnd
+
+    from vismemo_hf.remote import safe_url
+
+    rng = rnd.Random(0)
+    port = _closed_port()
+    caplog.set_level(logging.WARNING)
+    for i in range(60):
+        password = "".join(rng.choice(PASSWORD_CHARS) for _ in range(rng.randint(6, 24))) + "@Q" + str(i)
+        user = "u" + "".join(rng.choice("abc@:") for _ in range(5))
+        urls = [f"redis://:{password}@127.0.0.1:{port}/0", f"redis://{user}:{password}@127.0.0.1:{port}/0",
+                f"rediss://{user}:{password}@127.0.0.1:{port}", f"redis://127.0.0.1:{port}/0?password={password}"]
+        for url in urls:
+            caplog.clear()
+            try:
+                store = VisMemoStore(remote_url=url, remote_options={"timeout_s": 0.05, "retry_s": 0})
+            except ValueError as err:  # an unparseable URL: a clear error that shows no credential
+                assert password not in str(err), url
+                continue
+            store.put(_entry("k"))
+            store.flush()
+            store.get("k", "fp")
+            seen = caplog.text + repr(store.stats()) + safe_url(url) + repr(store.remote.url)
+            assert password not in seen and password.split("@")[-1] not in seen, (url, seen)
+            assert store.stats()["tiers"]["remote"]["errors"] >= 1
+            store.close()
+
+
+def test_a_refused_write_degrades_writes_only(server):
+    """Under maxmemory with noeviction the server refuses writes (OOM); reads of what it holds go on."""
+    small = _entry("small", n=4, layers=2)
+    a = _store(server.url)
+    a.put(small)
+    a.flush()
+    client = server.client()
+    used = client.info("memory")["used_memory"]
+    client.config_set("maxmemory", used + 64 * 1024)
+    client.config_set("maxmemory-policy", "noeviction")
+    b = _store(server.url, retry_s=0.1)
+    assert b.put(_entry("big", n=400, layers=16, seed=1))  # stored locally; the remote write is refused
+    b.flush()
+    stats = b.stats()["tiers"]["remote"]
+    assert stats["writes_refused"] == 1 and stats["connected"] and stats["errors"] == 0
+    fresh = _store(server.url)  # a third process reads what the server holds
+    assert fresh.get("small", "fp") is not None and fresh.stats()["hits_by_tier"]["remote"] == 1
+    assert fresh.tier_of("big") is None

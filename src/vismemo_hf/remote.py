@@ -48,9 +48,41 @@ def parse_record(record: bytes) -> tuple[blob.BlobHeader, torch.Tensor]:
 
 
 def safe_url(url: str) -> str:
-    """The URL without its credentials (for logs and reports)."""
-    head, sep, tail = url.partition("@")
-    return f"{head.split('://')[0]}://***@{tail}" if sep else url
+    """The URL without its credentials (for logs, errors and reports): user info and query hidden.
+
+    Everything up to the *last* ``@`` is user info (a host never holds one; a password may), and the query
+    (``?password=...``) is hidden whole; where that split is ambiguous, everything after the scheme is."""
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        return "<redis url>"
+    userinfo, at, host = rest.rpartition("@")
+    if any(c in userinfo for c in "?#/"):  # the last @ may sit in a query or path: show no part of it
+        return f"{scheme}://***"
+    host, query, _ = host.partition("?")
+    return f"{scheme}://{'***@' if at else ''}{host}{'?***' if query else ''}"
+
+
+def url_secrets(url: str) -> list[str]:
+    """Every credential a URL carries, raw and percent-decoded: user, password and query values."""
+    from urllib.parse import parse_qsl, unquote
+
+    _, sep, rest = url.partition("://")
+    userinfo, at, host = rest.rpartition("@")
+    found = []
+    if at:
+        found.append(userinfo)
+        found.extend(userinfo.split(":", 1))
+    query = (host if at else rest).partition("?")[2]
+    found.extend(v for _, v in parse_qsl(query, keep_blank_values=True))
+    found.extend([unquote(x) for x in found])
+    return sorted({x for x in found if len(x) >= 2}, key=len, reverse=True)
+
+
+def scrub(text: str, secrets: list[str]) -> str:
+    """``text`` with every secret replaced by ***."""
+    for secret in secrets:
+        text = text.replace(secret, "***")
+    return text
 
 
 class RemoteTier:
@@ -65,16 +97,21 @@ class RemoteTier:
         except ImportError as err:  # pragma: no cover - depends on the install
             raise ImportError("remote_url needs the redis client: pip install 'vismemo-hf[remote]'") from err
         self._redis = redis
-        self.url, self.prefix = url, prefix
+        self.url, self.prefix = safe_url(url), prefix  # the URL with credentials lives only in the client
+        self._secrets = url_secrets(url)
         self.timeout_s, self.retry_s, self.ttl_s, self.stream_len, self.refresh_s = (
             timeout_s, retry_s, ttl_s, stream_len, refresh_s)
-        self.client = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+        try:
+            self.client = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+        except Exception as err:  # noqa: BLE001 - the parser's message may quote the URL
+            raise ValueError(f"invalid remote_url {self.url} ({type(err).__name__}: "
+                             f"{scrub(str(err), self._secrets)})") from None
         self.budget = None  # capacity is the server's (maxmemory)
         self.sizes: OrderedDict[str, int] = OrderedDict()  # every key the index knows, with its blob size
         self.fingerprints: dict[str, str] = {}  # key -> model fingerprint its record was published with
         self.bytes = 0
-        self.stats = {"errors": 0, "writes": 0, "write_failures": 0, "writes_skipped": 0, "bytes_written": 0, "bytes_read": 0,
-                      "reconnects": 0, "connected": False}
+        self.stats = {"errors": 0, "writes": 0, "write_failures": 0, "writes_refused": 0, "writes_skipped": 0,
+                      "bytes_written": 0, "bytes_read": 0, "reconnects": 0, "connected": False}
         self.ranges_read: list[tuple[int, int]] = []
         self._down_until = 0.0
         self._stream_id = "0-0"
@@ -97,10 +134,7 @@ class RemoteTier:
             self._down_until = time.monotonic() + self.retry_s
         if was_up or self.stats["errors"] == 1:
             logger.warning("vismemo: remote tier %s failed on %s (%s: %s); serving from local tiers, retrying in %.0f s",
-                           self._safe_url(), what, type(err).__name__, err, self.retry_s)
-
-    def _safe_url(self) -> str:
-        return safe_url(self.url)
+                           self.url, what, type(err).__name__, scrub(str(err), self._secrets), self.retry_s)
 
     def available(self) -> bool:
         """Whether the server can be used now (reconnects, re-reading the index, once ``retry_s`` has passed)."""
@@ -115,7 +149,7 @@ class RemoteTier:
             return False
         with self._state:
             if self.stats["reconnects"] or self.stats["errors"]:
-                logger.warning("vismemo: remote tier %s reachable again", self._safe_url())
+                logger.warning("vismemo: remote tier %s reachable again", self.url)
             self.stats["reconnects"] += 1
             self._connected = self.stats["connected"] = True
             self.needs_reload = True
@@ -211,6 +245,14 @@ class RemoteTier:
                     self.stats["bytes_written"] += len(data) + 2 * len(record)
                     self.fingerprints[key] = blob.parse_header(data).fingerprint
                     self._track(key, len(data))
+            except self._redis.ResponseError as err:  # refused (OOM under maxmemory, ...): reads go on
+                with self._state:
+                    self.stats["write_failures"] += 1
+                    self.stats["writes_refused"] += 1
+                    first = self.stats["writes_refused"] == 1
+                if first:
+                    logger.warning("vismemo: remote tier %s refused a write (%s: %s); reads continue",
+                                   self.url, type(err).__name__, scrub(str(err), self._secrets))
             except Exception as err:  # noqa: BLE001
                 with self._state:
                     self.stats["write_failures"] += 1
@@ -258,7 +300,7 @@ class RemoteTier:
             return fn()
         except (self._redis.ConnectionError, self._redis.TimeoutError, OSError) as err:
             self._fault("read", err)
-            raise RemoteUnavailable(str(err)) from err
+            raise RemoteUnavailable(scrub(str(err), self._secrets)) from None
 
     def _range(self, key: str, start: int, length: int) -> bytes:
         data = self._call(lambda: self.client.getrange(self._blob_key(key), start, start + length - 1))
