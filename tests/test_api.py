@@ -102,3 +102,30 @@ def test_exact_hits_skip_the_vision_tower(qwen2, pages):
         assert len(calls) == 1
     finally:
         hook.remove()
+
+
+def test_disable_restores_the_model_exactly(family, pages):
+    """enable then disable: outputs equal a never-enabled twin's, no hook, attribute or attention setting left."""
+    from vismemo_hf.testing import tiny_model
+
+    model, processor = tiny_model(family, seed=3)
+    twin, _ = tiny_model(family, seed=3)
+    inputs = build_inputs(processor, [pages["base"]])
+    forward_before = model.model.language_model.forward
+    with vismemo_hf.enabled(model):
+        assert model.config.text_config._attn_implementation == "vismemo"
+        generate(model, inputs, vismemo_hf.VisMemoCache(store=vismemo_hf.VisMemoStore()), 2)
+    assert model.config.text_config._attn_implementation == twin.config.text_config._attn_implementation
+    assert not hasattr(model, "_vismemo") and not model.model._forward_pre_hooks and not model.model._forward_hooks
+    assert "forward" not in model.model.language_model.__dict__ and "get_image_features" not in model.model.__dict__
+    assert model.model.language_model.forward == forward_before
+    with torch.no_grad():
+        a = model.generate(**inputs, max_new_tokens=4, do_sample=False, output_scores=True, return_dict_in_generate=True)
+        b = twin.generate(**inputs, max_new_tokens=4, do_sample=False, output_scores=True, return_dict_in_generate=True)
+    assert torch.equal(a.sequences, b.sequences) and torch.equal(torch.stack(a.scores), torch.stack(b.scores))
+    with pytest.raises(RuntimeError, match="enable"):
+        generate(model, inputs, vismemo_hf.VisMemoCache(store=vismemo_hf.VisMemoStore()), 1)
+    vismemo_hf.enable(model)  # and it can be enabled again
+    _, scores = generate(model, inputs, vismemo_hf.VisMemoCache(store=vismemo_hf.VisMemoStore()), 2)
+    assert torch.isfinite(scores).all()
+    vismemo_hf.disable(model)

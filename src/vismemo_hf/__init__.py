@@ -10,7 +10,7 @@ Data path, one file per step: ``lookup`` -> ``policies`` (make an ``ImagePlan``)
 
 from .cache import VisMemoCache, VisMemoLayer
 from .compress import VLCacheCompression
-from .hooks import enable
+from .hooks import disable, enable, enabled
 from .plan import CacheEvent, HitKind, ImageFeatures, ImagePlan, WarmupSignals
 from .policies import RoutingPolicy, available_policies, get_policy, register_policy
 from .entry import Entry
@@ -32,7 +32,9 @@ __all__ = [
     "WarmupSignals",
     "available_policies",
     "default_store",
+    "disable",
     "enable",
+    "enabled",
     "get_policy",
     "register_policy",
 ]

@@ -1,8 +1,12 @@
-"""``enable(model)``: install the lookup hook, the prefill runner and the attention function."""
+"""``enable(model)`` / ``disable(model)`` / ``with enabled(model)``: install and remove the lookup hooks, the
+prefill runner and the attention function. Nothing is copied from the modeling code; ``disable`` puts back
+exactly what ``enable`` replaced."""
 
 from __future__ import annotations
 
+import contextlib
 import types
+from dataclasses import dataclass, field
 
 from . import attention, context
 from .cache import VisMemoCache
@@ -30,8 +34,14 @@ def enable(model, *, image_mean=None, image_std=None):
             adapter.fingerprint, adapter.image_mean, adapter.image_std)
         return model
     attention.register()
-    adapter.text.config._attn_implementation = attention.ATTENTION_NAME
     base, text = adapter.base, adapter.text
+    undo = _Installation(previous_attention=model.config.text_config._attn_implementation,
+                         own_attributes={(m, name): m.__dict__[name] for m, name in
+                                         ((base, "get_image_features"), (text, "forward")) if name in m.__dict__})
+    sub_config = next(name for name in model.config.sub_configs if getattr(model.config, name) is
+                      model.config.text_config)
+    model.set_attn_implementation({sub_config: attention.ATTENTION_NAME})
+    undo.sub_config = sub_config
     get_image_features = base.get_image_features
 
     def deferred_image_features(pixel_values, image_grid_thw=None, **kwargs):
@@ -94,8 +104,50 @@ def enable(model, *, image_mean=None, image_std=None):
         return text_forward(*args, **kwargs)
 
     base.get_image_features = deferred_image_features
-    base.register_forward_pre_hook(before, with_kwargs=True)
-    base.register_forward_hook(after, with_kwargs=True, always_call=True)
+    undo.handles.append(base.register_forward_pre_hook(before, with_kwargs=True))
+    undo.handles.append(base.register_forward_hook(after, with_kwargs=True, always_call=True))
     text.forward = types.MethodType(forward, text)
     model._vismemo = adapter
+    model._vismemo_installation = undo
     return model
+
+
+@dataclass
+class _Installation:
+    """What ``enable`` changed on a model, to put back."""
+
+    previous_attention: str | None
+    own_attributes: dict  # (module, name) -> the instance attribute it had before (e.g. accelerate's forward)
+    sub_config: str = "text_config"
+    handles: list = field(default_factory=list)
+
+
+def disable(model):
+    """Undo ``enable``: hooks removed, ``forward`` / ``get_image_features`` and the text model's attention
+    implementation restored; the model then computes exactly as before ``enable``. Returns the model."""
+    undo = getattr(model, "_vismemo_installation", None)
+    if undo is None:
+        return model
+    adapter = model._vismemo
+    for handle in undo.handles:
+        handle.remove()
+    for module, name in ((adapter.base, "get_image_features"), (adapter.text, "forward")):
+        if (module, name) in undo.own_attributes:
+            setattr(module, name, undo.own_attributes[(module, name)])
+        else:
+            module.__dict__.pop(name, None)
+    model.set_attn_implementation({undo.sub_config: undo.previous_attention})
+    del model._vismemo, model._vismemo_installation
+    return model
+
+
+@contextlib.contextmanager
+def enabled(model, **options):
+    """``with enabled(model): ...``: VisMemo for the block only (a model enabled before stays enabled)."""
+    already = getattr(model, "_vismemo", None) is not None
+    enable(model, **options)
+    try:
+        yield model
+    finally:
+        if not already:
+            disable(model)
