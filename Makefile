@@ -17,6 +17,7 @@ demo: $(VENV)/.installed
 	$(VENV)/bin/vismemo demo
 
 test: $(VENV)/.installed
+	$(VENV)/bin/ruff check src tests benchmarks
 	$(PY) -m pytest -q
 
 clean:

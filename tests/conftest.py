@@ -16,7 +16,7 @@ from vismemo_hf.testing import tiny_model
 FAMILIES = list(vismemo_hf.families.FAMILIES)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _enabled_tiny(family: str, seed: int = 0):
     model, processor = tiny_model(family, seed=seed)
     vismemo_hf.enable(model)

@@ -16,6 +16,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from transformers import DynamicCache  # noqa: E402
 
 import vismemo_hf  # noqa: E402
+
 from conftest import _enabled_tiny, build_inputs, generate, page_set  # noqa: E402
 
 OPTS = dict(policy="vismemo", reuse_ratio=0.5, entropy_threshold=1.0)

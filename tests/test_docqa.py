@@ -11,7 +11,7 @@ from vismemo_hf.quality import evaluate, summarise
 pytestmark = pytest.mark.skipif(not (docqa.PACKAGED / "config.json").is_file(), reason="no packaged checkpoint")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _model():
     from vismemo_hf.testing import docqa_model
 

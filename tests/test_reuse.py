@@ -72,7 +72,8 @@ def test_approximate_hit_reads_reused_tokens(qwen2, pages):
     first = vismemo_hf.VisMemoCache(store=store)
     generate(model, build_inputs(processor, [pages["base"]]), first, 1)
     inputs = build_inputs(processor, [pages["edit"]])
-    opts = dict(store=store, policy="vismemo", recompute_ratio=0.0, reuse_ratio=0.5, entropy_threshold=1.0, guard_cosine=None)
+    opts = dict(store=store, policy="vismemo", recompute_ratio=0.0, reuse_ratio=0.5, entropy_threshold=1.0,
+                guard_cosine=None)
     c1 = vismemo_hf.VisMemoCache(**opts)
     _, clean = generate(model, inputs, c1, 1)
     assert c1.events[0].reused > 0

@@ -16,7 +16,7 @@ from vismemo_hf.quality import answer, evaluate, summarise
 pytestmark = pytest.mark.skipif(not (docqa.PACKAGED / "config.json").is_file(), reason="no packaged checkpoint")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _model():
     from vismemo_hf.testing import docqa_model
 
@@ -25,7 +25,7 @@ def _model():
     return model, processor
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _edited_pairs(n: int = 10):
     """(base request, follow-up asking the edited value) pairs, seeds no design choice used."""
     import random

@@ -10,10 +10,10 @@ Data path, one file per step: ``lookup`` -> ``policies`` (make an ``ImagePlan``)
 
 from .cache import VisMemoCache, VisMemoLayer
 from .compress import VLCacheCompression
+from .entry import Entry
 from .hooks import disable, enable, enabled
 from .plan import CacheEvent, HitKind, ImageFeatures, ImagePlan, WarmupSignals
 from .policies import RoutingPolicy, available_policies, get_policy, register_policy
-from .entry import Entry
 from .store import VisMemoStore, default_store
 
 __version__ = "0.1.0"

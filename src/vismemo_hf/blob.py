@@ -168,7 +168,8 @@ def decode_meta(header: BlobHeader, meta: bytes) -> Entry:
     embeds = take(n * d, header.dtype, (n, d))
     descriptors = take(4 * d, torch.float32, (4, d))
     entropy = take(n, torch.float32, (n,))
-    deepstack = take(header.deepstack_levels * n * d, header.dtype, (header.deepstack_levels, n, d)) if header.flags & 1 else None
+    levels = header.deepstack_levels
+    deepstack = take(levels * n * d, header.dtype, (levels, n, d)) if header.flags & 1 else None
     patch_hashes = take(n, torch.int64, (n,)) if header.flags & 2 else None
     return Entry(header.key, header.fingerprint, header.grid, embeds, deepstack, descriptors, entropy, None,
                  header.offset, patch_hashes, prefix=header.prefix, n_layers=header.n_layers)

@@ -169,7 +169,7 @@ class VisMemoCache(DynamicCache):
         top_k: int = 5,
         tau_fine: float | None = None,
         store_misses: bool = True,
-        compress: "VLCacheCompression | None" = None,
+        compress: VLCacheCompression | None = None,
         **policy_options,
     ):
         Cache.__init__(self, layer_class_to_replicate=VisMemoLayer)

@@ -41,7 +41,7 @@ def new_processor():
     from transformers import Qwen2VLImageProcessor, Qwen2VLProcessor
     from transformers.models.qwen2_vl.video_processing_qwen2_vl import Qwen2VLVideoProcessor
 
-    from .testing import byte_tokenizer
+    from .offline import byte_tokenizer
 
     pixels = synthdoc.PAGE_SIZE[0] * synthdoc.PAGE_SIZE[1]
     image = Qwen2VLImageProcessor(size={"shortest_edge": pixels, "longest_edge": pixels}, patch_size=14)

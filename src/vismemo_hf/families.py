@@ -107,7 +107,7 @@ class ModelAdapter:
     image_std: tuple = field(default=_CLIP_STD)
 
     @classmethod
-    def for_model(cls, model, image_mean=None, image_std=None) -> "ModelAdapter":
+    def for_model(cls, model, image_mean=None, image_std=None) -> ModelAdapter:
         family = model_family(model)
         spec = FAMILIES[family]
         return cls(

@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .entry import Entry
 from .features import exact_key, patch_entropy, patch_hashes, region_descriptors, token_cosine
 from .plan import CacheEvent, HitKind, ImageFeatures, ImagePlan
-from .entry import Entry
 
 logger = logging.getLogger(__name__)
 
@@ -294,7 +294,8 @@ def _approximate(adapter, state: ImageState, cache, fp: str) -> None:
     if cache.top_k == 0:
         return
     feats = state.features
-    found = store_call("index", lambda: cache.store.candidates(fp, feats.grid, state.descriptors, cache.tau, cache.top_k), [])
+    found = store_call("index", lambda: cache.store.candidates(fp, feats.grid, state.descriptors, cache.tau,
+                                                               cache.top_k), [])
     best, best_score = None, float("-inf")
     for key, _ in found:
         entry = store_call("read", lambda k=key: cache.store.peek(k, fp), None)

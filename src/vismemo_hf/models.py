@@ -22,8 +22,9 @@ def load_model(spec: str, family: str | None = None, dtype=torch.float32, seed: 
 
         model = AutoModelForImageTextToText.from_pretrained(spec, dtype=dtype).eval().to(device)
         return model, AutoProcessor.from_pretrained(spec)
+    from .offline import offline_processor
     from .presets import load_preset
-    from .testing import build_model, offline_processor
+    from .testing import build_model
 
     family = family or load_preset(spec).get("family") or "qwen2_vl"
     processor = offline_processor(family)

@@ -101,12 +101,12 @@ class ImagePlan:
         return self.recompute.numel() == self.n_tokens
 
     @classmethod
-    def exact(cls, n_tokens: int, alias: str) -> "ImagePlan":
+    def exact(cls, n_tokens: int, alias: str) -> ImagePlan:
         """Every visual token reused at every layer; only text is computed."""
         return cls(HitKind.EXACT, n_tokens, 0, _index([]), torch.arange(n_tokens), _index([]), alias)
 
     @classmethod
-    def full(cls, kind: HitKind, n_tokens: int, alias: str | None = None) -> "ImagePlan":
+    def full(cls, kind: HitKind, n_tokens: int, alias: str | None = None) -> ImagePlan:
         """Every visual token computed at every layer (a miss, or a policy that reuses nothing)."""
         return cls(kind, n_tokens, 0, torch.arange(n_tokens), _index([]), _index([]), alias)
 

@@ -12,6 +12,7 @@ import yaml
 
 from .families import FAMILIES
 
+
 def config_dir() -> Path:
     """``configs/`` of a source checkout, or its copy inside an installed wheel."""
     here = Path(__file__).resolve().parent

@@ -20,10 +20,10 @@ from transformers.modeling_outputs import BaseModelOutputWithPast
 from .attention import query_blocks
 from .compress import window_stats
 from .context import AttentionCapture, ForwardContext
+from .entry import Entry
 from .lookup import ImageState, PrefillRequest, store_call
 from .plan import HitKind, WarmupSignals, relative_deviation
 from .rope import rerotate, rotate_half
-from .entry import Entry
 
 logger = logging.getLogger(__name__)
 
@@ -210,11 +210,11 @@ class PrefillRunner:
         if self.policy.needs_deviation and not exact:
             cols = img.columns(torch.arange(img.n_tokens, device=self.device))
             k_dev, v_dev = [], []
-            for l in range(layer):
-                cached = self._cached_at(img, l)
+            for at in range(layer):
+                cached = self._cached_at(img, at)
                 if cached is None:
                     break
-                cache_layer = self.cache.layers[l]
+                cache_layer = self.cache.layers[at]
                 slots = cache_layer.slot_of(cols, img.row)
                 fresh = cache_layer.keys[img.row][:, slots], cache_layer.values[img.row][:, slots]
                 k_dev.append(relative_deviation(fresh[0], cached[0]))

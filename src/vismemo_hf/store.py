@@ -181,7 +181,7 @@ class VisMemoStore:
 
     # -- construction ------------------------------------------------------------------------------
     @classmethod
-    def from_config(cls, path: str | None = None) -> "VisMemoStore":
+    def from_config(cls, path: str | None = None) -> VisMemoStore:
         """A store from a YAML preset: a path, or the name of a file in ``configs/store/``
         (default ``default``: small RAM tiers and a disk tier under the user's cache home)."""
         from .presets import config_dir

@@ -180,7 +180,8 @@ def main(args) -> int:
     out.mkdir(parents=True, exist_ok=True)
     command = (f"vismemo bench latency --preset {args.preset} --lengths {args.lengths} --policies {args.policies} "
                f"--repeats {args.repeats} --dtype {args.dtype} --device {args.device}")
-    device = torch.cuda.get_device_name() if args.device.startswith("cuda") else f"CPU ({platform.machine()}, {torch.get_num_threads()} threads)"
+    device = (torch.cuda.get_device_name() if args.device.startswith("cuda")
+              else f"CPU ({platform.machine()}, {torch.get_num_threads()} threads)")
     machine = f"{device}, torch {torch.__version__}"
     (out / "latency.json").write_text(json.dumps({"command": command, "machine": machine, "records": records}, indent=2))
     _plot(records, out / "latency.png")
@@ -188,7 +189,8 @@ def main(args) -> int:
              "Median prefill of the language model (vision encoder excluded for every kind; its time is in the "
              f"`encoder` column) over {args.repeats} interleaved runs after a warm-up round; random weights. "
              "`floor` is the plan's analytic FLOP ratio to a miss (`bench.latency.plan_flops`: projections and MLP of "
-             "the computed tokens, attention over exactly the keys each query sees); `/ floor`: measured over floor; `R / B / M`: "
+             "the computed tokens, attention over exactly the keys each query sees); `/ floor`: measured over floor; "
+             "`R / B / M`: "
              "visual tokens recomputed, reused and masked; `MB read`: alias K/V the hit read from the store.", "",
              "| visual tokens | kind | policy | prefill ms | / miss | floor | / floor | R / B / M | MB read | lookup | "
              "encoder | warmup | fetch wait | plan | recompute |",
@@ -199,7 +201,8 @@ def main(args) -> int:
                      f"{r['prefill_ms']:.1f} | {r['ratio_to_miss']:.3f} | {r['floor_ratio']:.3f} | "
                      f"{r['ratio_to_miss'] / r['floor_ratio']:.2f} | {r['recomputed']} / {r['reused']} / {r['masked']} | "
                      f"{r['bytes_read'] / 2**20:.1f} | {b['lookup']:.1f} | "
-                     f"{b['encoder']:.1f} | {b['warmup']:.1f} | {b['fetch_wait']:.1f} | {b['plan']:.1f} | {b['recompute']:.1f} |")
+                     f"{b['encoder']:.1f} | {b['warmup']:.1f} | {b['fetch_wait']:.1f} | {b['plan']:.1f} | "
+                     f"{b['recompute']:.1f} |")
     lines += ["", "![latency](latency.png)"]
     (out / "latency.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -111,8 +111,8 @@ def remote_vs_disk(geometry: dict, beta: float, warmup: int, repeats: int, url: 
         if store.tier_of(entry.key) != tier:
             raise RuntimeError(f"the entry did not reach the {tier} tier (is {url} reachable?)")
         row = {"tier": tier, "blob_bytes": len(blob.encode(entry)), "tokens_read": len(tokens)}
-        for what, read in (("full", lambda: store.get(entry.key, "bench")),
-                           ("sparse", lambda: store.get_tokens(entry.key, "bench", tokens, warmup))):
+        for what, read in (("full", lambda s=store: s.get(entry.key, "bench")),
+                           ("sparse", lambda s=store: s.get_tokens(entry.key, "bench", tokens, warmup))):
             times, sent = [], []
             for _ in range(repeats + 1):
                 before = server.info("stats")["total_net_output_bytes"] if tier == "remote" else 0

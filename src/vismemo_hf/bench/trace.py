@@ -62,7 +62,8 @@ def main(args) -> int:
     lines = ["# Trace replay: hit rate vs capacity", "", f"Command: `{command}`", "",
              f"{len(trace)} requests; capacity split 10 % device / 30 % host / 60 % disk; tiny entries (the "
              "policy decisions do not depend on entry size).", "",
-             "| capacity | LRU | exact | approximate | miss | hits device / host / disk |", "| --- | --- | --- | --- | --- | --- |"]
+             "| capacity | LRU | exact | approximate | miss | hits device / host / disk |",
+             "| --- | --- | --- | --- | --- | --- |"]
     for c in capacities:
         for name, r in results[c].items():
             h, t = r["hit_rate"], r["hits_by_tier"]

@@ -12,10 +12,10 @@ import yaml
 
 from ..plan import HitKind, ImageFeatures, ImagePlan, WarmupSignals
 
-_REGISTRY: dict[str, type["RoutingPolicy"]] = {}
+_REGISTRY: dict[str, type[RoutingPolicy]] = {}
 
 
-def register_policy(cls: type["RoutingPolicy"]) -> type["RoutingPolicy"]:
+def register_policy(cls: type[RoutingPolicy]) -> type[RoutingPolicy]:
     if not getattr(cls, "name", None):
         raise TypeError(f"{cls.__name__} needs a class attribute `name`")
     _REGISTRY[cls.name] = cls
@@ -41,7 +41,7 @@ def _preset(name: str) -> dict | None:
     return data
 
 
-def get_policy(policy: "str | RoutingPolicy", **options) -> "RoutingPolicy":
+def get_policy(policy: str | RoutingPolicy, **options) -> RoutingPolicy:
     """A policy from a registered name or a preset, with options (unknown options are an error)."""
     if isinstance(policy, RoutingPolicy):
         if options:
