@@ -3,8 +3,8 @@
 Random-weight models answer the same whatever the image shows, so a reuse mistake is
 invisible with them. This model reads: asked ``"KEY?"`` about a page of any ``synthdoc``
 type it answers the 4-digit value of that key's row. Training (``vismemo train-docqa``, CPU)
-starts from ``shared/notes/docqa-training.md`` (QA loss, auxiliary glyph readouts through the
-vocabulary head, a curriculum on filled rows) and adds what made the row lookup learnable here:
+uses a QA loss, auxiliary glyph readouts through the
+vocabulary head and a curriculum on filled rows, plus what made the row lookup learnable:
 
 * at mid depth every visual token names its own glyph (the digits stay readable);
 * at the input of the last layer value cells name their row's first key letter (unique on a
