@@ -23,6 +23,27 @@ def _enabled_tiny(family: str, seed: int = 0):
     return model, processor
 
 
+@functools.cache
+def docqa_reader():
+    """The packaged reading model, enabled, loaded once per test session."""
+    from vismemo_hf.testing import docqa_model
+
+    model, processor = docqa_model()
+    vismemo_hf.enable(model)
+    return model, processor
+
+
+@pytest.fixture(autouse=True)
+def policy_registry():
+    """Policies a test registers are gone after it (the registry is global)."""
+    from vismemo_hf.policies.base import _REGISTRY
+
+    before = dict(_REGISTRY)
+    yield
+    _REGISTRY.clear()
+    _REGISTRY.update(before)
+
+
 @pytest.fixture(params=FAMILIES)
 def family(request):
     return request.param

@@ -1,23 +1,14 @@
 """The packaged reading model: loads offline, reads held-out pages of every type, and exposes stale reuse."""
 
-import functools
 
 import pytest
 
-import vismemo_hf
 from vismemo_hf import docqa, synthdoc
 from vismemo_hf.quality import evaluate, summarise
 
+from conftest import docqa_reader
+
 pytestmark = pytest.mark.skipif(not (docqa.PACKAGED / "config.json").is_file(), reason="no packaged checkpoint")
-
-
-@functools.cache
-def _model():
-    from vismemo_hf.testing import docqa_model
-
-    model, processor = docqa_model()
-    vismemo_hf.enable(model)
-    return model, processor
 
 
 def test_packaged_checkpoint_is_small_and_loads_by_name():
@@ -33,7 +24,7 @@ def test_full_prefill_reads_held_out_pages_of_every_type():
     """Issue D's bar: full-prefill ANLS >= 0.9 on held-out pages of every page type it was trained on."""
     from vismemo_hf.quality import reading_by_type
 
-    model, processor = _model()
+    model, processor = docqa_reader()
     reading = reading_by_type(model, processor, per_type=12)
     assert set(reading) == set(synthdoc.STYLES) | {"all"}
     for style, r in reading.items():
@@ -41,7 +32,7 @@ def test_full_prefill_reads_held_out_pages_of_every_type():
 
 
 def test_naive_reuse_answers_stale_values_that_full_prefill_gets_right():
-    model, processor = _model()
+    model, processor = docqa_reader()
     requests = synthdoc.stream(77, n_bases=12)
     ref = evaluate(model, processor, requests, policy="full", max_new_tokens=6)
     naive = evaluate(model, processor, requests, policy="naive", max_new_tokens=6)

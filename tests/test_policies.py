@@ -8,11 +8,12 @@ from transformers import DynamicCache
 
 import vismemo_hf
 from vismemo_hf import HitKind, ImageFeatures, WarmupSignals, get_policy, synthetic
+from vismemo_hf.presets import config_dir
 
 from conftest import build_inputs, generate, stored
 
-POLICIES = ["full", "naive", "cacheblend", "vlcache", "attention-only", "pixel-patch", "vismemo",
-            "vismemo-no-entropy", "vismemo-no-head-norm", "vismemo-no-mask", "vismemo-no-guard", "cacheblend-keys"]
+#: every registered policy and every preset of configs/policies/
+POLICIES = vismemo_hf.available_policies() + sorted(p.stem for p in (config_dir() / "policies").glob("*.yaml"))
 
 
 def _check_plan(plan, policy, kind, n_layers):
@@ -36,6 +37,10 @@ def _check_plan(plan, policy, kind, n_layers):
         assert plan.recompute.numel() == math.ceil(policy.recompute_ratio * n - 1e-9) and plan.mask.numel() == 0
     elif name == "vlcache":
         assert plan.mask.numel() == 0 and plan.recompute.tolist() == list(range(plan.recompute.numel()))
+    elif name == "attend-deviate":
+        assert plan.recompute.numel() >= math.ceil(policy.recompute_ratio * n - 1e-9)
+        assert plan.mask.numel() <= math.ceil(policy.max_mask_ratio * n - 1e-9)
+        assert plan.restore_masked == policy.restore_masked
     elif name == "vismemo":
         budget_b, budget_r = (math.ceil(r * n - 1e-9) for r in (policy.reuse_ratio, policy.recompute_ratio))
         if policy.use_mask:

@@ -13,16 +13,9 @@ from vismemo_hf.bench.prefix import first_token
 from vismemo_hf.plan import HitKind
 from vismemo_hf.quality import answer, evaluate, summarise
 
+from conftest import docqa_reader
+
 pytestmark = pytest.mark.skipif(not (docqa.PACKAGED / "config.json").is_file(), reason="no packaged checkpoint")
-
-
-@functools.cache
-def _model():
-    from vismemo_hf.testing import docqa_model
-
-    model, processor = docqa_model()
-    vismemo_hf.enable(model)
-    return model, processor
 
 
 @functools.cache
@@ -50,7 +43,7 @@ def _stream():
 def test_every_policy_routes_edited_pages_on_the_reader(policy):
     """Each registered routing gets approximate hits on edited pages and answers them with 4-digit values;
     policies that recompute what deviates never answer the stale value."""
-    model, processor = _model()
+    model, processor = docqa_reader()
     scored = evaluate(model, processor, _stream(), policy=policy, max_new_tokens=6)
     edited = [s for s in scored if s.request.about_edit]
     assert all(s.kind == "approximate" for s in edited), [s.kind for s in edited]
@@ -64,7 +57,7 @@ def test_every_policy_routes_edited_pages_on_the_reader(policy):
 
 def test_default_policy_matches_full_prefill_on_unseen_streams():
     """The default's bar on seeds and perturbation kinds that informed no design choice."""
-    model, processor = _model()
+    model, processor = docqa_reader()
     requests = synthdoc.stream(61_000, n_bases=8) + synthdoc.perturbation_stream(62_000, n_bases=7)
     ref = evaluate(model, processor, requests, policy="full", max_new_tokens=6)
     ours = evaluate(model, processor, requests, max_new_tokens=6)  # VisMemoCache's default routing
@@ -80,7 +73,7 @@ def test_signals_report_deviation_where_the_page_changed():
     from typing import ClassVar
 
     from vismemo_hf.policies.attend_deviate import AttendDeviatePolicy
-    from vismemo_hf.policies.base import _REGISTRY, register_policy
+    from vismemo_hf.policies.base import register_policy
 
     seen = []
 
@@ -93,15 +86,12 @@ def test_signals_report_deviation_where_the_page_changed():
             seen.append(signals)
             return super().plan(image, alias, prefetched, signals)
 
-    try:
-        model, processor = _model()
-        base, follow = _edited_pairs()[0]
-        store = vismemo_hf.VisMemoStore()
-        answer(model, processor, base, vismemo_hf.VisMemoCache(store=store))
-        cache = vismemo_hf.VisMemoCache(store=store, policy="test-recording-deviation", warmup_layers=2)
-        answer(model, processor, follow, cache)
-    finally:
-        _REGISTRY.pop("test-recording-deviation")
+    model, processor = docqa_reader()
+    base, follow = _edited_pairs()[0]
+    store = vismemo_hf.VisMemoStore()
+    answer(model, processor, base, vismemo_hf.VisMemoCache(store=store))
+    cache = vismemo_hf.VisMemoCache(store=store, policy="test-recording-deviation", warmup_layers=2)
+    answer(model, processor, follow, cache)
     (signals,) = seen
     n = cache.events[0].n_tokens
     assert signals.key_deviation.shape == signals.value_deviation.shape == (2, n)
@@ -119,7 +109,7 @@ def test_signals_report_deviation_where_the_page_changed():
 
 def test_restored_masked_tokens_are_attended_in_decoding():
     """With ``restore_masked`` the masked tokens' cached K/V join the late layers for decoding; without, they don't."""
-    model, processor = _model()
+    model, processor = docqa_reader()
     base, follow = _edited_pairs()[1]
     store = vismemo_hf.VisMemoStore()
     answer(model, processor, base, vismemo_hf.VisMemoCache(store=store))
@@ -144,7 +134,7 @@ def _image_start(processor, request) -> int:
 def test_exact_hit_after_another_text_is_reported_and_checked():
     """The entry remembers the text before the image: an exact hit after another text is flagged on the event and
     in stats; the default routes it through a check layer, METHOD §2's vismemo reuses everything."""
-    model, processor = _model()
+    model, processor = docqa_reader()
     page = synthdoc.random_form(63_000)
     key = page.rows[2][0]
     question = synthdoc.question_for(key)

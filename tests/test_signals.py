@@ -15,7 +15,6 @@ from conftest import build_inputs, stored
 SEEN = []
 
 
-@register_policy
 @dataclass
 class RecordingPolicy(VisMemoPolicy):
     name: ClassVar[str] = "test-recording"
@@ -26,6 +25,7 @@ class RecordingPolicy(VisMemoPolicy):
 
 
 def test_captured_window_attention_equals_eager_attention(tiny, pages, family):
+    register_policy(RecordingPolicy)  # the registry fixture removes it afterwards
     model, processor = tiny
     store = stored(model, processor, pages["base"])
     inputs = build_inputs(processor, [pages["edit"]])
