@@ -94,7 +94,9 @@ def main(args) -> int:
         old, new = rng.sample(options, 2)
         return old, new
 
-    results["vismemo-docqa-tiny (training prefixes)"] = measure(model, processor, pages, [0], trained)
+    many = [synthdoc.random_form(args.seed + 10_000 + i, style=synthdoc.STYLES[i % len(synthdoc.STYLES)])
+            for i in range(5 * args.pages)]  # the pass / fail row gets five times the pages
+    results["vismemo-docqa-tiny (training prefixes)"] = measure(model, processor, many, [0], trained)
 
     def random_pair(n, i):
         return random_text(8, 2 * i), random_text(n, 2 * i + 1) if n else ""
