@@ -24,6 +24,7 @@ from .entry import Entry
 from .lookup import ImageState, PrefillRequest, store_call
 from .plan import HitKind, WarmupSignals, relative_deviation
 from .rope import rerotate, rotate_half
+from .tiers import token_rows
 
 logger = logging.getLogger(__name__)
 
@@ -89,7 +90,7 @@ class PrefillRunner:
         """Alias K/V of ``tokens`` (sorted) at layers >= ``first_layer``, keys moved to this offset; and the ms it took."""
         t0 = time.perf_counter()
         if img.kind is HitKind.EXACT:
-            kv = img.alias_entry.kv[tokens.to(img.alias_entry.kv.device)][:, first_layer:]
+            kv = token_rows(img.alias_entry.kv, tokens)[:, first_layer:]
         else:
             kv = store_call(
                 "read",

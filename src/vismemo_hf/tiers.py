@@ -27,6 +27,13 @@ from .entry import Entry
 logger = logging.getLogger(__name__)
 
 
+def token_rows(kv: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """``kv[tokens]``, as a view (no copy) when ``tokens`` is every token in order."""
+    if tokens.numel() == kv.shape[0] and bool((tokens.cpu() == torch.arange(kv.shape[0])).all()):
+        return kv
+    return kv[tokens.to(kv.device)]
+
+
 class DeviceTier:
     name = "device"
 
@@ -60,7 +67,7 @@ class DeviceTier:
 
     def tokens(self, key: str, tokens: torch.Tensor, first_layer: int) -> tuple[torch.Tensor, int]:
         kv = self.entries[key].kv
-        out = kv[tokens.to(kv.device)][:, first_layer:]
+        out = token_rows(kv, tokens)[:, first_layer:]
         return out, out.numel() * out.element_size()
 
 
