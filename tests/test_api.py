@@ -28,13 +28,18 @@ def test_unsupported_model_names_the_families():
 
 
 def test_enable_is_idempotent_and_plain_caches_still_work(qwen2, pages):
+    """An enabled model (enabled twice) serves a plain DynamicCache exactly like a model never enabled."""
+    from transformers import DynamicCache
+
+    from vismemo_hf.testing import tiny_model
+
     model, processor = qwen2
     assert vismemo_hf.enable(model) is model
     inputs = build_inputs(processor, [pages["base"]])
-    from transformers import DynamicCache
-
-    tokens, _ = generate(model, inputs, DynamicCache(), 2)
-    assert tokens.shape == (1, 2)
+    tokens, scores = generate(model, inputs, DynamicCache(), 2)
+    twin, _ = tiny_model("qwen2_vl")
+    ref_tokens, ref_scores = generate(twin, inputs, DynamicCache(), 2)
+    assert torch.equal(tokens, ref_tokens) and torch.allclose(scores, ref_scores, atol=1e-6)
 
 
 def test_events_record_kinds_counts_and_timings(qwen2, pages):

@@ -54,10 +54,17 @@ def test_bench_store_runs_small(tmp_path):
     assert (tmp_path / "store.md").read_text().startswith("# Store benchmark")
 
 
-def test_approximate_hits_record_fetch_and_remaining_wait(qwen2, pages):
+def test_approximate_hits_record_fetch_and_remaining_wait(qwen2, pages, monkeypatch):
+    """The prefetch runs while warmup runs: a slow read shows as ``fetch`` and, what warmup did not hide, as
+    ``fetch_wait``."""
+    import time
+
     model, processor = qwen2
     store = stored(model, processor, pages["base"])
+    read = store.get_tokens
+    monkeypatch.setattr(store, "get_tokens", lambda *a, **k: (time.sleep(0.3), read(*a, **k))[1])
     cache = vismemo_hf.VisMemoCache(store=store)
     generate(model, build_inputs(processor, [pages["edit"]]), cache, 1)
     timings = cache.events[0].timings
-    assert cache.events[0].reused > 0 and timings["fetch"] > 0 and 0 <= timings["fetch_wait"]
+    assert cache.events[0].reused > 0 and timings["fetch"] >= 300
+    assert 0 < timings["fetch_wait"] <= timings["fetch"] + 5 and timings["fetch_wait"] >= 300 - timings["warmup"] - 50

@@ -62,8 +62,9 @@ def test_quality_report_writes_table_and_sweeps(tmp_path):
     assert "## The reader: full prefill on held-out pages" in table and "ANLS by variant" in table
     assert "## Held-out streams" in table and set(data["heldout"]) == {"stream", "perturbations"}
     assert (tmp_path / "sweep_attend-deviate_recompute_ratio.png").stat().st_size > 1000
+    assert data["policies"]["vismemo"]["n_approximate"] > 0
     cells = data["policies"]["vismemo"]["answer_cells"]
-    assert cells is None or abs(sum(cells.values()) - 1.0) < 1e-9
+    assert set(cells) == {"R", "B", "M"} and abs(sum(cells.values()) - 1.0) < 1e-9
 
 
 def test_demo_hit_kinds_with_the_reading_model(capsys):
