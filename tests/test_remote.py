@@ -104,7 +104,7 @@ def test_sparse_remote_read_moves_only_the_token_ranges(server):
     header = blob.parse_header(client.getrange("vismemo:blob:k", 0, blob.HEADER_SIZE - 1))
     expected = blob.HEADER_SIZE + sum(header.token_range(int(t), 5)[1] for t in tokens)
     assert b.stats()["tiers"]["remote"]["bytes_read"] == expected
-    assert b.remote.ranges_read == [header.token_range(int(t), 5) for t in tokens]
+    assert b.stats()["tiers"]["remote"]["range_reads"] == len(tokens)
     # the server sent the ranges plus RESP framing (a few bytes per reply), far below the blob
     assert expected <= moved <= expected + 32 * (len(tokens) + 1)
     assert moved < header.total_bytes / 10

@@ -111,8 +111,8 @@ class RemoteTier:
         self.fingerprints: dict[str, str] = {}  # key -> model fingerprint its record was published with
         self.bytes = 0
         self.stats = {"errors": 0, "writes": 0, "write_failures": 0, "writes_refused": 0, "writes_skipped": 0,
-                      "bytes_written": 0, "bytes_read": 0, "reconnects": 0, "connected": False}
-        self.ranges_read: list[tuple[int, int]] = []
+                      "bytes_written": 0, "bytes_read": 0, "range_reads": 0, "reconnects": 0,
+                      "connected": False}
         self._down_until = 0.0
         self._stream_id = "0-0"
         self._next_refresh = 0.0
@@ -348,7 +348,7 @@ class RemoteTier:
             return pipe.execute()
 
         chunks = self._call(fetch) if ranges else []
-        self.ranges_read = ranges
+        self.stats["range_reads"] += len(ranges)
         self.stats["bytes_read"] += sum(len(c) for c in chunks)
         if ranges and not any(chunks):  # deleted between the header read and now
             raise KeyError(key)

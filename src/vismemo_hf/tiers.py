@@ -158,7 +158,7 @@ class DiskTier:
         self.sizes: OrderedDict[str, int] = OrderedDict()
         self.bytes = 0
         self.foreign = 0  # keys or values in the directory that are not vismemo blobs (skipped, left alone)
-        self.ranges_read: list[tuple[int, int]] = []  # (offset, length) of the last sparse read
+        self.range_reads = 0  # positioned reads of sparse (approximate-hit) reads
 
     def __contains__(self, key: str) -> bool:
         return key in self.sizes
@@ -257,7 +257,7 @@ class DiskTier:
             header = blob.parse_header(self._pread(handle, 0, blob.HEADER_SIZE))
             ranges = [header.token_range(int(t), first_layer) for t in tokens.tolist()]
             chunks = [self._pread(handle, start, length) for start, length in ranges]
-        self.ranges_read = ranges
+        self.range_reads += len(ranges)
         return blob.decode_ranges(header, chunks, first_layer)
 
     def close(self) -> None:

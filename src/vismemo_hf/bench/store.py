@@ -51,11 +51,12 @@ def sparse_io(geometry: dict, beta: float, warmup: int, tmp: Path) -> list[dict]
         t0 = time.perf_counter()
         store.get_tokens("sparse", "bench", tokens, warmup)
         ms = (time.perf_counter() - t0) * 1e3
-        read = store.stats()["bytes_read_sparse"]
+        stats = store.stats()
+        read = stats["bytes_read_sparse"]
         out.append({"tier": tier, "tokens_read": len(tokens), "bytes_read": read, "kv_bytes": kv_bytes,
                     "blob_bytes": blob_bytes, "read_over_kv": read / kv_bytes,
                     "floor": beta * (layers - warmup) / layers, "ms": ms,
-                    "ranges": len(store.disk.ranges_read) if tier == "disk" else None})
+                    "ranges": stats["tiers"]["disk"]["range_reads"] if tier == "disk" else None})
         store.close()
     return out
 
