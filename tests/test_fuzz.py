@@ -97,6 +97,7 @@ def _fuzz(model, processor, pages, tier, body_samples):
     first = vismemo_hf.VisMemoCache(store=tier.store)
     _logits(model, inputs, first)
     key = first.events[0].key
+    tier.store.flush()  # the remote tier writes in the background
     entry = tier.store.get(key, model._vismemo.fingerprint)
     hit = _logits(model, inputs, vismemo_hf.VisMemoCache(store=tier.store))
     size = len(blob.encode(entry))

@@ -22,19 +22,43 @@ def config_dir() -> Path:
     raise FileNotFoundError("vismemo configs/ folder not found next to the package or in the source tree")
 
 
-def config_path(name: str) -> Path:
-    """``name`` is a file path or the stem of a file in ``configs/``'s ``models`` folder."""
-    if Path(name).suffix in (".yaml", ".yml") and Path(name).exists():
-        return Path(name)
-    path = config_dir() / "models" / f"{name}.yaml"
-    if not path.exists():
-        available = sorted(p.stem for p in path.parent.glob("*.yaml"))
-        raise ValueError(f"unknown model preset {name!r}; available: {', '.join(available)}")
-    return path
+#: the kinds of preset, each a folder of ``configs/``
+KINDS = {"models": "model preset", "policies": "policy preset", "store": "store preset",
+         "vlcache": "VL-Cache profile"}
+
+
+def available(kind: str) -> list[str]:
+    """Names of the presets of ``kind`` shipped in ``configs/``."""
+    return sorted(p.stem for p in (config_dir() / kind).glob("*.yaml"))
+
+
+def find(kind: str, name: str, missing_ok: bool = False) -> Path | None:
+    """The YAML file of preset ``name`` of ``kind`` (``models``, ``policies``, ``store``, ``vlcache``): a path
+    to a .yaml / .yml file, or the stem of a file in ``configs/KIND/``. An unknown name is a ValueError that
+    lists the available ones (or None with ``missing_ok``)."""
+    path = Path(name)
+    if path.suffix not in (".yaml", ".yml"):
+        path = config_dir() / kind / f"{name}.yaml"
+    if path.is_file():
+        return path
+    if missing_ok:
+        return None
+    raise ValueError(f"unknown {KINDS[kind]} {name!r} (no file {path}); available: {', '.join(available(kind))}")
+
+
+def load(kind: str, name: str, missing_ok: bool = False) -> dict | None:
+    """The mapping in preset ``name`` of ``kind`` (see ``find``)."""
+    path = find(kind, name, missing_ok)
+    if path is None:
+        return None
+    data = yaml.safe_load(path.read_text()) or {}
+    if not isinstance(data, dict):
+        raise ValueError(f"{KINDS[kind]} {path} must hold a mapping")
+    return data
 
 
 def load_preset(name: str) -> dict:
-    return yaml.safe_load(config_path(name).read_text())
+    return load("models", name)
 
 
 def preset_config(name: str, family: str | None = None, tokenizer=None):

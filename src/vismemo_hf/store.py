@@ -26,7 +26,6 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
-import yaml
 
 from . import blob
 from .entry import Entry
@@ -184,13 +183,10 @@ class VisMemoStore:
     def from_config(cls, path: str | None = None) -> VisMemoStore:
         """A store from a YAML preset: a path, or the name of a file in ``configs/store/``
         (default ``default``: small RAM tiers and a disk tier under the user's cache home)."""
-        from .presets import config_dir
+        from .presets import find, load
 
         name = path or "default"
-        file = Path(name) if Path(name).suffix in (".yaml", ".yml") else config_dir() / "store" / f"{name}.yaml"
-        if not file.is_file():
-            raise ValueError(f"no store preset {name!r} (expected {file})")
-        cfg = yaml.safe_load(file.read_text()) or {}
+        file, cfg = find("store", name), load("store", name)
         if cfg.get("disk_dir"):
             cfg["disk_dir"] = os.path.expandvars(str(cfg["disk_dir"]).replace("{cache_home}", str(user_cache_dir())))
         if cfg.get("remote_url"):

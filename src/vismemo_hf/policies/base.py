@@ -4,11 +4,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, fields
-from pathlib import Path
 from typing import ClassVar
 
 import torch
-import yaml
 
 from ..plan import HitKind, ImageFeatures, ImagePlan, WarmupSignals
 
@@ -27,17 +25,12 @@ def available_policies() -> list[str]:
 
 
 def _preset(name: str) -> dict | None:
-    """A policy preset: a YAML path, or the stem of a file in configs/policies/."""
-    from ..presets import config_dir
+    """A policy preset (a YAML path, or the stem of a file in configs/policies/), or None."""
+    from ..presets import load
 
-    path = Path(name)
-    if path.suffix not in (".yaml", ".yml"):
-        path = config_dir() / "policies" / f"{name}.yaml"
-    if not path.is_file():
-        return None
-    data = yaml.safe_load(path.read_text()) or {}
-    if "policy" not in data:
-        raise ValueError(f"policy preset {path} needs a `policy:` name")
+    data = load("policies", name, missing_ok=True)
+    if data is not None and "policy" not in data:
+        raise ValueError(f"policy preset {name!r} needs a `policy:` name")
     return data
 
 
@@ -51,9 +44,10 @@ def get_policy(policy: str | RoutingPolicy, **options) -> RoutingPolicy:
     if cls is None:
         preset = _preset(policy)
         if preset is None:
-            presets = sorted(p.stem for p in _presets_dir().glob("*.yaml")) if _presets_dir() else []
+            from ..presets import available
+
             raise ValueError(f"unknown policy {policy!r}; policies: {', '.join(available_policies())}; "
-                             f"presets: {', '.join(presets)}")
+                             f"presets: {', '.join(available('policies'))}")
         name = preset.pop("policy")
         return get_policy(name, **{**preset, **options})
     known = {f.name for f in fields(cls)}
@@ -61,13 +55,6 @@ def get_policy(policy: str | RoutingPolicy, **options) -> RoutingPolicy:
     if unknown:
         raise TypeError(f"policy {policy!r} has no option(s) {unknown}; it takes {sorted(known)}")
     return cls(**options)
-
-
-def _presets_dir():
-    from ..presets import config_dir
-
-    path = config_dir() / "policies"
-    return path if path.is_dir() else None
 
 
 @dataclass

@@ -10,11 +10,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from pathlib import Path
 from typing import ClassVar
 
 import torch
-import yaml
 
 from ..plan import ImageFeatures, ImagePlan, WarmupSignals
 from .base import RoutingPolicy, approximate_plan, register_policy
@@ -22,15 +20,9 @@ from .base import RoutingPolicy, approximate_plan, register_policy
 
 def load_profile(profile: str) -> list[float]:
     """Per-layer sensitivities from a YAML path or the name of a file in configs/vlcache/."""
-    from ..presets import config_dir
+    from ..presets import load
 
-    path = Path(profile)
-    if path.suffix not in (".yaml", ".yml"):
-        path = config_dir() / "vlcache" / f"{profile}.yaml"
-    if not path.is_file():
-        raise ValueError(f"no VL-Cache profile {profile!r} (expected {path})")
-    data = yaml.safe_load(path.read_text())
-    return [float(x) for x in data["sensitivity"]]
+    return [float(x) for x in load("vlcache", profile)["sensitivity"]]
 
 
 def layer_ratios(sensitivity: list[float], mean_ratio: float) -> list[float]:
