@@ -5,4 +5,4 @@ set -euo pipefail
 out=${1:-results/perf-h200}
 python -m pip install -q -e . >/dev/null 2>&1 || pip install -q -e .
 python -m vismemo_hf.cli bench latency --preset qwen3-vl-8b --lengths 1024,2048,4096,8192 \
-    --policies vismemo,cacheblend --repeats 3 --dtype bfloat16 --device cuda --out "$out"
+    --policies attend-deviate,vismemo,cacheblend --repeats 3 --dtype bfloat16 --device cuda --out "$out"

@@ -1,9 +1,9 @@
-"""cProfile of one VisMemo approximate hit on the latency bench's default preset.
+"""cProfile of one approximate hit (default routing, or --policy) on the latency bench's default preset.
 
     python benchmarks/profile_approximate_hit.py --tokens 2048 --threads 1
 
 Prints the stage timings of the profiled prefill, the share of its time spent in SDPA and the
-functions with the most own time. Used to find where an approximate hit's time goes (issue E).
+functions with the most own time. Used to find where an approximate hit's time goes.
 """
 
 import argparse
@@ -13,7 +13,7 @@ import pstats
 import torch
 
 from vismemo_hf import VisMemoCache, VisMemoStore, enable
-from vismemo_hf.bench.latency import _inputs, _page, _prefill
+from vismemo_hf.bench.latency import page_pair, request_inputs, timed_prefill
 from vismemo_hf.models import load_model
 
 
@@ -23,20 +23,22 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=2048)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--top", type=int, default=12)
+    parser.add_argument("--policy", default=None, help="routing of the hit (default: VisMemoCache's)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     model, processor = load_model(args.preset)
     enable(model)
     patch = model.config.vision_config.patch_size
     processor.image_processor.size = {"shortest_edge": 4 * (2 * patch) ** 2, "longest_edge": 20000 * (2 * patch) ** 2}
-    base, edited = _page(args.tokens, patch)
+    base, edited = page_pair(args.tokens, patch)
     store = VisMemoStore()
-    _prefill(model, _inputs(processor, base), VisMemoCache(store=store))  # the alias entry
-    edit_in = _inputs(processor, edited)
-    _prefill(model, edit_in, VisMemoCache(store=store, store_misses=False))  # warm-up
+    timed_prefill(model, request_inputs(processor, base), VisMemoCache(store=store))  # the alias entry
+    edit_in = request_inputs(processor, edited)
+    routing = {"policy": args.policy} if args.policy else {}
+    timed_prefill(model, edit_in, VisMemoCache(store=store, store_misses=False, **routing))  # warm-up
     profile = cProfile.Profile()
     profile.enable()
-    out = _prefill(model, edit_in, VisMemoCache(store=store, store_misses=False))
+    out = timed_prefill(model, edit_in, VisMemoCache(store=store, store_misses=False, **routing))
     profile.disable()
     stats = pstats.Stats(profile)
     total = stats.total_tt

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import platform
 import statistics
 import time
 from pathlib import Path
@@ -12,6 +11,8 @@ import torch
 
 from .. import VisMemoCache, VisMemoStore, VLCacheCompression, enable, synthetic
 from ..models import load_model
+from .report import command as report_command
+from .report import header, machine
 
 
 def _kv_bytes(cache) -> int:
@@ -52,15 +53,13 @@ def main(args) -> int:
     result = run(args.preset, args.family, ratios, args.new_tokens, args.repeats, (args.width, args.height))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    command = (f"vismemo bench compression --preset {args.preset} --family {args.family} --ratios {args.ratios} "
-               f"--new-tokens {args.new_tokens} --repeats {args.repeats} --width {args.width} --height {args.height}")
-    machine = f"{platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}, CPU"
-    result.update(command=command, machine=machine)
+    command = report_command("bench compression", args, ["preset", "family", "ratios", "new_tokens", "repeats",
+                                                          "width", "height"])
+    mach = machine()
+    result.update(command=command, machine=mach)
     (out / "compression.json").write_text(json.dumps(result, indent=2))
     full = result["records"][-1]
-    lines = [
-        "# VL-Cache compression: decoding KV and decode time vs ratio", "",
-        f"Command: `{command}`  ", f"Machine: {machine}  ",
+    lines = header("VL-Cache compression: decoding KV and decode time vs ratio", command, mach)[:-1] + [
         f"Model: `{args.preset}` {args.family}, random weights, fp32; {result['visual_tokens']} visual of "
         f"{result['prompt_tokens']} prompt tokens; {args.new_tokens} greedy tokens; median of {args.repeats} runs "
         "after one warm-up; policy `full` (no reuse), so only compression differs.", "",

@@ -9,7 +9,6 @@ the analytic FLOP floor of the plan. Prefill time excludes the vision encoder fo
 from __future__ import annotations
 
 import json
-import platform
 import statistics
 from pathlib import Path
 
@@ -17,6 +16,8 @@ import torch
 
 from .. import VisMemoCache, VisMemoStore, enable, synthetic
 from ..models import load_model
+from .report import command as report_command
+from .report import header, machine
 
 STAGES = ("lookup", "encoder", "warmup", "fetch_wait", "plan", "recompute")
 
@@ -54,7 +55,7 @@ def plan_flops(config, length: int, start: int, plan) -> float:
     return total
 
 
-def _page(tokens: int, family_patch: int, seed: int = 1):
+def page_pair(tokens: int, family_patch: int, seed: int = 1):
     """A synthetic page whose processed grid gives about ``tokens`` visual tokens (square-ish)."""
     side = int(round(tokens ** 0.5))
     px = 2 * family_patch
@@ -62,14 +63,14 @@ def _page(tokens: int, family_patch: int, seed: int = 1):
     return synthetic.page(seed, size=(width, height)), synthetic.edited(seed, row=2, value="9999", size=(width, height))
 
 
-def _inputs(processor, image, question="What is the value of the third row?"):
+def request_inputs(processor, image, question="What is the value of the third row?"):
     messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]}]
     text = processor.apply_chat_template(messages, add_generation_prompt=True)
     return processor(text=[text], images=[image], return_tensors="pt")
 
 
 @torch.no_grad()
-def _prefill(model, inputs, cache) -> dict:
+def timed_prefill(model, inputs, cache) -> dict:
     model(**inputs.to(model.device), past_key_values=cache, use_cache=True)
     if model.device.type == "cuda":
         torch.cuda.synchronize()
@@ -85,21 +86,21 @@ def run(model, processor, lengths, policies, repeats: int, progress=None) -> lis
     patch = model.config.vision_config.patch_size
     records = []
     for n in lengths:
-        base, edited = _page(n, patch)
-        miss_in, edit_in = _inputs(processor, base), _inputs(processor, edited)
+        base, edited = page_pair(n, patch)
+        miss_in, edit_in = request_inputs(processor, base), request_inputs(processor, edited)
         seeded = VisMemoStore()
-        _prefill(model, miss_in, VisMemoCache(store=seeded))  # the alias entry every hit reads
+        timed_prefill(model, miss_in, VisMemoCache(store=seeded))  # the alias entry every hit reads
         runs = {("miss", "-"): [], ("exact", "-"): []}
         for policy in policies:
             runs[("approximate", policy)] = []
         for rep in range(repeats + 1):  # round 0 warms up
             for (kind, policy) in runs:
                 if kind == "miss":
-                    out = _prefill(model, miss_in, VisMemoCache(store=VisMemoStore(), store_misses=False))
+                    out = timed_prefill(model, miss_in, VisMemoCache(store=VisMemoStore(), store_misses=False))
                 elif kind == "exact":
-                    out = _prefill(model, miss_in, VisMemoCache(store=seeded))
+                    out = timed_prefill(model, miss_in, VisMemoCache(store=seeded))
                 else:
-                    out = _prefill(model, edit_in, VisMemoCache(store=seeded, policy=policy, store_misses=False))
+                    out = timed_prefill(model, edit_in, VisMemoCache(store=seeded, policy=policy, store_misses=False))
                 if out["kind"] != kind:
                     raise RuntimeError(f"expected a {kind} hit at {n} tokens, got {out['kind']}")
                 if rep:
@@ -178,14 +179,11 @@ def main(args) -> int:
         records = run(model, processor, lengths, policies, args.repeats, bar)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    command = (f"vismemo bench latency --preset {args.preset} --lengths {args.lengths} --policies {args.policies} "
-               f"--repeats {args.repeats} --dtype {args.dtype} --device {args.device}")
-    device = (torch.cuda.get_device_name() if args.device.startswith("cuda")
-              else f"CPU ({platform.machine()}, {torch.get_num_threads()} threads)")
-    machine = f"{device}, torch {torch.__version__}"
-    (out / "latency.json").write_text(json.dumps({"command": command, "machine": machine, "records": records}, indent=2))
+    command = report_command("bench latency", args, ["preset", "lengths", "policies", "repeats", "dtype", "device"])
+    mach = machine(args.device)
+    (out / "latency.json").write_text(json.dumps({"command": command, "machine": mach, "records": records}, indent=2))
     _plot(records, out / "latency.png")
-    lines = [f"# Prefill latency by hit kind ({args.preset})", "", f"Command: `{command}`  ", f"Machine: {machine}", "",
+    lines = header(f"Prefill latency by hit kind ({args.preset})", command, mach) + [
              "Median prefill of the language model (vision encoder excluded for every kind; its time is in the "
              f"`encoder` column) over {args.repeats} interleaved runs after a warm-up round; random weights. "
              "`floor` is the plan's analytic FLOP ratio to a miss (`bench.latency.plan_flops`: projections and MLP of "

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import platform
 import statistics
 import time
 from pathlib import Path
@@ -11,6 +10,8 @@ from pathlib import Path
 import torch
 
 from ..store import DescriptorIndex
+from .report import command as report_command
+from .report import header, machine
 
 
 def run(sizes, dim: int, queries: int, tau: float, top_k: int, groups: int, seed: int = 0) -> list[dict]:
@@ -39,12 +40,10 @@ def main(args) -> int:
     records = run(sizes, args.dim, args.queries, args.tau, args.top_k, args.groups)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    command = (f"vismemo bench lookup --sizes {args.sizes} --dim {args.dim} --queries {args.queries} "
-               f"--tau {args.tau} --top-k {args.top_k} --groups {args.groups}")
-    machine = f"CPU ({platform.machine()}, {torch.get_num_threads()} threads), torch {torch.__version__}"
-    (out / "lookup.json").write_text(json.dumps({"command": command, "machine": machine, "records": records}, indent=2))
-    lines = ["# Coarse approximate lookup vs number of cached entries", "", f"Command: `{command}`  ",
-             f"Machine: {machine}", "",
+    command = report_command("bench lookup", args, ["sizes", "dim", "queries", "tau", "top_k", "groups"])
+    mach = machine()
+    (out / "lookup.json").write_text(json.dumps({"command": command, "machine": mach, "records": records}, indent=2))
+    lines = header("Coarse approximate lookup vs number of cached entries", command, mach) + [
              f"Descriptor index only (4 region descriptors of dimension {args.dim} per entry, spread over "
              f"{args.groups} grids; every query is a noisy copy of a stored entry). The fine stage reads the "
              "encoder output of at most top-k candidates and is not included.", "",

@@ -11,7 +11,6 @@ and on tiny random models of the three families.
 from __future__ import annotations
 
 import json
-import platform
 import random
 import string
 import time
@@ -23,6 +22,8 @@ from transformers import DynamicCache
 from .. import VisMemoCache, VisMemoStore, enable, synthdoc
 from ..docqa import messages
 from ..families import FAMILIES
+from .report import command as report_command
+from .report import header, machine
 
 ROUTINGS = {"reuse": dict(policy="attend-deviate", prefix_routing="reuse"),
             "check": dict(policy="attend-deviate")}
@@ -106,14 +107,13 @@ def main(args) -> int:
         model, processor = load_model("tiny", family)
         enable(model)
         results[f"tiny {family} (random weights)"] = measure(model, processor, pages, lengths, random_pair)
-    command = f"vismemo report prefix --pages {args.pages} --lengths {args.lengths} --seed {args.seed}"
-    report = {"command": command, "machine": f"{platform.machine()}, torch {torch.__version__}, CPU fp32",
+    command = report_command("report prefix", args, ["pages", "lengths", "seed"])
+    report = {"command": command, "machine": machine(note="fp32"),
               "seconds": round(time.time() - t0), "results": results}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "prefix.json").write_text(json.dumps(report, indent=2))
-    lines = ["# Exact image hits after another text before the image", "", f"Command: `{command}`  ",
-             f"Machine: {report['machine']}", "",
+    lines = header("Exact image hits after another text before the image", command, report["machine"]) + [
              "Each page is stored after one text and asked about after another (an exact image hit whose "
              "stored K/V carry the old text's context from layer 1 on). `reuse`: every visual token reused "
              "(METHOD §2's exact hit); `check`: the default policy's routing of such hits (every token computed "

@@ -7,7 +7,6 @@ full prefill) and the recompute-ratio / reuse-ratio sweeps of VisMemo as PNG plo
 from __future__ import annotations
 
 import json
-import platform
 import time
 from pathlib import Path
 
@@ -15,6 +14,7 @@ import torch
 
 from .. import enable, synthdoc
 from ..quality import evaluate, reading_by_type, summarise
+from .report import machine
 
 POLICIES = ["full", "naive", "cacheblend", "vlcache", "attention-only", "pixel-patch", "vismemo",
             "vismemo-no-entropy", "vismemo-no-head-norm", "vismemo-no-mask", "vismemo-no-guard", "attend-deviate",
@@ -130,7 +130,7 @@ def main(args) -> int:
                f"--max-new-tokens {args.max_new_tokens} --heldout {args.heldout} --heldout-bases {args.heldout_bases}")
     kinds = {k: sum(r.intended == k for r in requests) for k in ("miss", "exact", "approximate")}
     result.update(command=command, model=args.model, requests=len(requests), intended=kinds,
-                  machine=f"{platform.machine()}, torch {torch.__version__}, CPU fp32", seconds=round(time.time() - t0))
+                  machine=machine(note="fp32"), seconds=round(time.time() - t0))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "quality.json").write_text(json.dumps(result, indent=2))

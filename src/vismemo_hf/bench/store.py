@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import platform
 import random
 import statistics
 import tempfile
@@ -22,6 +21,7 @@ from .. import blob
 from ..entry import Entry
 from ..remote import safe_url
 from ..store import VisMemoStore
+from .report import header, machine
 
 
 def synthetic_entry(key: str, n_tokens: int, layers: int, heads: int, head_dim: int, embed_dim: int,
@@ -210,11 +210,11 @@ def main(args) -> int:
                f"--head-dim {args.head_dim} --embed-dim {args.embed_dim} --beta {args.beta} --warmup {args.warmup} "
                f"--repeats {args.repeats} --trace-requests {args.trace_requests} --capacities {args.capacities} "
                f"--seed {args.seed}" + (f" --remote {safe_url(args.remote)}" if args.remote else ""))
-    machine = f"{platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}; disk: the working tree's filesystem"
-    result.update(command=command, machine=machine)
+    mach = machine(note="disk: the working tree's filesystem")
+    result.update(command=command, machine=mach)
     (out / "store.json").write_text(json.dumps(result, indent=2))
     g = result["geometry"]
-    lines = ["# Store benchmark", "", f"Command: `{command}`  ", f"Machine: {machine}", "",
+    lines = header("Store benchmark", command, mach) + [
              f"Entry geometry: {g['n_tokens']} visual tokens x {g['layers']} layers x {g['heads']} KV heads x "
              f"{g['head_dim']} head dim, bf16 (the K/V of Qwen3-VL-8B at this visual length), random values.", "",
              f"## Sparse I/O of an approximate hit (beta = {args.beta}, W = {args.warmup})", "",

@@ -14,6 +14,8 @@ from pathlib import Path
 
 from .. import blob
 from ..store import VisMemoStore
+from .report import command as report_command
+from .report import header, machine
 from .store import _tiny_entry, replay_into, synthetic_trace
 
 
@@ -39,8 +41,9 @@ def main(args) -> int:
                                  for name, protect in (("plain", 0), ("exact_priority", 2))}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    command = f"vismemo bench trace --requests {args.requests} --capacities {args.capacities} --seed {args.seed}"
-    (out / "trace.json").write_text(json.dumps({"command": command, "results": results}, indent=2))
+    command = report_command("bench trace", args, ["requests", "capacities", "seed"])
+    mach = machine()
+    (out / "trace.json").write_text(json.dumps({"command": command, "machine": mach, "results": results}, indent=2))
     import matplotlib
 
     matplotlib.use("Agg")
@@ -59,7 +62,7 @@ def main(args) -> int:
     fig.tight_layout()
     fig.savefig(out / "trace.png", dpi=110)
     plt.close(fig)
-    lines = ["# Trace replay: hit rate vs capacity", "", f"Command: `{command}`", "",
+    lines = header("Trace replay: hit rate vs capacity", command, mach) + [
              f"{len(trace)} requests; capacity split 10 % device / 30 % host / 60 % disk; tiny entries (the "
              "policy decisions do not depend on entry size).", "",
              "| capacity | LRU | exact | approximate | miss | hits device / host / disk |",
