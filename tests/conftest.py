@@ -10,7 +10,7 @@ from PIL import Image
 
 import vismemo_hf
 import vismemo_hf.families
-from vismemo_hf import synthetic
+from vismemo_hf.eval import synthetic
 from vismemo_hf.testing import tiny_model
 
 FAMILIES = list(vismemo_hf.families.FAMILIES)

@@ -6,7 +6,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 import vismemo_hf
 from vismemo_hf import HitKind
-from vismemo_hf.context import current as current_forward
+from vismemo_hf.runtime.context import current as current_forward
 from vismemo_hf.testing import tiny_model
 
 from conftest import build_inputs, generate, stored

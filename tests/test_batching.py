@@ -3,7 +3,8 @@
 import torch
 
 import vismemo_hf
-from vismemo_hf import HitKind, synthetic
+from vismemo_hf import HitKind
+from vismemo_hf.eval import synthetic
 
 from conftest import build_inputs, generate
 

@@ -5,7 +5,7 @@ import torch
 
 import vismemo_hf
 from vismemo_hf import VLCacheCompression
-from vismemo_hf.compress import allocate
+from vismemo_hf.runtime.compress import allocate
 
 from conftest import build_inputs, generate, stored
 from reference import extend, masked_logits

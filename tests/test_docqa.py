@@ -3,8 +3,8 @@
 
 import pytest
 
-from vismemo_hf import docqa, synthdoc
-from vismemo_hf.quality import evaluate, summarise
+from vismemo_hf.eval import docqa, synthdoc
+from vismemo_hf.eval.quality import evaluate, summarise
 
 from conftest import docqa_reader
 
@@ -14,7 +14,7 @@ pytestmark = pytest.mark.skipif(not (docqa.PACKAGED / "config.json").is_file(), 
 def test_packaged_checkpoint_is_small_and_loads_by_name():
     size = sum(f.stat().st_size for f in docqa.PACKAGED.iterdir())
     assert size < 20 * 2**20
-    from vismemo_hf.models import load_model
+    from vismemo_hf.loading import load_model
 
     model, processor = load_model(docqa.MODEL_NAME)
     assert model.config.model_type == "qwen2_vl" and processor.tokenizer.eos_token == "<|im_end|>"
@@ -22,7 +22,7 @@ def test_packaged_checkpoint_is_small_and_loads_by_name():
 
 def test_full_prefill_reads_held_out_pages_of_every_type():
     """Issue D's bar: full-prefill ANLS >= 0.9 on held-out pages of every page type it was trained on."""
-    from vismemo_hf.quality import reading_by_type
+    from vismemo_hf.eval.quality import reading_by_type
 
     model, processor = docqa_reader()
     reading = reading_by_type(model, processor, per_type=12)
@@ -80,8 +80,8 @@ def test_demo_hit_kinds_with_the_reading_model(capsys):
 def test_answer_cell_routing_counts_the_asked_cells():
     import torch
 
-    from vismemo_hf.plan import HitKind, ImagePlan
-    from vismemo_hf.quality import answer_cell_routing
+    from vismemo_hf.eval.quality import answer_cell_routing
+    from vismemo_hf.runtime.plan import HitKind, ImagePlan
 
     page = synthdoc.random_form(3)
     key = page.rows[2][0]

@@ -9,8 +9,8 @@ import torch
 from transformers import DynamicCache
 
 import vismemo_hf
-from vismemo_hf import blob
-from vismemo_hf.plan import HitKind
+from vismemo_hf.runtime.plan import HitKind
+from vismemo_hf.store import blob
 
 from conftest import build_inputs
 from test_store import _entry

@@ -42,7 +42,7 @@ def _schema_parquets(tmp_path):
 
     import datasets
 
-    from vismemo_hf import synthdoc
+    from vismemo_hf.eval import synthdoc
 
     def pages(seed):
         base = synthdoc.random_form(seed)

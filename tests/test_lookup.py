@@ -4,9 +4,10 @@ import pytest
 import torch
 
 import vismemo_hf
-from vismemo_hf import HitKind, synthetic
-from vismemo_hf.features import patch_entropy, region_descriptors
-from vismemo_hf.store import DescriptorIndex
+from vismemo_hf import HitKind
+from vismemo_hf.eval import synthetic
+from vismemo_hf.runtime.features import patch_entropy, region_descriptors
+from vismemo_hf.store.store import DescriptorIndex
 
 from conftest import build_inputs, generate, noise_image
 

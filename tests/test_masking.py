@@ -70,8 +70,8 @@ def test_blocked_attention_equals_one_dense_call(monkeypatch):
 
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    from vismemo_hf import attention
-    from vismemo_hf.cache import VisMemoLayer
+    from vismemo_hf.runtime import attention
+    from vismemo_hf.runtime.cache import VisMemoLayer
 
     g = torch.Generator().manual_seed(0)
     module = SimpleNamespace(num_key_value_groups=2, is_causal=True, training=False)
@@ -93,7 +93,7 @@ def test_blocked_attention_equals_one_dense_call(monkeypatch):
 
 
 def test_blocked_attention_in_the_runner_changes_nothing(tiny, pages, monkeypatch):
-    from vismemo_hf import attention
+    from vismemo_hf.runtime import attention
 
     model, processor = tiny
     store = stored(model, processor, pages["base"])

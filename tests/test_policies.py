@@ -7,7 +7,8 @@ import torch
 from transformers import DynamicCache
 
 import vismemo_hf
-from vismemo_hf import HitKind, ImageFeatures, WarmupSignals, get_policy, synthetic
+from vismemo_hf import HitKind, ImageFeatures, WarmupSignals, get_policy
+from vismemo_hf.eval import synthetic
 from vismemo_hf.presets import config_dir
 
 from conftest import build_inputs, generate, stored

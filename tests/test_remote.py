@@ -13,7 +13,8 @@ import torch
 from transformers import DynamicCache
 
 import vismemo_hf
-from vismemo_hf import HitKind, VisMemoStore, blob
+from vismemo_hf import HitKind, VisMemoStore
+from vismemo_hf.store import blob
 
 from conftest import build_inputs, generate
 from test_store import _entry
@@ -266,7 +267,7 @@ def test_generated_passwords_never_leak(caplog):
     import logging
     import random as rnd
 
-    from vismemo_hf.remote import safe_url
+    from vismemo_hf.store.remote import safe_url
 
     rng = rnd.Random(0)
     port = _closed_port()

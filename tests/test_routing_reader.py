@@ -8,10 +8,10 @@ import torch
 from transformers import DynamicCache
 
 import vismemo_hf
-from vismemo_hf import docqa, synthdoc
 from vismemo_hf.bench.prefix import first_token
-from vismemo_hf.plan import HitKind
-from vismemo_hf.quality import answer, evaluate, summarise
+from vismemo_hf.eval import docqa, synthdoc
+from vismemo_hf.eval.quality import answer, evaluate, summarise
+from vismemo_hf.runtime.plan import HitKind
 
 from conftest import docqa_reader
 
@@ -158,7 +158,7 @@ def test_exact_hit_after_another_text_is_reported_and_checked():
 
 
 def test_left_padding_does_not_change_the_prefix_hash():
-    from vismemo_hf.lookup import prefix_digest
+    from vismemo_hf.runtime.lookup import prefix_digest
 
     ids = torch.tensor([5, 6, 7, 8, 9])
     padded = torch.tensor([0, 0, 5, 6, 7, 8, 9])

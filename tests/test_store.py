@@ -7,6 +7,7 @@ from transformers import DynamicCache
 
 import vismemo_hf
 from vismemo_hf import Entry, HitKind, VisMemoStore
+from vismemo_hf.store import blob
 
 from conftest import build_inputs, generate
 
@@ -124,7 +125,7 @@ def _blob_keys(directory) -> set:
 
 
 def test_disk_budget_holds_on_disk_under_bursts_and_at_reopen(tmp_path):
-    size = len(__import__("vismemo_hf").blob.encode(_entry("x")))
+    size = len(blob.encode(_entry("x")))
     store = VisMemoStore(device_bytes=0, disk_dir=str(tmp_path), disk_bytes=int(2.2 * size))
     for i in range(40):  # a burst: writes queue in the background while earlier entries are evicted
         assert store.put(_entry(f"k{i}", seed=i))

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from vismemo_hf import synthdoc
-from vismemo_hf.quality import anls
+from vismemo_hf.eval import synthdoc
+from vismemo_hf.eval.quality import anls
 
 
 def test_stream_is_deterministic_and_mixes_hit_kinds():

@@ -10,7 +10,8 @@ from hypothesis import strategies as st
 from transformers import DynamicCache
 
 import vismemo_hf
-from vismemo_hf import Entry, HitKind, VisMemoStore, blob
+from vismemo_hf import Entry, HitKind, VisMemoStore
+from vismemo_hf.store import blob
 
 from conftest import build_inputs, generate
 

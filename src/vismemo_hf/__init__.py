@@ -8,13 +8,13 @@ Data path, one file per step: ``lookup`` -> ``policies`` (make an ``ImagePlan``)
 ``runner`` + ``cache`` + ``attention`` (execute) -> ``store``.
 """
 
-from .cache import VisMemoCache, VisMemoLayer
-from .compress import VLCacheCompression
-from .entry import Entry
-from .hooks import disable, enable, enabled
-from .plan import CacheEvent, HitKind, ImageFeatures, ImagePlan, WarmupSignals
-from .policies import RoutingPolicy, available_policies, get_policy, register_policy
-from .store import VisMemoStore, default_store
+from vismemo_hf.policies import RoutingPolicy, available_policies, get_policy, register_policy
+from vismemo_hf.runtime.cache import VisMemoCache, VisMemoLayer
+from vismemo_hf.runtime.compress import VLCacheCompression
+from vismemo_hf.runtime.hooks import disable, enable, enabled
+from vismemo_hf.runtime.plan import CacheEvent, HitKind, ImageFeatures, ImagePlan, WarmupSignals
+from vismemo_hf.store.entry import Entry
+from vismemo_hf.store.store import VisMemoStore, default_store
 
 __version__ = "0.1.0"
 

@@ -8,8 +8,8 @@ import logging
 import sys
 import warnings
 
-from .cache import DEFAULT_POLICY
-from .families import FAMILIES
+from vismemo_hf.families import FAMILIES
+from vismemo_hf.runtime.cache import DEFAULT_POLICY
 
 FAMILY_NAMES = list(FAMILIES)
 
@@ -18,7 +18,7 @@ def _demo_requests():
     """Five requests on synthetic forms: (name, page, question, expected answer)."""
     import random
 
-    from . import synthdoc
+    from vismemo_hf.eval import synthdoc
 
     base = synthdoc.random_form(11)
     edited = synthdoc.edit_value(base, 2, random.Random(0))
@@ -36,9 +36,10 @@ def _demo_requests():
 def demo(args) -> int:
     import torch
 
-    from . import VisMemoCache, VisMemoStore, enable, synthdoc
-    from .docqa import messages
-    from .models import load_model
+    from vismemo_hf import VisMemoCache, VisMemoStore, enable
+    from vismemo_hf.eval import synthdoc
+    from vismemo_hf.eval.docqa import messages
+    from vismemo_hf.loading import load_model
 
     torch.manual_seed(0)
     model, processor = load_model(args.model, args.family)
@@ -81,9 +82,9 @@ def profile_vlcache(args) -> int:
 
     import yaml
 
-    from .calibrate import layer_sensitivity
-    from .models import load_model
-    from .presets import config_dir
+    from vismemo_hf.eval.vlcache_profile import layer_sensitivity
+    from vismemo_hf.loading import load_model
+    from vismemo_hf.presets import config_dir
 
     model, processor = load_model(args.model, args.family)
     sensitivity = layer_sensitivity(model, processor, pairs=args.pairs, seed=args.seed)
@@ -117,7 +118,7 @@ def _bench(name: str):
 def train_docqa(args) -> int:
     import torch
 
-    from .docqa import PACKAGED, train
+    from vismemo_hf.eval.docqa import PACKAGED, train
 
     torch.set_num_threads(args.threads)
     out = args.out or PACKAGED
@@ -130,7 +131,7 @@ def train_docqa(args) -> int:
 def build_stream(args) -> int:
     from collections import Counter
 
-    from . import synthdoc
+    from vismemo_hf.eval import synthdoc
 
     out = args.out or f".cache/vismemo-data/{args.task}/test.parquet"
     if args.task == "synthdoc":
@@ -140,7 +141,7 @@ def build_stream(args) -> int:
         pages = _real_pages(args)
         near = {}
         if args.near_model:
-            from .models import load_model
+            from vismemo_hf.loading import load_model
 
             model, processor = load_model(args.near_model)
             near = synthdoc.near_duplicates({pid: image for pid, image, _ in pages}, model, processor)
@@ -304,7 +305,7 @@ def main(argv=None) -> int:
     p.add_argument("--heldout-bases", type=int, default=15,
                    help="new pages per held-out stream (seeds that informed no design choice); 0 skips them")
     p.add_argument("--out", default="results/quality")
-    p.set_defaults(func=_bench("quality"))
+    p.set_defaults(func=_bench("table1"))
     p = report_sub.add_parser("prefix", help="exact hits after another text before the image vs a full prefill")
     p.add_argument("--pages", type=int, default=20)
     p.add_argument("--lengths", default="0,10,50,100,200,400", help="token counts of the changed text")

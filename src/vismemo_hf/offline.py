@@ -40,7 +40,7 @@ def offline_processor(family: str, tokenizer=None, min_tokens: int = 4, max_toke
     """The family's processor with local image/video processors and ``tokenizer`` (default: byte-level)."""
     from transformers import Qwen2VLImageProcessor
 
-    from .families import FAMILIES
+    from vismemo_hf.families import FAMILIES
 
     spec = FAMILIES[family]
     tokenizer = tokenizer or byte_tokenizer()

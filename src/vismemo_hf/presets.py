@@ -10,7 +10,7 @@ from pathlib import Path
 
 import yaml
 
-from .families import FAMILIES
+from vismemo_hf.families import FAMILIES
 
 
 def config_dir() -> Path:

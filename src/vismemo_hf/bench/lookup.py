@@ -9,9 +9,9 @@ from pathlib import Path
 
 import torch
 
-from ..store import DescriptorIndex
-from .report import command as report_command
-from .report import header, machine
+from vismemo_hf.bench.report import command as report_command
+from vismemo_hf.bench.report import header, machine
+from vismemo_hf.store.store import DescriptorIndex
 
 
 def run(sizes, dim: int, queries: int, tau: float, top_k: int, groups: int, seed: int = 0) -> list[dict]:

@@ -19,11 +19,12 @@ from pathlib import Path
 import torch
 from transformers import DynamicCache
 
-from .. import VisMemoCache, VisMemoStore, enable, synthdoc
-from ..docqa import messages
-from ..families import FAMILIES
-from .report import command as report_command
-from .report import header, machine
+from vismemo_hf import VisMemoCache, VisMemoStore, enable
+from vismemo_hf.bench.report import command as report_command
+from vismemo_hf.bench.report import header, machine
+from vismemo_hf.eval import synthdoc
+from vismemo_hf.eval.docqa import messages
+from vismemo_hf.families import FAMILIES
 
 ROUTINGS = {"reuse": dict(policy="attend-deviate", prefix_routing="reuse"),
             "check": dict(policy="attend-deviate")}
@@ -77,7 +78,7 @@ def measure(model, processor, pages, lengths, prefix_pairs) -> dict:
 
 
 def main(args) -> int:
-    from ..models import load_model
+    from vismemo_hf.loading import load_model
 
     torch.manual_seed(0)
     lengths = [int(x) for x in args.lengths.split(",")]

@@ -17,11 +17,11 @@ from pathlib import Path
 
 import torch
 
-from .. import blob
-from ..entry import Entry
-from ..remote import safe_url
-from ..store import VisMemoStore
-from .report import header, machine
+from vismemo_hf.bench.report import header, machine
+from vismemo_hf.store import blob
+from vismemo_hf.store.entry import Entry
+from vismemo_hf.store.remote import safe_url
+from vismemo_hf.store.store import VisMemoStore
 
 
 def synthetic_entry(key: str, n_tokens: int, layers: int, heads: int, head_dim: int, embed_dim: int,

@@ -12,11 +12,11 @@ import json
 import tempfile
 from pathlib import Path
 
-from .. import blob
-from ..store import VisMemoStore
-from .report import command as report_command
-from .report import header, machine
-from .store import _tiny_entry, replay_into, synthetic_trace
+from vismemo_hf.bench.report import command as report_command
+from vismemo_hf.bench.report import header, machine
+from vismemo_hf.bench.store import _tiny_entry, replay_into, synthetic_trace
+from vismemo_hf.store import blob
+from vismemo_hf.store.store import VisMemoStore
 
 
 def replay(trace, capacity: int, protect: int, tmp: Path) -> dict:

@@ -8,7 +8,7 @@ from typing import ClassVar
 
 import torch
 
-from ..plan import HitKind, ImageFeatures, ImagePlan, WarmupSignals
+from vismemo_hf.runtime.plan import HitKind, ImageFeatures, ImagePlan, WarmupSignals
 
 _REGISTRY: dict[str, type[RoutingPolicy]] = {}
 
@@ -26,7 +26,7 @@ def available_policies() -> list[str]:
 
 def _preset(name: str) -> dict | None:
     """A policy preset (a YAML path, or the stem of a file in configs/policies/), or None."""
-    from ..presets import load
+    from vismemo_hf.presets import load
 
     data = load("policies", name, missing_ok=True)
     if data is not None and "policy" not in data:
@@ -44,7 +44,7 @@ def get_policy(policy: str | RoutingPolicy, **options) -> RoutingPolicy:
     if cls is None:
         preset = _preset(policy)
         if preset is None:
-            from ..presets import available
+            from vismemo_hf.presets import available
 
             raise ValueError(f"unknown policy {policy!r}; policies: {', '.join(available_policies())}; "
                              f"presets: {', '.join(available('policies'))}")

@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from ..plan import HitKind, ImageFeatures, ImagePlan, WarmupSignals
-from .base import RoutingPolicy, register_policy
+from vismemo_hf.policies.base import RoutingPolicy, register_policy
+from vismemo_hf.runtime.plan import HitKind, ImageFeatures, ImagePlan, WarmupSignals
 
 
 @register_policy

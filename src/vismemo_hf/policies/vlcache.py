@@ -14,13 +14,13 @@ from typing import ClassVar
 
 import torch
 
-from ..plan import ImageFeatures, ImagePlan, WarmupSignals
-from .base import RoutingPolicy, approximate_plan, register_policy
+from vismemo_hf.policies.base import RoutingPolicy, approximate_plan, register_policy
+from vismemo_hf.runtime.plan import ImageFeatures, ImagePlan, WarmupSignals
 
 
 def load_profile(profile: str) -> list[float]:
     """Per-layer sensitivities from a YAML path or the name of a file in configs/vlcache/."""
-    from ..presets import load
+    from vismemo_hf.presets import load
 
     return [float(x) for x in load("vlcache", profile)["sensitivity"]]
 

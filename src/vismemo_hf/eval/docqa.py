@@ -23,10 +23,10 @@ from pathlib import Path
 
 import torch
 
-from . import synthdoc
+from vismemo_hf.eval import synthdoc
 
 MODEL_NAME = "vismemo-docqa-tiny"
-PACKAGED = Path(__file__).resolve().parent / "models" / "docqa-tiny"
+PACKAGED = Path(__file__).resolve().parents[1] / "models" / "docqa-tiny"
 
 # A lean template (every text token costs training time on a CPU): the image, the question, a newline.
 TEMPLATE = (
@@ -41,7 +41,7 @@ def new_processor():
     from transformers import Qwen2VLImageProcessor, Qwen2VLProcessor
     from transformers.models.qwen2_vl.video_processing_qwen2_vl import Qwen2VLVideoProcessor
 
-    from .offline import byte_tokenizer
+    from vismemo_hf.offline import byte_tokenizer
 
     pixels = synthdoc.PAGE_SIZE[0] * synthdoc.PAGE_SIZE[1]
     image = Qwen2VLImageProcessor(size={"shortest_edge": pixels, "longest_edge": pixels}, patch_size=14)

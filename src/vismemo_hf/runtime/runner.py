@@ -17,14 +17,15 @@ from dataclasses import dataclass
 import torch
 from transformers.modeling_outputs import BaseModelOutputWithPast
 
-from .attention import query_blocks
-from .compress import window_stats
-from .context import AttentionCapture, ForwardContext
-from .entry import Entry
-from .lookup import ImageState, PrefillRequest, store_call
-from .plan import HitKind, WarmupSignals, relative_deviation
-from .rope import rerotate, rotate_half
-from .tiers import token_rows
+from vismemo_hf.runtime.attention import query_blocks
+from vismemo_hf.runtime.compress import window_stats
+from vismemo_hf.runtime.context import AttentionCapture, ForwardContext
+from vismemo_hf.runtime.lookup import ImageState, PrefillRequest
+from vismemo_hf.runtime.plan import HitKind, WarmupSignals, relative_deviation
+from vismemo_hf.runtime.rope import rerotate, rotate_half
+from vismemo_hf.store.entry import Entry
+from vismemo_hf.store.store import store_call
+from vismemo_hf.store.tiers import token_rows
 
 logger = logging.getLogger(__name__)
 

@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache
 
-from . import synthdoc
-from .cache import DEFAULT_POLICY, VisMemoCache
-from .store import VisMemoStore
+from vismemo_hf.eval import synthdoc
+from vismemo_hf.runtime.cache import DEFAULT_POLICY, VisMemoCache
+from vismemo_hf.store.store import VisMemoStore
 
 
 def levenshtein(a: str, b: str) -> int:
@@ -62,7 +62,7 @@ def answer_cell_routing(request: synthdoc.Request, plan) -> dict:
 
 @torch.no_grad()
 def answer(model, processor, request: synthdoc.Request, cache, max_new_tokens: int = 8):
-    from .docqa import messages
+    from vismemo_hf.eval.docqa import messages
 
     text = processor.apply_chat_template(messages(request.question, request.prefix), add_generation_prompt=True)
     inputs = processor(text=[text], images=[synthdoc.render(request.page)], return_tensors="pt").to(model.device)

@@ -8,11 +8,11 @@ import contextlib
 import types
 from dataclasses import dataclass, field
 
-from . import attention, context
-from .cache import VisMemoCache
-from .families import ModelAdapter
-from .lookup import DeferredImageFeatures, lookup_request
-from .runner import run_prefill
+from vismemo_hf.families import ModelAdapter
+from vismemo_hf.runtime import attention, context
+from vismemo_hf.runtime.cache import VisMemoCache
+from vismemo_hf.runtime.lookup import DeferredImageFeatures, lookup_request
+from vismemo_hf.runtime.runner import run_prefill
 
 
 def _cache_of(kwargs) -> VisMemoCache | None:

@@ -49,21 +49,6 @@ def edited(seed: int, row: int = 0, value: str = "9999", size: tuple[int, int] =
 
 def shifted(img: Image.Image, dx: int = 2, dy: int = 0) -> Image.Image:
     """The same page moved by a few pixels (white fill)."""
-    from .synthdoc import shift_image
+    from vismemo_hf.eval.synthdoc import shift_image
 
     return shift_image(img, dx, dy)
-
-
-def chart(seed: int, size: tuple[int, int] = (224, 168)) -> Image.Image:
-    """A bar-chart panel on a dark background: a page unrelated to the forms."""
-    rng = random.Random(seed)
-    img = Image.new("RGB", size, (20, 24, 48))
-    draw = ImageDraw.Draw(img)
-    n = 6
-    width = (size[0] - 20) // n
-    for i in range(n):
-        h = rng.randint(20, size[1] - 30)
-        colour = tuple(rng.randint(80, 255) for _ in range(3))
-        draw.rectangle((10 + i * width, size[1] - 10 - h, 10 + (i + 1) * width - 6, size[1] - 10), fill=colour)
-    draw.text((8, 4), f"SALES {seed}", fill="white", font=ImageFont.load_default())
-    return img

@@ -27,10 +27,10 @@ from pathlib import Path
 
 import torch
 
-from . import blob
-from .entry import Entry
-from .remote import RemoteTier, RemoteUnavailable
-from .tiers import DeviceTier, DiskTier, HostTier
+from vismemo_hf.store import blob
+from vismemo_hf.store.entry import Entry
+from vismemo_hf.store.remote import RemoteTier, RemoteUnavailable
+from vismemo_hf.store.tiers import DeviceTier, DiskTier, HostTier
 
 logger = logging.getLogger(__name__)
 
@@ -183,7 +183,7 @@ class VisMemoStore:
     def from_config(cls, path: str | None = None) -> VisMemoStore:
         """A store from a YAML preset: a path, or the name of a file in ``configs/store/``
         (default ``default``: small RAM tiers and a disk tier under the user's cache home)."""
-        from .presets import find, load
+        from vismemo_hf.presets import find, load
 
         name = path or "default"
         file, cfg = find("store", name), load("store", name)
@@ -541,6 +541,15 @@ class VisMemoStore:
             self.disk.close()
         if self.remote is not None:
             self.remote.close()
+
+
+def store_call(what: str, fn, default):
+    """Run a store call; a fault is logged and gives ``default`` (a miss, no entry stored), never an error."""
+    try:
+        return fn()
+    except Exception as err:  # noqa: BLE001 - any store failure must degrade, not break serving
+        logger.warning("vismemo: store %s failed (%s: %s); continuing without it", what, type(err).__name__, err)
+        return default
 
 
 _DEFAULT: VisMemoStore | None = None

@@ -15,9 +15,9 @@ from lmms_eval.api.model import lmms
 from lmms_eval.models.registry_v2 import ModelManifest
 from tqdm import tqdm
 
-from . import VisMemoCache, VisMemoStore, enable
-from .cache import DEFAULT_POLICY
-from .models import load_model
+from vismemo_hf import VisMemoCache, VisMemoStore, enable
+from vismemo_hf.loading import load_model
+from vismemo_hf.runtime.cache import DEFAULT_POLICY
 
 HIT_KINDS: dict[str, str] = {}
 
@@ -77,4 +77,4 @@ class VisMemoLMM(lmms):
 
 
 def manifests():
-    return [ModelManifest(model_id="vismemo", simple_class_path="vismemo_hf.lmms.VisMemoLMM")]
+    return [ModelManifest(model_id="vismemo", simple_class_path="vismemo_hf.eval.lmms.VisMemoLMM")]

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .plan import ImageFeatures
+from vismemo_hf.runtime.plan import ImageFeatures
 
 
 @dataclass

@@ -12,11 +12,11 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
-from . import context
-from .compress import VLCacheCompression
-from .plan import CacheEvent
-from .policies import RoutingPolicy, get_policy
-from .store import VisMemoStore, default_store
+from vismemo_hf.policies import RoutingPolicy, get_policy
+from vismemo_hf.runtime import context
+from vismemo_hf.runtime.compress import VLCacheCompression
+from vismemo_hf.runtime.plan import CacheEvent
+from vismemo_hf.store.store import VisMemoStore, default_store
 
 
 class VisMemoLayer(DynamicLayer):

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache
 
-from . import synthetic
+from vismemo_hf.eval import synthetic
 
 
 @torch.no_grad()

@@ -18,7 +18,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from . import context
+from vismemo_hf.runtime import context
 
 ATTENTION_NAME = "vismemo"
 

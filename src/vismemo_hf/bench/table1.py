@@ -12,9 +12,10 @@ from pathlib import Path
 
 import torch
 
-from .. import enable, synthdoc
-from ..quality import evaluate, reading_by_type, summarise
-from .report import machine
+from vismemo_hf import enable
+from vismemo_hf.bench.report import machine
+from vismemo_hf.eval import synthdoc
+from vismemo_hf.eval.quality import evaluate, reading_by_type, summarise
 
 POLICIES = ["full", "naive", "cacheblend", "vlcache", "attention-only", "pixel-patch", "vismemo",
             "vismemo-no-entropy", "vismemo-no-head-norm", "vismemo-no-mask", "vismemo-no-guard", "attend-deviate",
@@ -113,7 +114,7 @@ def _plot(sweep: dict, name: str, path: Path) -> None:
 
 
 def main(args) -> int:
-    from ..models import load_model
+    from vismemo_hf.loading import load_model
 
     torch.manual_seed(0)
     model, processor = load_model(args.model)

@@ -21,8 +21,8 @@ import diskcache
 import torch
 from diskcache.core import MODE_PICKLE
 
-from . import blob
-from .entry import Entry
+from vismemo_hf.store import blob
+from vismemo_hf.store.entry import Entry
 
 logger = logging.getLogger(__name__)
 

@@ -28,8 +28,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from . import blob
-from .entry import Entry
+from vismemo_hf.store import blob
+from vismemo_hf.store.entry import Entry
 
 logger = logging.getLogger(__name__)
 

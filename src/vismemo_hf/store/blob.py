@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .entry import Entry
+from vismemo_hf.store.entry import Entry
 
 MAGIC = b"VMEM"
 LAYOUT_VERSION = 2

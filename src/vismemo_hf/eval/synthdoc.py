@@ -378,8 +378,8 @@ def near_duplicates(images: dict, model, processor, tau: float = 0.8, tau_fine: 
     grid, all four regional cosines > ``tau``, mean per-token cosine >= ``tau_fine``) against an earlier page."""
     import torch
 
-    from .families import ModelAdapter
-    from .features import region_descriptors, token_cosine
+    from vismemo_hf.families import ModelAdapter
+    from vismemo_hf.runtime.features import region_descriptors, token_cosine
 
     adapter = ModelAdapter.for_model(model)
     seen, out = [], {}

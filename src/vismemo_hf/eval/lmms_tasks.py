@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from .lmms import HIT_KINDS
+from vismemo_hf.eval.lmms import HIT_KINDS
 
 KINDS = ("exact", "approximate", "miss")
 

@@ -12,7 +12,7 @@ def load_model(spec: str, family: str | None = None, dtype=torch.float32, seed: 
     checkpoint folder (``from_pretrained``) or a preset
     of ``configs/models/`` built with random weights and an offline processor (``family`` picks the
     family of family-agnostic presets such as ``tiny``; default qwen2_vl)."""
-    from .docqa import MODEL_NAME, docqa_model
+    from vismemo_hf.eval.docqa import MODEL_NAME, docqa_model
 
     if spec == MODEL_NAME:
         model, processor = docqa_model(dtype=dtype)
@@ -22,9 +22,9 @@ def load_model(spec: str, family: str | None = None, dtype=torch.float32, seed: 
 
         model = AutoModelForImageTextToText.from_pretrained(spec, dtype=dtype).eval().to(device)
         return model, AutoProcessor.from_pretrained(spec)
-    from .offline import offline_processor
-    from .presets import load_preset
-    from .testing import build_model
+    from vismemo_hf.offline import offline_processor
+    from vismemo_hf.presets import load_preset
+    from vismemo_hf.testing import build_model
 
     family = family or load_preset(spec).get("family") or "qwen2_vl"
     processor = offline_processor(family)

@@ -15,9 +15,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .entry import Entry
-from .features import exact_key, patch_entropy, patch_hashes, region_descriptors, token_cosine
-from .plan import CacheEvent, HitKind, ImageFeatures, ImagePlan
+from vismemo_hf.runtime.features import exact_key, patch_entropy, patch_hashes, region_descriptors, token_cosine
+from vismemo_hf.runtime.plan import CacheEvent, HitKind, ImageFeatures, ImagePlan
+from vismemo_hf.store.entry import Entry
+from vismemo_hf.store.store import store_call
 
 logger = logging.getLogger(__name__)
 
@@ -161,15 +162,6 @@ def image_spans(input_ids: torch.Tensor, image_token_id: int, counts: list[int])
             "use the model's processor to build inputs"
         )
     return [(row, start) for row, start, _ in spans]
-
-
-def store_call(what: str, fn, default):
-    """Run a store call; a fault is logged and gives ``default`` (a miss, no entry stored), never an error."""
-    try:
-        return fn()
-    except Exception as err:  # noqa: BLE001 - any store failure must degrade, not break serving
-        logger.warning("vismemo: store %s failed (%s: %s); continuing without it", what, type(err).__name__, err)
-        return default
 
 
 def _usable(adapter, cache, entry: Entry | None, key: str, grid) -> bool:
