@@ -18,7 +18,7 @@ def _seed_store(model, processor):
 
 def _copy(store):
     clone = vismemo_hf.VisMemoStore()
-    for entry in store.device.entries.values():
+    for entry in store.device.lru.values():
         clone.put(entry)
     return clone
 

@@ -71,7 +71,7 @@ class _Tier:
 
     def corrupt(self, key, positions, rng):
         if self.kind == "host":
-            data = self.store.host.blobs[key][1]
+            data = self.store.host.lru[key][1]
             for p in positions:
                 data[p] ^= rng.randint(1, 255)
         elif self.kind == "disk":

@@ -100,7 +100,7 @@ def test_naive_exact_hit_with_identical_prompt_equals_plain_run(tiny, pages):
 def test_cacheblend_recomputes_the_tokens_whose_stored_kv_was_perturbed(qwen2, pages, use_keys):
     model, processor = qwen2
     store = stored(model, processor, pages["base"])
-    (entry,) = store.device.entries.values()
+    (entry,) = store.device.lru.values()
     perturbed = torch.tensor([3, 11, 20, 31, 40])
     torch.manual_seed(0)
     entry.kv[perturbed, 1, 0 if use_keys else 1] += 5.0 * torch.randn_like(entry.kv[perturbed, 1, 0])

@@ -207,8 +207,8 @@ def test_corrupt_remote_blob_is_a_miss_and_is_deleted(qwen2, pages, server):
         if page == "edit":  # the damaged blob and its record are gone from the server
             assert not client.exists(name) and not client.hexists("vismemo:index", name[len("vismemo:blob:"):])
         checker = _store(server.url)  # what the server holds now (the miss published its page) is sound
-        assert checker.remote.sizes and all(checker.get(k, checker.remote.fingerprints[k]) is not None
-                                            for k in list(checker.remote.sizes)), page
+        assert checker.remote.lru and all(checker.get(k, checker.remote.fingerprints[k]) is not None
+                                            for k in list(checker.remote.lru)), page
         assert checker.stats()["corrupt"] == 0
         client.flushdb()
 

@@ -131,7 +131,7 @@ def test_disk_budget_holds_on_disk_under_bursts_and_at_reopen(tmp_path):
         assert store.put(_entry(f"k{i}", seed=i))
     store.flush()
     on_disk = _blob_keys(tmp_path)
-    assert on_disk == set(store.disk.sizes) and len(on_disk) == 2 and store.disk.bytes <= int(2.2 * size)
+    assert on_disk == set(store.disk.lru) and len(on_disk) == 2 and store.disk.bytes <= int(2.2 * size)
     store.close()
     big = VisMemoStore(device_bytes=0, disk_dir=str(tmp_path / "big"), disk_bytes=2**30)
     for i in (3, 1, 5, 0, 4, 2):  # written in this order: the oldest three go at reopen

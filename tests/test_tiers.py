@@ -35,11 +35,11 @@ def check_invariants(store: VisMemoStore) -> None:
     for name, tier in stats["tiers"].items():
         if tier["budget"] is not None:
             assert tier["bytes"] <= tier["budget"], name
-    in_tiers = set(store.device.entries) | set(store.host.blobs) | set(store.victim.blobs)
+    in_tiers = set(store.device.lru) | set(store.host.lru) | set(store.victim.lru)
     if store.disk is not None:
-        in_tiers |= set(store.disk.sizes)
+        in_tiers |= set(store.disk.lru)
     assert stats["entries"] == len(store) == len(in_tiers) == len(store._index)
-    assert not set(store.device.entries) & (set(store.host.blobs) | set(store.victim.blobs))
+    assert not set(store.device.lru) & (set(store.host.lru) | set(store.victim.lru))
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -103,7 +103,7 @@ def test_exact_hits_promote_and_approximate_reads_do_not(tmp_path):
     entry = make_entry("promote")
     store.put(entry)
     store.flush()
-    store.device.remove("promote")  # as if evicted long ago: only the disk copy is left
+    store.device.pop("promote")  # as if evicted long ago: only the disk copy is left
     assert store.tier_of("promote") == "disk"
     store.get_tokens("promote", "fp", torch.tensor([1]), 1)
     assert store.tier_of("promote") == "disk"
@@ -302,3 +302,21 @@ def test_from_config_presets(tmp_path, monkeypatch):
     assert VisMemoStore.from_config("memory").disk is None
     with pytest.raises(ValueError):
         VisMemoStore.from_config("no-such-preset")
+
+
+def test_every_tier_offers_the_tier_interface(tmp_path):
+    """The store treats its tiers alike: each one, remote included, has every method of ``Tier``."""
+    from vismemo_hf.store.remote import RemoteTier
+    from vismemo_hf.store.tiers import Tier
+
+    store = VisMemoStore(device_bytes=10**6, host_bytes=10**6, disk_dir=tmp_path, disk_bytes=10**7,
+                         remote_url="redis://127.0.0.1:1/0", remote_options={"timeout_s": 0.05})
+    assert [t.name for t in store.tiers] == ["device", "host", "host", "disk", "remote"]
+    assert all(isinstance(t, Tier) for t in store.tiers) and isinstance(store.remote, RemoteTier)
+    entry = make_entry("k")
+    store.put(entry)
+    store.flush()
+    for tier in store.tiers:
+        stats = tier.stats()
+        assert {"bytes", "budget", "entries"} <= set(stats) and stats["entries"] == len(tier.lru)
+    store.close()

@@ -89,6 +89,7 @@ class RemoteTier:
     """Blobs in a Redis server shared by every process that points at it."""
 
     name = "remote"
+    shared = True
 
     def __init__(self, url: str, *, prefix: str = "vismemo", timeout_s: float = 0.5, retry_s: float = 5.0,
                  ttl_s: int | None = 7 * 24 * 3600, stream_len: int = 100_000, refresh_s: float = 1.0):
@@ -107,10 +108,10 @@ class RemoteTier:
             raise ValueError(f"invalid remote_url {self.url} ({type(err).__name__}: "
                              f"{scrub(str(err), self._secrets)})") from None
         self.budget = None  # capacity is the server's (maxmemory)
-        self.sizes: OrderedDict[str, int] = OrderedDict()  # every key the index knows, with its blob size
+        self.lru: OrderedDict[str, int] = OrderedDict()  # every key the index knows, with its blob size
         self.fingerprints: dict[str, str] = {}  # key -> model fingerprint its record was published with
         self.bytes = 0
-        self.stats = {"errors": 0, "writes": 0, "write_failures": 0, "writes_refused": 0, "writes_skipped": 0,
+        self.counters = {"errors": 0, "writes": 0, "write_failures": 0, "writes_refused": 0, "writes_skipped": 0,
                       "bytes_written": 0, "bytes_read": 0, "range_reads": 0, "reconnects": 0,
                       "connected": False}
         self._down_until = 0.0
@@ -128,11 +129,11 @@ class RemoteTier:
     # -- availability ------------------------------------------------------------------------------
     def _fault(self, what: str, err: Exception) -> None:
         with self._state:
-            self.stats["errors"] += 1
+            self.counters["errors"] += 1
             was_up = self._connected
-            self._connected = self.stats["connected"] = False
+            self._connected = self.counters["connected"] = False
             self._down_until = time.monotonic() + self.retry_s
-        if was_up or self.stats["errors"] == 1:
+        if was_up or self.counters["errors"] == 1:
             logger.warning("vismemo: remote tier %s failed on %s (%s: %s); serving from local tiers, retrying in %.0f s",
                            self.url, what, type(err).__name__, scrub(str(err), self._secrets), self.retry_s)
 
@@ -148,10 +149,10 @@ class RemoteTier:
             self._fault("connect", err)
             return False
         with self._state:
-            if self.stats["reconnects"] or self.stats["errors"]:
+            if self.counters["reconnects"] or self.counters["errors"]:
                 logger.warning("vismemo: remote tier %s reachable again", self.url)
-            self.stats["reconnects"] += 1
-            self._connected = self.stats["connected"] = True
+            self.counters["reconnects"] += 1
+            self._connected = self.counters["connected"] = True
             self.needs_reload = True
         return True
 
@@ -216,18 +217,18 @@ class RemoteTier:
             self._track(key, header.total_bytes)
 
     def _track(self, key: str, size: int) -> None:
-        if key not in self.sizes:
-            self.sizes[key] = size
+        if key not in self.lru:
+            self.lru[key] = size
             self.bytes += size
 
     def __contains__(self, key: str) -> bool:
-        return key in self.sizes and self.available()
+        return key in self.lru and self.available()
 
     # -- writing -----------------------------------------------------------------------------------
     def write_async(self, key: str, encode, descriptors: torch.Tensor) -> None:
         """Encode (``encode()`` -> blob bytes) and publish in the background: nothing waits for it."""
         if not self.available():
-            self.stats["writes_skipped"] += 1
+            self.counters["writes_skipped"] += 1
             return
 
         def write():
@@ -241,21 +242,21 @@ class RemoteTier:
                           approximate=True)
                 pipe.execute()
                 with self._state:
-                    self.stats["writes"] += 1
-                    self.stats["bytes_written"] += len(data) + 2 * len(record)
+                    self.counters["writes"] += 1
+                    self.counters["bytes_written"] += len(data) + 2 * len(record)
                     self.fingerprints[key] = blob.parse_header(data).fingerprint
                     self._track(key, len(data))
             except self._redis.ResponseError as err:  # refused (OOM under maxmemory, ...): reads go on
                 with self._state:
-                    self.stats["write_failures"] += 1
-                    self.stats["writes_refused"] += 1
-                    first = self.stats["writes_refused"] == 1
+                    self.counters["write_failures"] += 1
+                    self.counters["writes_refused"] += 1
+                    first = self.counters["writes_refused"] == 1
                 if first:
                     logger.warning("vismemo: remote tier %s refused a write (%s: %s); reads continue",
                                    self.url, type(err).__name__, scrub(str(err), self._secrets))
             except Exception as err:  # noqa: BLE001
                 with self._state:
-                    self.stats["write_failures"] += 1
+                    self.counters["write_failures"] += 1
                 self._fault("write", err)
 
         self._pending.append(self._writer.submit(write))
@@ -267,7 +268,7 @@ class RemoteTier:
 
     def _untrack(self, key: str) -> None:
         with self._state:
-            self.bytes -= self.sizes.pop(key, 0)
+            self.bytes -= self.lru.pop(key, 0)
             self.fingerprints.pop(key, None)
 
     def discard(self, key: str) -> None:
@@ -292,7 +293,22 @@ class RemoteTier:
             except Exception as err:  # noqa: BLE001
                 self._fault("delete", err)
 
-    remove = discard
+    pop = discard  # the store demotes nothing out of the shared tier: capacity is the server's
+
+    def touch(self, key: str) -> None:
+        if key in self.lru:
+            self.lru.move_to_end(key)
+
+    def put(self, key: str, data: bytes) -> None:
+        """Write in the background (the store publishes through ``write_async`` with the descriptors)."""
+        raise NotImplementedError("the remote tier is written with write_async(key, encode, descriptors)")
+
+    @staticmethod
+    def sizeof(data: bytes) -> int:
+        return len(data)
+
+    def stats(self) -> dict:
+        return {"bytes": self.bytes, "budget": None, "entries": len(self.lru), **dict(self.counters)}
 
     # -- reading (KeyError: not on the server; ConnectionError & co. are faults, see VisMemoStore) ----
     def _call(self, fn):
@@ -304,7 +320,7 @@ class RemoteTier:
 
     def _range(self, key: str, start: int, length: int) -> bytes:
         data = self._call(lambda: self.client.getrange(self._blob_key(key), start, start + length - 1))
-        self.stats["bytes_read"] += len(data)
+        self.counters["bytes_read"] += len(data)
         if not data:
             raise KeyError(key)
         if len(data) != length:
@@ -328,7 +344,7 @@ class RemoteTier:
         data = self._call(lambda: self.client.get(self._blob_key(key)))
         if data is None:
             raise KeyError(key)
-        self.stats["bytes_read"] += len(data)
+        self.counters["bytes_read"] += len(data)
         header = self._checked(key, blob.parse_header(data[: blob.HEADER_SIZE]))
         if len(data) != header.total_bytes:
             raise blob.BlobError("blob size does not match its header")
@@ -348,8 +364,8 @@ class RemoteTier:
             return pipe.execute()
 
         chunks = self._call(fetch) if ranges else []
-        self.stats["range_reads"] += len(ranges)
-        self.stats["bytes_read"] += sum(len(c) for c in chunks)
+        self.counters["range_reads"] += len(ranges)
+        self.counters["bytes_read"] += sum(len(c) for c in chunks)
         if ranges and not any(chunks):  # deleted between the header read and now
             raise KeyError(key)
         return blob.decode_ranges(header, chunks, first_layer)

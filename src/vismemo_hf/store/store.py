@@ -21,7 +21,6 @@ import logging
 import os
 import re
 import threading
-from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -30,7 +29,7 @@ import torch
 from vismemo_hf.store import blob
 from vismemo_hf.store.entry import Entry
 from vismemo_hf.store.remote import RemoteTier, RemoteUnavailable
-from vismemo_hf.store.tiers import DeviceTier, DiskTier, HostTier
+from vismemo_hf.store.tiers import DeviceTier, DiskTier, HostTier, Tier
 
 logger = logging.getLogger(__name__)
 
@@ -147,8 +146,7 @@ class VisMemoStore:
         self.device = DeviceTier(device_bytes, device)
         main_host = None if host_bytes is None else int(host_bytes * (1 - victim_share))
         self.host = HostTier(main_host)
-        self.victim = HostTier(None if host_bytes is None else host_bytes - main_host)
-        self.victim.name = "host"
+        self.victim = HostTier(None if host_bytes is None else host_bytes - main_host, name="host")
         self.disk = None
         if disk_dir is not None:
             try:
@@ -265,18 +263,17 @@ class VisMemoStore:
         if not self._fits(tier, size) or tier.budget == 0:
             return False
         self._make_room(tier, size)
-        tier.add(item) if tier is self.device else tier.add(key, item)
+        tier.put(key, item)
         return True
 
-    def _order(self, tier) -> OrderedDict:
-        """A tier's keys, least recently used first."""
-        if tier is self.device:
-            return tier.entries
-        return tier.sizes if tier is self.disk or tier is self.remote else tier.blobs
+    @property
+    def tiers(self) -> list[Tier]:
+        """The tiers, fastest first (the victim share is part of the host tier)."""
+        return [t for t in (self.device, self.host, self.victim, self.disk, self.remote) if t is not None]
 
     def _make_room(self, tier, size: int) -> None:
         """Exact-priority LRU: evict from the LRU end; a protected entry loses one protection and goes to the MRU end."""
-        order = self._order(tier)
+        order = tier.lru
         while tier.budget is not None and tier.bytes + size > tier.budget and order:
             victim = next(iter(order))
             if self._protect.get(victim, 0) > 0:
@@ -289,22 +286,22 @@ class VisMemoStore:
         """Demote ``key`` one tier down (L1 -> L2 or victim -> L3 -> gone)."""
         self._stats["evictions"] += 1
         if tier is self.device:
-            entry = tier.remove(key)
+            entry = tier.pop(key)
             data = blob.encode(entry)
             if self._place(self.host, key, data, len(data)):
                 self._stats["demotions"] += 1
                 return
             return self._to_disk_or_drop(key, data)
         if tier is self.host:
-            data = tier.remove(key)
+            data = tier.pop(key)
             if self.victim.budget and self._admit_victim(key, len(data)):
-                self.victim.add(key, data)
+                self.victim.put(key, data)
                 self._stats["demotions"] += 1
                 return
             return self._to_disk_or_drop(key, data)
         if tier is self.victim:
-            return self._to_disk_or_drop(key, tier.remove(key))
-        tier.remove(key)  # disk: gone
+            return self._to_disk_or_drop(key, tier.pop(key))
+        tier.pop(key)  # disk: gone
         self._forget_if_gone(key)
 
     def _score(self, key: str) -> float:
@@ -315,10 +312,10 @@ class VisMemoStore:
         if size > self.victim.budget or self._score(key) <= 0:
             return False
         while self.victim.bytes + size > self.victim.budget:
-            weakest = min(self.victim.blobs, key=self._score)
+            weakest = min(self.victim.lru, key=self._score)
             if self._score(weakest) >= self._score(key):
                 return False
-            self._to_disk_or_drop(weakest, self.victim.remove(weakest))
+            self._to_disk_or_drop(weakest, self.victim.pop(weakest))
         return True
 
     def _to_disk_or_drop(self, key: str, data: bytes) -> None:
@@ -385,18 +382,18 @@ class VisMemoStore:
     def _corrupt(self, tier, key: str, err: Exception) -> None:
         logger.warning("vismemo: %s blob %s unusable (%s: %s); removed", tier.name, key[:12], type(err).__name__, err)
         self._stats["corrupt"] += 1
-        tier.discard(key) if tier is self.disk or tier is self.remote else tier.remove(key)
+        tier.discard(key)
         self._forget_if_gone(key)
 
     def clear(self) -> None:
         """Empty this process's tiers (the shared remote tier is left to the processes that share it)."""
         with self._lock:
             self.flush()
-            for tier in (self.device, self.host, self.victim, self.disk):
-                if tier is None:
+            for tier in self.tiers:
+                if tier.shared and tier is not self.disk:
                     continue
-                for key in list(self._order(tier)):
-                    tier.remove(key)
+                for key in list(tier.lru):
+                    tier.discard(key)
             for key in list(self._where):
                 self._forget_if_gone(key)
 
@@ -421,7 +418,7 @@ class VisMemoStore:
         except KeyError:
             if tier is self.disk:  # another process deleted it
                 tier.discard(key)
-            elif key in tier.sizes:  # remote: evicted by the server, or deleted by another process
+            elif key in tier.lru:  # remote: evicted by the server, or deleted by another process
                 tier.forget(key)
             self._forget_if_gone(key)
             return None, None
@@ -449,11 +446,11 @@ class VisMemoStore:
             self._protect[key] = self.protect_budget
             self._reuse[key] = self._reuse.get(key, 0) + 1
             if tier is self.device:
-                tier.entries.move_to_end(key)
+                tier.touch(key)
                 return entry
-            shared = tier is self.disk or tier is self.remote
+            shared = tier.shared
             if not shared:
-                tier.remove(key)
+                tier.pop(key)
             if self._place(self.device, key, entry, self.device.sizeof(entry)):
                 self._stats["promotions"] += 1
                 return self.device.full(key)
@@ -475,7 +472,7 @@ class VisMemoStore:
             if out is None:
                 return None
             kv, nbytes = out
-            self._order(tier).move_to_end(key)  # an access, but no promotion
+            tier.touch(key)  # an access, but no promotion
             self._stats["bytes_read_sparse"] += nbytes
             self._stats["hits_by_tier"][tier.name] += 1
             self._reuse[key] = self._reuse.get(key, 0) + 1
@@ -491,9 +488,9 @@ class VisMemoStore:
         """Remove ``key`` from every tier (an entry found unusable for its model); counted as corrupt."""
         with self._lock:
             self._stats["corrupt"] += 1
-            for tier in (self.device, self.host, self.victim, self.disk, self.remote):
-                if tier is not None and key in tier:
-                    tier.discard(key) if tier is self.disk or tier is self.remote else tier.remove(key)
+            for tier in self.tiers:
+                if key in tier:
+                    tier.discard(key)
             self._forget_if_gone(key)
 
     # -- bookkeeping -------------------------------------------------------------------------------
@@ -516,20 +513,15 @@ class VisMemoStore:
     def stats(self) -> dict:
         self._settle_writes()
         with self._lock:
-            tiers = {
-                "device": {"bytes": self.device.bytes, "budget": self.device.budget, "entries": len(self.device.entries)},
-                "host": {"bytes": self.host.bytes + self.victim.bytes,
-                         "budget": None if self.host.budget is None else self.host.budget + self.victim.budget,
-                         "entries": len(self.host.blobs) + len(self.victim.blobs),
-                         "victim_entries": len(self.victim.blobs), "victim_bytes": self.victim.bytes},
-                "disk": {"bytes": self.disk.bytes if self.disk else 0, "budget": self.disk.budget if self.disk else 0,
-                         "entries": len(self.disk.sizes) if self.disk else 0,
-                         "foreign": self.disk.foreign if self.disk else 0,
-                         "range_reads": self.disk.range_reads if self.disk else 0},
-                "remote": {"bytes": self.remote.bytes if self.remote else 0, "budget": None,
-                           "entries": len(self.remote.sizes) if self.remote else 0,
-                           **(dict(self.remote.stats) if self.remote else {})},
-            }
+            tiers = {name: {"bytes": 0, "budget": 0, "entries": 0} for name in TIERS}
+            for tier in (self.device, self.disk, self.remote):
+                if tier is not None:
+                    tiers[tier.name] = tier.stats()
+            host, victim = self.host.stats(), self.victim.stats()
+            tiers["host"] = {"bytes": host["bytes"] + victim["bytes"],
+                             "budget": None if host["budget"] is None else host["budget"] + victim["budget"],
+                             "entries": host["entries"] + victim["entries"], "victim_entries": victim["entries"],
+                             "victim_bytes": victim["bytes"]}
             return {**{k: (dict(v) if isinstance(v, dict) else v) for k, v in self._stats.items()},
                     "entries": len(self._where), "bytes": sum(t["bytes"] for t in tiers.values()), "tiers": tiers}
 

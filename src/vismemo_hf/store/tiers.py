@@ -1,4 +1,7 @@
-"""The three tiers of the store; each holds entries in its own form and knows only its own bytes.
+"""The local tiers of the store; each holds entries in its own form and knows only its own bytes.
+
+Every tier (these three and ``remote.RemoteTier``) offers the same ``Tier`` interface, so ``VisMemoStore`` reads,
+places, touches, evicts and reports on all of them alike; a new tier is one class with these methods.
 
 * ``DeviceTier`` (L1): decoded entries, K/V on the tier's device; reads are indexing.
 * ``HostTier`` (L2): blobs as uint8 tensors (pinned when CUDA exists); sparse reads gather.
@@ -16,6 +19,7 @@ import logging
 import os
 from collections import OrderedDict
 from dataclasses import replace
+from typing import Protocol, runtime_checkable
 
 import diskcache
 import torch
@@ -34,77 +38,116 @@ def token_rows(kv: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     return kv[tokens.to(kv.device)]
 
 
-class DeviceTier:
+@runtime_checkable
+class Tier(Protocol):
+    """What the store asks of a tier. ``lru``: its keys, least recently used first (values are the tier's own);
+    ``shared``: other processes see it too (a read never removes from it). ``put`` / ``pop`` take and give the
+    item in the tier's own form (a decoded ``Entry`` for the device tier, blob bytes for the others)."""
+
+    name: str
+    budget: int | None
+    bytes: int
+    shared: bool
+
+    @property
+    def lru(self) -> OrderedDict: ...
+    def __contains__(self, key: str) -> bool: ...
+    def sizeof(self, item) -> int: ...
+    def put(self, key: str, item) -> None: ...
+    def pop(self, key: str): ...
+    def discard(self, key: str) -> None: ...
+    def touch(self, key: str) -> None: ...
+    def full(self, key: str) -> Entry: ...
+    def meta(self, key: str) -> Entry: ...
+    def tokens(self, key: str, tokens: torch.Tensor, first_layer: int) -> tuple[torch.Tensor, int]: ...
+    def stats(self) -> dict: ...
+
+
+class _Local:
+    """What the RAM tiers share: an ``lru`` mapping, touch, discard and stats."""
+
+    shared = False
+    lru: OrderedDict
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.lru
+
+    def touch(self, key: str) -> None:
+        self.lru.move_to_end(key)
+
+    def discard(self, key: str) -> None:
+        if key in self.lru:
+            self.pop(key)
+
+    def stats(self) -> dict:
+        return {"bytes": self.bytes, "budget": self.budget, "entries": len(self.lru)}
+
+
+class DeviceTier(_Local):
     name = "device"
 
     def __init__(self, budget: int | None, device: str | torch.device = "cpu"):
         self.budget, self.device = budget, torch.device(device)
-        self.entries: OrderedDict[str, Entry] = OrderedDict()
+        self.lru: OrderedDict[str, Entry] = OrderedDict()
         self.bytes = 0
-
-    def __contains__(self, key: str) -> bool:
-        return key in self.entries
 
     def sizeof(self, entry: Entry) -> int:
         return entry.nbytes
 
-    def add(self, entry: Entry) -> None:
+    def put(self, key: str, entry: Entry) -> None:
         moved = replace(entry, embeds=entry.embeds.to(self.device), kv=entry.kv.to(self.device),
                         deepstack=None if entry.deepstack is None else entry.deepstack.to(self.device))
-        self.entries[entry.key] = moved
+        self.lru[key] = moved
         self.bytes += moved.nbytes
 
-    def remove(self, key: str) -> Entry:
-        entry = self.entries.pop(key)
+    def pop(self, key: str) -> Entry:
+        entry = self.lru.pop(key)
         self.bytes -= entry.nbytes
         return entry
 
     def full(self, key: str) -> Entry:
-        return self.entries[key]
+        return self.lru[key]
 
     def meta(self, key: str) -> Entry:
-        return self.entries[key]
+        return self.lru[key]
 
     def tokens(self, key: str, tokens: torch.Tensor, first_layer: int) -> tuple[torch.Tensor, int]:
-        kv = self.entries[key].kv
+        kv = self.lru[key].kv
         out = token_rows(kv, tokens)[:, first_layer:]
         return out, out.numel() * out.element_size()
 
 
-class HostTier:
+class HostTier(_Local):
     name = "host"
 
-    def __init__(self, budget: int | None):
-        self.budget = budget
-        self.blobs: OrderedDict[str, tuple[blob.BlobHeader, torch.Tensor]] = OrderedDict()
+    def __init__(self, budget: int | None, name: str = "host"):
+        self.budget, self.name = budget, name
+        self.lru: OrderedDict[str, tuple[blob.BlobHeader, torch.Tensor]] = OrderedDict()
         self.bytes = 0
         self.pin = torch.cuda.is_available()
-
-    def __contains__(self, key: str) -> bool:
-        return key in self.blobs
 
     @staticmethod
     def sizeof(data: bytes) -> int:
         return len(data)
 
-    def add(self, key: str, data: bytes) -> None:
+    def put(self, key: str, data: bytes) -> None:
         tensor = torch.frombuffer(bytearray(data), dtype=torch.uint8)
         if self.pin:
             tensor = tensor.pin_memory()
-        self.blobs[key] = (blob.parse_header(data[: blob.HEADER_SIZE]), tensor)
+        self.lru[key] = (blob.parse_header(data[: blob.HEADER_SIZE]), tensor)
         self.bytes += tensor.numel()
 
-    def remove(self, key: str) -> bytes:
-        _, tensor = self.blobs.pop(key)
+    def pop(self, key: str) -> bytes:
+        _, tensor = self.lru.pop(key)
         self.bytes -= tensor.numel()
         return tensor.numpy().tobytes()
 
     def full(self, key: str) -> Entry:
-        header, data = self.blobs[key]
+        header, data = self.lru[key]
         return blob.decode_entry(header, data)
 
     def meta(self, key: str) -> Entry:
-        header, data = self.blobs[key]
+        header, data = self.lru[key]
         return blob.decode_meta(header, data[header.meta_start :].numpy().tobytes())
 
     @staticmethod
@@ -114,7 +157,7 @@ class HostTier:
         return blob.decode_blocks(header, region[tokens][:, start:], first_layer)
 
     def tokens(self, key: str, tokens: torch.Tensor, first_layer: int) -> tuple[torch.Tensor, int]:
-        header, data = self.blobs[key]
+        header, data = self.lru[key]
         kv = self._blocks(header, data, tokens.cpu(), first_layer)
         return kv, tokens.numel() * header.token_range(0, first_layer)[1]
 
@@ -149,19 +192,27 @@ class SafeDisk(diskcache.Disk):
 
 class DiskTier:
     name = "disk"
+    shared = True
 
     def __init__(self, directory: str, budget: int | None):
         self.directory, self.budget = os.path.expanduser(directory), budget
         os.makedirs(self.directory, exist_ok=True)
         self.cache = diskcache.Cache(self.directory, disk=SafeDisk, size_limit=2**62, eviction_policy="none",
                                      disk_min_file_size=0)
-        self.sizes: OrderedDict[str, int] = OrderedDict()
+        self.lru: OrderedDict[str, int] = OrderedDict()  # key -> blob size
         self.bytes = 0
         self.foreign = 0  # keys or values in the directory that are not vismemo blobs (skipped, left alone)
         self.range_reads = 0  # positioned reads of sparse (approximate-hit) reads
 
     def __contains__(self, key: str) -> bool:
-        return key in self.sizes
+        return key in self.lru
+
+    def touch(self, key: str) -> None:
+        self.lru.move_to_end(key)
+
+    def stats(self) -> dict:
+        return {"bytes": self.bytes, "budget": self.budget, "entries": len(self.lru), "foreign": self.foreign,
+                "range_reads": self.range_reads}
 
     @staticmethod
     def sizeof(data: bytes) -> int:
@@ -199,22 +250,29 @@ class DiskTier:
             yield key, header
 
     def track(self, key: str, size: int) -> None:
-        if key not in self.sizes:
-            self.sizes[key] = size
+        """Count a blob as held (before its background write lands)."""
+        if key not in self.lru:
+            self.lru[key] = size
             self.bytes += size
 
     def write(self, key: str, data: bytes) -> None:
         """Write a blob as a file of its own (so later reads can be positioned reads)."""
         self.cache.set(key, io.BytesIO(data), read=True)
 
+    def put(self, key: str, data: bytes) -> None:
+        self.track(key, len(data))
+        self.write(key, data)
+
     def discard(self, key: str) -> None:
-        self.bytes -= self.sizes.pop(key, 0)
+        self.bytes -= self.lru.pop(key, 0)
         try:
             self.cache.delete(key)
         except Exception as err:  # noqa: BLE001
             logger.warning("vismemo: could not delete disk blob %s (%s)", key[:12], err)
 
-    remove = discard
+    def pop(self, key: str) -> None:
+        """Gone (the lowest local tier demotes to nothing)."""
+        self.discard(key)
 
     def _open(self, key: str):
         handle = self.cache.get(key, default=None, read=True)
