@@ -3,9 +3,9 @@
     [header][token 0 block][token 1 block]...[token N-1 block][metadata]
 
 * header: fixed ``struct`` with magic, layout version, dtype, shapes, grid, offset, model
-  fingerprint, key, the hash of the text before the image, the size of each region, a BLAKE2b
+  fingerprint, key, the hash of the text before the image, the size of each region, a CRC-32C
   digest of the metadata, and last a CRC-32 of all the header's bytes before it.
-* token block (patch-first): for each layer l, an 8-byte CRC-32 of the layer's K/V followed
+* token block (patch-first): for each layer l, an 8-byte CRC-32C of the layer's K/V followed
   by that K/V (2 x heads x head_dim values). The late layers of one token (l >= W) with
   their hashes are one contiguous byte range: an approximate hit reads one range per
   reused token and can check every layer it read.
@@ -15,17 +15,17 @@
 
 from __future__ import annotations
 
-import hashlib
 import struct
 import zlib
 from dataclasses import dataclass
 
 import torch
+from crc32c import crc32c
 
 from vismemo_hf.store.entry import Entry
 
 MAGIC = b"VMEM"
-LAYOUT_VERSION = 2
+LAYOUT_VERSION = 3
 _FIELDS = struct.Struct("<4sHBB" + "I" * 9 + "q32s64s16sQQ16s")
 _HEADER_CRC = struct.Struct("<I")
 HEADER_SIZE = _FIELDS.size + _HEADER_CRC.size
@@ -39,15 +39,17 @@ class BlobError(ValueError):
     """A blob that must not be used: corrupt, truncated, foreign or of another layout."""
 
 
-def _crc_rows(payload: torch.Tensor) -> torch.Tensor:
-    """(T, L, bytes) uint8 (each row contiguous) -> (T, L) CRC-32 of each row, as int64."""
-    t, layers = payload.shape[:2]
-    rows = payload.reshape(t * layers, -1).numpy()
-    return torch.tensor([zlib.crc32(row) for row in rows], dtype=torch.int64).reshape(t, layers)
+def _crc_rows(rows: torch.Tensor, skip: int = 0) -> torch.Tensor:
+    """(T, L, bytes) uint8 -> (T, L) CRC-32C of each row's bytes after the first ``skip``, as int64. Rows are read
+    in place (no copy) when ``rows`` is contiguous; CRC-32C runs in hardware where the CPU has it."""
+    t, layers, width = rows.shape
+    flat = memoryview(rows.contiguous().reshape(-1).numpy())
+    sums = [crc32c(flat[start + skip : start + width]) for start in range(0, t * layers * width, width)]
+    return torch.tensor(sums, dtype=torch.int64).reshape(t, layers)
 
 
 def block_hashes(kv: torch.Tensor) -> torch.Tensor:
-    """(N, L, 2, H, D) K/V -> (N, L) CRC-32 of each (token, layer) block's bytes."""
+    """(N, L, 2, H, D) K/V -> (N, L) CRC-32C of each (token, layer) block's bytes."""
     n, layers = kv.shape[:2]
     return _crc_rows(kv.contiguous().view(torch.uint8).reshape(n, layers, -1))
 
@@ -144,25 +146,36 @@ def encode(entry: Entry) -> bytes:
     fields = _FIELDS.pack(
         MAGIC, LAYOUT_VERSION, DTYPE_CODES[kv.dtype], flags, n, layers, heads, hdim, entry.embeds.shape[-1], levels,
         *entry.grid, int(entry.offset), entry.fingerprint.encode("ascii"), entry.key.encode("ascii"),
-        hashlib.blake2b(meta, digest_size=16).digest(), len(meta), body_start + len(meta),
+        meta_digest(meta), len(meta), body_start + len(meta),
         bytes.fromhex(entry.prefix) if entry.prefix else bytes(16),
     )
     return fields + _HEADER_CRC.pack(zlib.crc32(fields)) + blocks.numpy().tobytes() + meta
 
 
-def decode_meta(header: BlobHeader, meta: bytes) -> Entry:
-    """Entry without K/V (``kv=None``) from the metadata region; checks its digest."""
-    if len(meta) != header.meta_bytes or hashlib.blake2b(meta, digest_size=16).digest() != header.meta_digest:
+def meta_digest(meta) -> bytes:
+    """16-byte digest of the metadata region (bytes or a uint8 tensor): its CRC-32C and its length."""
+    view = memoryview(meta.numpy()) if isinstance(meta, torch.Tensor) else memoryview(meta)
+    return struct.pack("<IQ4x", crc32c(view), len(view))
+
+
+def decode_meta(header: BlobHeader, meta) -> Entry:
+    """Entry without K/V (``kv=None``) from the metadata region (bytes, or a uint8 tensor whose memory the entry
+    may then share); checks its digest."""
+    buf = meta if isinstance(meta, torch.Tensor) else torch.frombuffer(bytearray(meta), dtype=torch.uint8)
+    if buf.numel() != header.meta_bytes or meta_digest(buf) != header.meta_digest:
         raise BlobError("metadata digest mismatch")
-    buf = torch.frombuffer(bytearray(meta), dtype=torch.uint8)
     pos = 0
 
     def take(count: int, dtype: torch.dtype, shape) -> torch.Tensor:
         nonlocal pos
         nbytes = count * dtype.itemsize
-        out = buf[pos : pos + nbytes].clone().view(dtype).reshape(shape)
+        part = buf[pos : pos + nbytes]
+        try:  # a view when the offset is aligned for the dtype: no copy
+            out = part.view(dtype)
+        except RuntimeError:
+            out = part.clone().view(dtype)
         pos += nbytes
-        return out
+        return out.reshape(shape)
 
     n, d = header.n_tokens, header.embed_dim
     embeds = take(n * d, header.dtype, (n, d))
@@ -176,8 +189,9 @@ def decode_meta(header: BlobHeader, meta: bytes) -> Entry:
 
 
 def decode_entry(header: BlobHeader, data: torch.Tensor) -> Entry:
-    """The whole entry, K/V included, from a whole blob (uint8 tensor); checks the digest and every hash."""
-    entry = decode_meta(header, data[header.meta_start :].numpy().tobytes())
+    """The whole entry, K/V included, from a whole blob (uint8 tensor, whose memory the entry then shares);
+    checks the digest and every hash."""
+    entry = decode_meta(header, data[header.meta_start :])
     region = data[HEADER_SIZE : header.meta_start].view(header.n_tokens, header.token_bytes)
     entry.kv = decode_blocks(header, region, 0)
     entry.n_layers = header.n_layers
@@ -202,7 +216,7 @@ def decode_blocks(header: BlobHeader, data: torch.Tensor, first_layer: int) -> t
     blocks = data.reshape(t, layers, header.layer_bytes)
     payload = blocks[..., HASH_BYTES:]
     stored = blocks[..., :HASH_BYTES].clone().view(torch.int64).reshape(t, layers)
-    if not torch.equal(_crc_rows(payload), stored):
+    if not torch.equal(_crc_rows(blocks, skip=HASH_BYTES), stored):  # the hashes of the blocks, read in place
         raise BlobError("K/V block hash mismatch")
     try:  # a strided view when the bytes are aligned for the dtype: no copy
         kv = payload.view(header.dtype)
