@@ -158,6 +158,9 @@ class PrefillRunner:
                 img.plan = self.policy.exact_plan(img.features, img.alias.key, img.prefix_changed)
                 if img.plan is not None:
                     self._bind(img)
+                elif self.policy.prefix_check_layer >= self.adapter.num_layers:
+                    raise ValueError(f"prefix_check_layer={self.policy.prefix_check_layer} leaves no layer to check "
+                                     f"in a {self.adapter.num_layers}-layer model")
                 else:  # decided at the check layer: the whole entry is at hand
                     self._fetch(img, torch.arange(img.n_tokens), 0)
             elif img.kind is HitKind.MISS:
