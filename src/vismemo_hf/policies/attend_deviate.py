@@ -78,7 +78,7 @@ class AttendDeviatePolicy(RoutingPolicy):
     def prefetch_tokens(self, image: ImageFeatures, alias: ImageFeatures) -> torch.Tensor:
         return torch.arange(image.n_tokens)  # every token not recomputed is reused
 
-    def select(self, signals: WarmupSignals, n: int) -> torch.Tensor:
+    def select(self, signals: WarmupSignals, attention: torch.Tensor, n: int) -> torch.Tensor:
         """R, sorted: deviation first (outliers past the budget, capped), then attention."""
         deviation = deviation_score(signals, n)
         budget = self.budget(self.recompute_ratio, n)
@@ -87,7 +87,6 @@ class AttendDeviatePolicy(RoutingPolicy):
         outliers = int((deviation > threshold).sum())
         cap = max(self.budget(self.max_recompute_ratio, n), budget)
         chosen, _ = split_by_score(deviation, torch.arange(n), min(max(by_deviation, outliers), cap))
-        attention = warmup_score(signals, n)
         free = torch.ones(n, dtype=torch.bool)
         free[chosen] = False
         top, _ = split_by_score(attention, torch.nonzero(free).flatten(), budget - by_deviation)
@@ -96,12 +95,12 @@ class AttendDeviatePolicy(RoutingPolicy):
     def plan(self, image: ImageFeatures, alias: ImageFeatures, prefetched: torch.Tensor,
              signals: WarmupSignals) -> ImagePlan:
         n = image.n_tokens
-        recompute = self.select(signals, n)
+        attention = warmup_score(signals, n)
+        recompute = self.select(signals, attention, n)
         rest = torch.ones(n, dtype=torch.bool)
         rest[recompute] = False
         mask = torch.zeros(0, dtype=torch.long)
         if self.mask_below > 0 and signals.attention is not None and signals.attention.shape[0]:
-            attention = warmup_score(signals, n)
             unlikely = torch.nonzero(rest & (attention < self.mask_below / n)).flatten()
             mask, _ = split_by_score(-attention, unlikely, self.budget(self.max_mask_ratio, n))
             rest[mask] = False

@@ -198,8 +198,10 @@ class PrefillRunner:
         f = img.fetched
         if f is None or f.first_layer > layer or not f.covers(everything):
             return None
-        pos = f.positions(everything)
         at = layer - f.first_layer
+        if f.tokens.numel() == img.n_tokens:  # every token, in order: no gather
+            return f.keys[at], f.values[at]
+        pos = f.positions(everything)
         return f.keys[at][:, pos], f.values[at][:, pos]
 
     def _signals(self, img: ImageState, layer: int, hidden, active, cos, sin) -> WarmupSignals:

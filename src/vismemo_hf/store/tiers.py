@@ -148,7 +148,7 @@ class HostTier(_Local):
 
     def meta(self, key: str) -> Entry:
         header, data = self.lru[key]
-        return blob.decode_meta(header, data[header.meta_start :].numpy().tobytes())
+        return blob.decode_meta(header, data[header.meta_start :])  # views of the blob: no copy
 
     @staticmethod
     def _blocks(header, data, tokens, first_layer) -> torch.Tensor:
