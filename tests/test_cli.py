@@ -11,13 +11,20 @@ from conftest import build_inputs, generate, stored
 
 
 def test_demo_runs_the_five_requests(capsys):
-    assert main(["demo", "--json", "--new-tokens", "2", "--model", "tiny"]) == 0
+    assert main(["demo", "--json", "--new-tokens", "6"]) == 0  # the packaged reader
     out = json.loads(capsys.readouterr().out)
-    kinds = [r["kind"] for r in out["requests"]]
-    assert kinds[:4] == ["miss", "exact", "approximate", "approximate"] and kinds[4] in ("miss", "approximate")
+    assert [r["kind"] for r in out["requests"]] == ["miss", "exact", "approximate", "approximate", "miss"]
+    assert all(r["answer"] == r["expected"] for r in out["requests"])
     approx = out["requests"][2]
     assert approx["R"] + approx["B"] + approx["M"] == approx["N"] and approx["alias"] == out["requests"][1]["alias"]
-    assert out["store"]["entries"] == 1 + (kinds[4] == "miss")
+    assert out["store"]["entries"] == 2
+
+
+def test_demo_on_a_random_tower_aliases_the_edit_only(capsys):
+    """Centred lookup: on random weights a shifted page moves every token, so only the edited copy is reused."""
+    assert main(["demo", "--json", "--new-tokens", "2", "--model", "tiny"]) == 0
+    kinds = [r["kind"] for r in json.loads(capsys.readouterr().out)["requests"]]
+    assert kinds[:3] == ["miss", "exact", "approximate"] and kinds[4] == "miss"
 
 
 def test_profile_vlcache_writes_a_profile_the_policy_reads(tmp_path, qwen2, pages):

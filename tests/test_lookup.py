@@ -7,7 +7,7 @@ import vismemo_hf
 from vismemo_hf import HitKind
 from vismemo_hf.eval import synthetic
 from vismemo_hf.runtime.features import patch_entropy, region_descriptors
-from vismemo_hf.store.store import DescriptorIndex
+from vismemo_hf.store.index import DescriptorIndex
 
 from conftest import build_inputs, generate, noise_image
 
@@ -30,7 +30,8 @@ def test_identical_edit_unrelated_and_other_grid(tiny, pages):
     assert edit.kind is HitKind.APPROXIMATE and edit.alias == base.key
     only_base = vismemo_hf.VisMemoStore()
     base_again = _kind(model, processor, only_base, pages["base"])
-    shift = _kind(model, processor, only_base, pages["shift"])
+    # a random tower moves every token of a shifted page (centred fine score about 0.81-0.88): a looser tau_fine
+    shift = _kind(model, processor, only_base, pages["shift"], tau_fine=0.75)
     assert shift.kind is HitKind.APPROXIMATE and shift.alias == base_again.key
     assert _kind(model, processor, store, pages["noise"]).kind is HitKind.MISS
     # the same page at another size has another grid: never a candidate, even with tau = 0
@@ -52,6 +53,8 @@ def test_tau_is_respected(qwen2, pages):
 def test_descriptor_index_all_regions_top_k_and_grid():
     torch.manual_seed(0)
     index = DescriptorIndex()
+    for fp in ("fp", "other-model"):
+        index.set_center(fp, torch.zeros(8))
     query = torch.nn.functional.normalize(torch.randn(4, 8), dim=-1)
     near = [torch.nn.functional.normalize(query + 0.05 * i * torch.randn(4, 8), dim=-1) for i in range(1, 7)]
     for i, d in enumerate(near):

@@ -63,7 +63,9 @@ def server():
 
 
 def _store(url, **options):
-    return VisMemoStore(remote_url=url, remote_options={"refresh_s": 0, **options})
+    store = VisMemoStore(remote_url=url, remote_options={"refresh_s": 0, **options})
+    store.set_centers("fp", torch.zeros(8), torch.zeros(8))  # raw cosines for these random descriptors
+    return store
 
 
 def test_entries_published_by_one_store_are_found_by_another(server):

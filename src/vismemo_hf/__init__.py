@@ -13,6 +13,7 @@ from vismemo_hf.runtime.cache import VisMemoCache, VisMemoLayer
 from vismemo_hf.runtime.compress import VLCacheCompression
 from vismemo_hf.runtime.hooks import disable, enable, enabled
 from vismemo_hf.runtime.plan import CacheEvent, HitKind, ImageFeatures, ImagePlan, WarmupSignals
+from vismemo_hf.runtime.thresholds import LookupThresholds
 from vismemo_hf.store.entry import Entry
 from vismemo_hf.store.store import VisMemoStore, default_store
 
@@ -24,6 +25,7 @@ __all__ = [
     "HitKind",
     "ImageFeatures",
     "ImagePlan",
+    "LookupThresholds",
     "RoutingPolicy",
     "VisMemoCache",
     "VisMemoLayer",

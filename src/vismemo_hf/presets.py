@@ -24,7 +24,7 @@ def config_dir() -> Path:
 
 #: the kinds of preset, each a folder of ``configs/``
 KINDS = {"models": "model preset", "policies": "policy preset", "store": "store preset",
-         "vlcache": "VL-Cache profile"}
+         "vlcache": "VL-Cache profile", "lookup": "lookup thresholds preset"}
 
 
 def available(kind: str) -> list[str]:
@@ -33,7 +33,7 @@ def available(kind: str) -> list[str]:
 
 
 def find(kind: str, name: str, missing_ok: bool = False) -> Path | None:
-    """The YAML file of preset ``name`` of ``kind`` (``models``, ``policies``, ``store``, ``vlcache``): a path
+    """The YAML file of preset ``name`` of ``kind`` (``models``, ``policies``, ``store``, ``vlcache``, ``lookup``): a path
     to a .yaml / .yml file, or the stem of a file in ``configs/KIND/``. An unknown name is a ValueError that
     lists the available ones (or None with ``missing_ok``)."""
     path = Path(name)

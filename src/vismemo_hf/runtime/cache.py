@@ -9,6 +9,8 @@ where a full prefill would have attended them.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
@@ -16,6 +18,7 @@ from vismemo_hf.policies import RoutingPolicy, get_policy
 from vismemo_hf.runtime import context
 from vismemo_hf.runtime.compress import VLCacheCompression
 from vismemo_hf.runtime.plan import CacheEvent
+from vismemo_hf.runtime.thresholds import LookupThresholds
 from vismemo_hf.store.store import VisMemoStore, default_store
 
 
@@ -156,6 +159,11 @@ class VisMemoCache(DynamicCache):
     show the default policy's values; a policy with other defaults (vismemo: 3, 30 %, 10 %;
     cacheblend: 1 check layer, 15 %) keeps its own unless they are passed.
     ``compress=VLCacheCompression(ratio)`` shrinks the K/V kept for decoding after prefill.
+
+    Approximate lookup compares embeddings centred by the model's reference means with ``thresholds``: a
+    ``LookupThresholds``, or a preset name / YAML path written by ``vismemo calibrate`` for the model (default
+    tau 0.8, tau_fine 0.85); ``tau`` / ``tau_fine`` override single values; ``top_k`` candidates get the fine
+    stage (0: exact hits only).
     """
 
     def __init__(
@@ -165,9 +173,10 @@ class VisMemoCache(DynamicCache):
         warmup_layers: int = _UnsetInt(1),
         recompute_ratio: float = _UnsetFloat(0.2),
         reuse_ratio: float = _UnsetFloat(0.1),
-        tau: float = 0.8,
-        top_k: int = 5,
+        thresholds: str | LookupThresholds | None = None,
+        tau: float | None = None,
         tau_fine: float | None = None,
+        top_k: int = 5,
         store_misses: bool = True,
         compress: VLCacheCompression | None = None,
         **policy_options,
@@ -177,11 +186,13 @@ class VisMemoCache(DynamicCache):
         shared = {"warmup_layers": warmup_layers, "recompute_ratio": recompute_ratio, "reuse_ratio": reuse_ratio}
         given = {k: v for k, v in shared.items() if not isinstance(v, _Unset)}
         self.policy = get_policy(policy, **given, **policy_options)
-        if not 0.0 <= tau <= 1.0 or top_k < 0:
-            raise ValueError("tau must lie in [0, 1] and top_k be >= 0")
-        self.tau = tau
+        if not isinstance(thresholds, LookupThresholds):
+            thresholds = LookupThresholds.load(thresholds) if thresholds is not None else LookupThresholds()
+        overrides = {k: float(v) for k, v in (("tau", tau), ("tau_fine", tau_fine)) if v is not None}
+        self.thresholds = replace(thresholds, **overrides)
+        if top_k < 0:
+            raise ValueError("top_k must be >= 0")
         self.top_k = top_k
-        self.tau_fine = tau if tau_fine is None else tau_fine
         self.store_misses = store_misses
         self.compress = compress
         self.events: list[CacheEvent] = []

@@ -15,6 +15,8 @@ import torch
 import torch.nn.functional as F
 
 ENTROPY_BINS = 32
+#: width of a token sketch (the fine lookup stage's compact stand-in for a token's embedding)
+SKETCH_DIM = 32
 
 
 def token_grid(grid: tuple[int, int, int], merge: int) -> tuple[int, int, int]:
@@ -85,3 +87,24 @@ def token_cosine(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """Per-position cosine similarity of two (N, d) embedding tensors (computed on ``a``'s device, returned on CPU)."""
     a = a.detach().float()
     return F.cosine_similarity(a, b.detach().to(a.device).float(), dim=-1).cpu()
+
+
+def token_sketch(embeds: torch.Tensor) -> torch.Tensor:
+    """(N, d) embeddings -> (N, SKETCH_DIM) fp16 sketches: L2-normalised tokens under a fixed orthonormal projection.
+    Projection is linear, so a sketch centred by the projected mean is the projection of the centred token, and
+    sketch cosines estimate token cosines (METHOD §1 step 4) from 64 bytes per token."""
+    from vismemo_hf.store.index import projection
+
+    e = F.normalize(embeds.detach().float().cpu(), dim=-1)
+    return (e @ projection(e.shape[-1], SKETCH_DIM, seed=1)).to(torch.float16)
+
+
+def sketch_cosine(a: torch.Tensor, b: torch.Tensor, token_mean: torch.Tensor | None) -> torch.Tensor:
+    """Per-token cosine of two sketches (N, s), both centred by the projected ``token_mean`` (d,) when given."""
+    a, b = a.float(), b.float()
+    if token_mean is not None:
+        from vismemo_hf.store.index import projection
+
+        shift = token_mean.float().cpu() @ projection(token_mean.shape[0], SKETCH_DIM, seed=1)
+        a, b = a - shift, b - shift
+    return F.cosine_similarity(a, b, dim=-1)

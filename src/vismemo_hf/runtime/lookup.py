@@ -15,8 +15,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from vismemo_hf.runtime.features import exact_key, patch_entropy, patch_hashes, region_descriptors, token_cosine
+from vismemo_hf.runtime.features import (exact_key, patch_entropy, patch_hashes, region_descriptors, sketch_cosine,
+                                         token_sketch)
 from vismemo_hf.runtime.plan import CacheEvent, HitKind, ImageFeatures, ImagePlan
+from vismemo_hf.runtime.thresholds import model_centers, regional_cosines
 from vismemo_hf.store.entry import Entry
 from vismemo_hf.store.store import store_call
 
@@ -50,6 +52,7 @@ class ImageState:
     prefix_changed: bool = False  # exact hits: the stored entry was computed after another prefix
     restored: tuple | None = None  # (FetchedKV, positions) of masked tokens given back for decoding
     bytes_read: int = 0  # alias K/V bytes read for this image
+    lookup_bytes: int = 0  # lookup-section bytes of the candidates the fine stage scored
 
     @property
     def n_tokens(self) -> int:
@@ -74,6 +77,7 @@ class ImageState:
             plan=plan,
             prefix_changed=self.prefix_changed,
             bytes_read=self.bytes_read,
+            lookup_bytes=self.lookup_bytes,
         )
 
 
@@ -272,7 +276,7 @@ def lookup_request(adapter, cache, input_ids, pixel_values, grids, get_image_fea
             feats = ImageFeatures(key, grid, embeds, entropy, patch_hashes(pixels[i], merge))
             desc = region_descriptors(embeds, grid, merge)
             state = ImageState(row, start, feats, embeds, deepstack, desc, HitKind.MISS, prefix=prefix)
-            _approximate(adapter, state, cache, fp)
+            _approximate(adapter, state, cache, fp, get_image_features)
             encoder_ms = t_encoder
         state.timings["lookup"] = t_exact / len(keys) + (time.perf_counter() - t0) * 1e3
         state.timings["encoder"] = encoder_ms
@@ -281,23 +285,52 @@ def lookup_request(adapter, cache, input_ids, pixel_values, grids, get_image_fea
     return PrefillRequest(images), outputs
 
 
-def _approximate(adapter, state: ImageState, cache, fp: str) -> None:
-    """Coarse (descriptor index) then fine (per-token cosine) stage; sets kind/alias on success."""
+def _centers(adapter, store, get_image_features):
+    """The model's reference means, computed with its tower on first use and kept by the store."""
+    centers = store.centers(adapter.fingerprint)
+    if centers is None:
+        store.set_centers(adapter.fingerprint, *model_centers(adapter, get_image_features))
+        centers = store.centers(adapter.fingerprint)
+    return centers
+
+
+def _approximate(adapter, state: ImageState, cache, fp: str, get_image_features) -> None:
+    """Coarse stage (the store's descriptor index), then the fine stage from each candidate's lookup section
+    (descriptors and token sketches, never its encoder output); sets kind/alias on success. Both stages compare
+    embeddings centred by the model's reference means (``thresholds.py``)."""
     if cache.top_k == 0:
         return
+    thresholds = cache.thresholds
+    if thresholds.fingerprint not in (None, fp):
+        raise ValueError(f"lookup thresholds calibrated for model {thresholds.fingerprint[:12]} used with model "
+                         f"{fp[:12]}: run `vismemo calibrate` for this model or pass thresholds=None")
+    centers = store_call("index", lambda: _centers(adapter, cache.store, get_image_features), None)
+    if centers is None:
+        return
+    descriptor_mean, token_mean = centers
     feats = state.features
-    found = store_call("index", lambda: cache.store.candidates(fp, feats.grid, state.descriptors, cache.tau,
+    found = store_call("index", lambda: cache.store.candidates(fp, feats.grid, state.descriptors, thresholds.tau,
                                                                cache.top_k), [])
+    sketch = token_sketch(feats.embeds) if found else None
     best, best_score = None, float("-inf")
     for key, _ in found:
-        entry = store_call("read", lambda k=key: cache.store.peek(k, fp), None)
-        if not _usable(adapter, cache, entry, key, feats.grid):
+        section = store_call("read", lambda k=key: cache.store.sketch(k, fp), None)
+        if section is None:
             continue
-        score = float(token_cosine(feats.embeds, entry.embeds).mean())
+        descriptors, other = section
+        state.lookup_bytes += descriptors.numel() * 4 + other.numel() * 2
+        if descriptors.shape != state.descriptors.shape or other.shape != sketch.shape:
+            continue
+        if not bool((regional_cosines(state.descriptors, descriptors, descriptor_mean) > thresholds.tau).all()):
+            continue  # the projected index let it through; the exact coarse rule does not
+        score = float(sketch_cosine(sketch, other, token_mean).mean())
         if score > best_score:
-            best, best_score = entry, score
-    if best is not None and best_score >= cache.tau_fine:
+            best, best_score = key, score
+    if best is None or best_score < thresholds.tau_fine:
+        return
+    entry = store_call("read", lambda: cache.store.peek(best, fp), None)
+    if _usable(adapter, cache, entry, best, feats.grid):
         state.kind = HitKind.APPROXIMATE
-        state.alias = best.features()
-        state.alias_offset = best.offset
+        state.alias = entry.features()
+        state.alias_offset = entry.offset
         state.score = best_score

@@ -190,6 +190,8 @@ class CacheEvent:
     prefix_changed: bool = False
     #: bytes of alias K/V this request read (a full entry for exact hits from a lower tier, ranges otherwise)
     bytes_read: int = 0
+    #: bytes the fine lookup stage read: the candidates' descriptors and token sketches
+    lookup_bytes: int = 0
 
     def as_dict(self) -> dict:
         return {
@@ -204,5 +206,6 @@ class CacheEvent:
             "score": self.score,
             "prefix_changed": self.prefix_changed,
             "bytes_read": self.bytes_read,
+            "lookup_bytes": self.lookup_bytes,
             "timings": dict(self.timings),
         }

@@ -9,8 +9,9 @@
   by that K/V (2 x heads x head_dim values). The late layers of one token (l >= W) with
   their hashes are one contiguous byte range: an approximate hit reads one range per
   reused token and can check every layer it read.
-* metadata: encoder output, deepstack features, region descriptors, patch entropy and
-  patch hashes (what lookup and routing need without any K/V).
+* metadata: first the lookup section (region descriptors and token sketches: all the lookup
+  reads of a candidate, with its own CRC-32C in the header), then encoder output, deepstack
+  features, patch entropy and patch hashes (what routing needs without any K/V).
 """
 
 from __future__ import annotations
@@ -25,8 +26,8 @@ from crc32c import crc32c
 from vismemo_hf.store.entry import Entry
 
 MAGIC = b"VMEM"
-LAYOUT_VERSION = 3
-_FIELDS = struct.Struct("<4sHBB" + "I" * 9 + "q32s64s16sQQ16s")
+LAYOUT_VERSION = 4
+_FIELDS = struct.Struct("<4sHBB" + "I" * 10 + "q32s64s16sQQ16s16s")
 _HEADER_CRC = struct.Struct("<I")
 HEADER_SIZE = _FIELDS.size + _HEADER_CRC.size
 HASH_BYTES = 8
@@ -72,6 +73,8 @@ class BlobHeader:
     meta_bytes: int
     total_bytes: int
     prefix: str = ""
+    sketch_dim: int = 0
+    lookup_digest: bytes = b""
 
     @property
     def layer_bytes(self) -> int:
@@ -91,6 +94,11 @@ class BlobHeader:
     def meta_start(self) -> int:
         return HEADER_SIZE + self.n_tokens * self.token_bytes
 
+    @property
+    def lookup_bytes(self) -> int:
+        """Bytes of the lookup section (descriptors and sketches) at the start of the metadata."""
+        return 4 * self.embed_dim * 4 + self.n_tokens * self.sketch_dim * 2
+
 
 def parse_header(data: bytes) -> BlobHeader:
     if len(data) < HEADER_SIZE:
@@ -100,8 +108,8 @@ def parse_header(data: bytes) -> BlobHeader:
         raise BlobError("not a vismemo blob")
     if zlib.crc32(raw[: _FIELDS.size]) != _HEADER_CRC.unpack(raw[_FIELDS.size :])[0]:
         raise BlobError("header checksum mismatch")
-    (magic, version, dtype, flags, n, layers, heads, hdim, edim, levels, t, h, w, offset, fp, key, digest, meta, total,
-     prefix) = _FIELDS.unpack(raw[: _FIELDS.size])
+    (magic, version, dtype, flags, n, layers, heads, hdim, edim, levels, t, h, w, sketch_dim, offset, fp, key, digest,
+     meta, total, prefix, lookup_digest) = _FIELDS.unpack(raw[: _FIELDS.size])
     if magic != MAGIC:
         raise BlobError("not a vismemo blob")
     if version != LAYOUT_VERSION:
@@ -113,14 +121,15 @@ def parse_header(data: bytes) -> BlobHeader:
     except UnicodeDecodeError as err:
         raise BlobError("header names are not ascii") from err
     header = BlobHeader(DTYPES[dtype], flags, n, layers, heads, hdim, edim, levels, (t, h, w), offset,
-                        fingerprint, key, digest, meta, total, prefix.hex() if any(prefix) else "")
-    if header.meta_start + meta != total:
+                        fingerprint, key, digest, meta, total, prefix.hex() if any(prefix) else "", sketch_dim,
+                        lookup_digest)
+    if header.meta_start + meta != total or header.lookup_bytes > meta:
         raise BlobError("header sizes disagree")
     return header
 
 
 def _meta_tensors(entry: Entry) -> list[torch.Tensor]:
-    tensors = [entry.embeds.to(entry.kv.dtype), entry.descriptors.float(), entry.entropy.float()]
+    tensors = [entry.descriptors.float(), entry.sketch.half(), entry.entropy.float(), entry.embeds.to(entry.kv.dtype)]
     if entry.deepstack is not None:
         tensors.append(entry.deepstack.to(entry.kv.dtype))
     if entry.patch_hashes is not None:
@@ -139,15 +148,16 @@ def encode(entry: Entry) -> bytes:
     hashes = block_hashes(kv)  # (N, L)
     per_layer = kv.reshape(n, layers, -1).view(torch.uint8)
     blocks = torch.cat([hashes.unsqueeze(-1).view(torch.uint8), per_layer], dim=-1)
-    meta = b"".join(_raw(t) for t in _meta_tensors(entry))
+    parts = [_raw(t) for t in _meta_tensors(entry)]
+    meta = b"".join(parts)
     flags = (1 if entry.deepstack is not None else 0) | (2 if entry.patch_hashes is not None else 0)
     levels = entry.deepstack.shape[0] if entry.deepstack is not None else 0
     body_start = HEADER_SIZE + blocks.numel()
     fields = _FIELDS.pack(
         MAGIC, LAYOUT_VERSION, DTYPE_CODES[kv.dtype], flags, n, layers, heads, hdim, entry.embeds.shape[-1], levels,
-        *entry.grid, int(entry.offset), entry.fingerprint.encode("ascii"), entry.key.encode("ascii"),
-        meta_digest(meta), len(meta), body_start + len(meta),
-        bytes.fromhex(entry.prefix) if entry.prefix else bytes(16),
+        *entry.grid, entry.sketch.shape[-1], int(entry.offset), entry.fingerprint.encode("ascii"),
+        entry.key.encode("ascii"), meta_digest(meta), len(meta), body_start + len(meta),
+        bytes.fromhex(entry.prefix) if entry.prefix else bytes(16), meta_digest(parts[0] + parts[1]),
     )
     return fields + _HEADER_CRC.pack(zlib.crc32(fields)) + blocks.numpy().tobytes() + meta
 
@@ -178,14 +188,26 @@ def decode_meta(header: BlobHeader, meta) -> Entry:
         return out.reshape(shape)
 
     n, d = header.n_tokens, header.embed_dim
-    embeds = take(n * d, header.dtype, (n, d))
     descriptors = take(4 * d, torch.float32, (4, d))
+    sketch = take(n * header.sketch_dim, torch.float16, (n, header.sketch_dim))
     entropy = take(n, torch.float32, (n,))
+    embeds = take(n * d, header.dtype, (n, d))
     levels = header.deepstack_levels
     deepstack = take(levels * n * d, header.dtype, (levels, n, d)) if header.flags & 1 else None
     patch_hashes = take(n, torch.int64, (n,)) if header.flags & 2 else None
     return Entry(header.key, header.fingerprint, header.grid, embeds, deepstack, descriptors, entropy, None,
-                 header.offset, patch_hashes, prefix=header.prefix, n_layers=header.n_layers)
+                 header.offset, patch_hashes, prefix=header.prefix, n_layers=header.n_layers, sketch=sketch)
+
+
+def decode_lookup(header: BlobHeader, section) -> tuple[torch.Tensor, torch.Tensor]:
+    """(descriptors (4, d) fp32, sketches (N, s) fp16) from the lookup section (bytes or a uint8 tensor); checks
+    its digest."""
+    buf = section if isinstance(section, torch.Tensor) else torch.frombuffer(bytearray(section), dtype=torch.uint8)
+    if buf.numel() != header.lookup_bytes or meta_digest(buf) != header.lookup_digest:
+        raise BlobError("lookup section digest mismatch")
+    d, n, s = header.embed_dim, header.n_tokens, header.sketch_dim
+    descriptors = buf[: 4 * d * 4].clone().view(torch.float32).reshape(4, d)
+    return descriptors, buf[4 * d * 4 :].clone().view(torch.float16).reshape(n, s)
 
 
 def decode_entry(header: BlobHeader, data: torch.Tensor) -> Entry:

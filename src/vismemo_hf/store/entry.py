@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from vismemo_hf.runtime.features import token_sketch
 from vismemo_hf.runtime.plan import ImageFeatures
 
 
@@ -33,10 +34,14 @@ class Entry:
     prefix: str = ""
     #: layer count, taken from ``kv`` when present (a metadata-only view has ``kv=None``)
     n_layers: int = 0
+    #: (N, SKETCH_DIM) fp16 token sketches for the fine lookup stage (computed from ``embeds`` when not given)
+    sketch: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if self.kv is not None:
             self.n_layers = self.kv.shape[1]
+        if self.sketch is None:
+            self.sketch = token_sketch(self.embeds)
 
     @property
     def n_tokens(self) -> int:
@@ -44,7 +49,7 @@ class Entry:
 
     @property
     def nbytes(self) -> int:
-        tensors = [self.embeds, self.descriptors, self.entropy]
+        tensors = [self.embeds, self.descriptors, self.entropy, self.sketch]
         tensors += [t for t in (self.kv, self.deepstack, self.patch_hashes) if t is not None]
         return sum(t.numel() * t.element_size() for t in tensors)
 
@@ -56,7 +61,7 @@ class Entry:
         n = self.n_tokens
         if self.kv is not None and (self.kv.ndim != 5 or self.kv.shape[2] != 2 or self.kv.shape[0] != n):
             raise ValueError(f"entry {self.key[:12]}: kv must be (N, L, 2, H, D), got {tuple(self.kv.shape)}")
-        if self.entropy.shape[0] != n or self.descriptors.shape[0] != 4:
+        if self.entropy.shape[0] != n or self.descriptors.shape[0] != 4 or self.sketch.shape[0] != n:
             raise ValueError(f"entry {self.key[:12]}: token counts disagree")
         if self.patch_hashes is not None and self.patch_hashes.shape != (n,):
             raise ValueError(f"entry {self.key[:12]}: patch hash count disagrees")

@@ -340,6 +340,11 @@ class RemoteTier:
         header = self.header(key)
         return blob.decode_meta(header, self._range(key, header.meta_start, header.meta_bytes))
 
+    def lookup(self, key: str) -> tuple[torch.Tensor, torch.Tensor, int]:
+        header = self.header(key)
+        section = self._range(key, header.meta_start, header.lookup_bytes)
+        return (*blob.decode_lookup(header, section), blob.HEADER_SIZE + header.lookup_bytes)
+
     def full(self, key: str) -> Entry:
         data = self._call(lambda: self.client.get(self._blob_key(key)))
         if data is None:

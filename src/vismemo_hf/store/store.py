@@ -1,9 +1,11 @@
 """Where entries live between requests (METHOD §5): a differentiated hierarchical store.
 
 ``VisMemoStore`` is the interface the runtime talks to: ``put``; ``get`` (full read, an
-exact hit: promoted to the device tier); ``peek`` (metadata only, for the fine lookup
-stage); ``get_tokens`` (sparse read of some tokens' late layers, an approximate hit: never
-promotes); ``candidates`` (the in-memory descriptor index over every tier); ``stats``.
+exact hit: promoted to the device tier); ``candidates`` (the coarse lookup: the in-memory
+descriptor index over every tier, ``index.py``); ``sketch`` (a candidate's lookup section, for
+the fine stage); ``peek`` (metadata only: the chosen alias's encoder output for routing);
+``get_tokens`` (sparse read of some tokens' late layers, an approximate hit: never promotes);
+``stats``.
 
 Tiers (``tiers.py``): device (L1) -> host (L2, with a victim share) -> disk (L3), and the
 shared remote tier (``remote.py``, Redis, L4). Writes go to the fastest tier with room and,
@@ -28,82 +30,13 @@ import torch
 
 from vismemo_hf.store import blob
 from vismemo_hf.store.entry import Entry
+from vismemo_hf.store.index import DescriptorIndex
 from vismemo_hf.store.remote import RemoteTier, RemoteUnavailable
 from vismemo_hf.store.tiers import DeviceTier, DiskTier, HostTier, Tier
 
 logger = logging.getLogger(__name__)
 
 TIERS = ("device", "host", "disk", "remote")
-
-
-class _DescriptorGroup:
-    """Descriptors of one (fingerprint, grid) group in a growable region-major matrix (4, capacity, dim):
-    O(1) add and remove, and one batched matrix-vector product per search."""
-
-    def __init__(self, shape) -> None:
-        self.mat = torch.empty(shape[0], 16, shape[1])
-        self.keys: list[str] = []
-        self.rows: dict[str, int] = {}
-
-    def add(self, key: str, descriptors: torch.Tensor) -> None:
-        n = len(self.keys)
-        if n == self.mat.shape[1]:
-            self.mat = torch.cat([self.mat, torch.empty_like(self.mat)], dim=1)
-        self.mat[:, n] = descriptors
-        self.rows[key] = n
-        self.keys.append(key)
-
-    def remove(self, key: str) -> None:
-        i, last = self.rows.pop(key), len(self.keys) - 1
-        if i != last:  # move the last row into the hole
-            self.mat[:, i] = self.mat[:, last]
-            self.keys[i] = self.keys[last]
-            self.rows[self.keys[i]] = i
-        self.keys.pop()
-
-
-class DescriptorIndex:
-    """In-memory coarse index: per (fingerprint, grid), a matrix of the four region descriptors."""
-
-    def __init__(self) -> None:
-        self._groups: dict[tuple, _DescriptorGroup] = {}
-
-    @staticmethod
-    def _group_key(fingerprint: str, grid) -> tuple:
-        return fingerprint, tuple(int(g) for g in grid)
-
-    def add(self, fingerprint: str, grid, key: str, descriptors: torch.Tensor) -> None:
-        gk = self._group_key(fingerprint, grid)
-        group = self._groups.get(gk)
-        if group is None:
-            group = self._groups[gk] = _DescriptorGroup(descriptors.shape)
-        if key not in group.rows:
-            group.add(key, descriptors.float().cpu())
-
-    def remove(self, fingerprint: str, grid, key: str) -> None:
-        gk = self._group_key(fingerprint, grid)
-        group = self._groups.get(gk)
-        if group is not None and key in group.rows:
-            group.remove(key)
-            if not group.keys:
-                del self._groups[gk]
-
-    def search(self, fingerprint: str, grid, descriptors: torch.Tensor, tau: float, top_k: int) -> list[tuple[str, float]]:
-        """Keys whose four regional cosines all exceed ``tau``, best mean first, at most ``top_k``."""
-        group = self._groups.get(self._group_key(fingerprint, grid))
-        if group is None or top_k <= 0:
-            return []
-        mat = group.mat[:, : len(group.keys)]
-        sims = torch.bmm(mat, descriptors.float().cpu()[:, :, None])[..., 0].T  # (n, 4); unit-norm descriptors
-        ok = (sims > tau).all(-1)
-        k = min(top_k, int(ok.sum()))
-        if k == 0:
-            return []
-        best = torch.topk(sims.mean(-1).masked_fill(~ok, float("-inf")), k)
-        return [(group.keys[i], float(v)) for v, i in zip(best.values.tolist(), best.indices.tolist())]
-
-    def __len__(self) -> int:
-        return sum(len(g.keys) for g in self._groups.values())
 
 
 def parse_bytes(value) -> int | None:
@@ -162,6 +95,7 @@ class VisMemoStore:
         self._priors: dict[str, float] = json.loads(Path(priors).read_text()) if priors else {}
         self._where: dict[str, tuple[str, tuple]] = {}  # key -> (fingerprint, grid) for the index
         self._index = DescriptorIndex()
+        self._token_centers: dict[str, torch.Tensor] = {}
         self._lock = threading.RLock()
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vismemo-disk") if self.disk else None
         self._pending_writes: list = []
@@ -170,7 +104,8 @@ class VisMemoStore:
             "hits": {"exact": 0, "approximate": 0, "miss": 0},
             "hits_by_tier": {t: 0 for t in TIERS},
             "puts": 0, "evictions": 0, "demotions": 0, "promotions": 0, "rejected": 0, "corrupt": 0,
-            "write_failures": 0, "bytes_read_full": 0, "bytes_read_sparse": 0, "exact_prefix_changed": 0,
+            "write_failures": 0, "bytes_read_full": 0, "bytes_read_sparse": 0, "bytes_read_lookup": 0,
+            "exact_prefix_changed": 0,
         }
         if self.disk is not None:
             self._rebuild_from_disk()
@@ -412,7 +347,7 @@ class VisMemoStore:
                 if header.fingerprint != fingerprint:
                     raise blob.BlobError("blob of another model")
             out = getattr(tier, how)(key, *args)
-            if how != "tokens" and out.fingerprint != fingerprint:
+            if how not in ("tokens", "lookup") and out.fingerprint != fingerprint:
                 raise blob.BlobError("blob of another model")
             return out, tier
         except KeyError:
@@ -478,11 +413,33 @@ class VisMemoStore:
             self._reuse[key] = self._reuse.get(key, 0) + 1
             return kv
 
+    def centers(self, fingerprint: str) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The model's reference means (descriptor, token) the lookup centres by; None until ``set_centers``."""
+        descriptor = self._index.center(fingerprint)
+        return None if descriptor is None else (descriptor, self._token_centers[fingerprint])
+
+    def set_centers(self, fingerprint: str, descriptor_mean: torch.Tensor, token_mean: torch.Tensor) -> None:
+        """Register a model's reference means (the first registration of a fingerprint stays)."""
+        with self._lock:
+            if self._index.center(fingerprint) is None:
+                self._token_centers[fingerprint] = token_mean.detach().float().cpu().reshape(-1)
+                self._index.set_center(fingerprint, descriptor_mean)
+
     def candidates(self, fingerprint: str, grid, descriptors: torch.Tensor, tau: float, top_k: int):
-        """Coarse stage: (key, mean regional cosine) of same-grid entries passing all four regions."""
+        """Coarse stage: (key, mean centred regional cosine) of same-grid entries passing all four regions."""
         with self._lock:
             self._sync_remote()
             return self._index.search(fingerprint, grid, descriptors, tau, top_k)
+
+    def sketch(self, key: str, fingerprint: str) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Fine stage: (descriptors, token sketches) of a candidate, read from its lookup section alone."""
+        with self._lock:
+            out = self._read(key, fingerprint, "lookup")[0]
+            if out is None:
+                return None
+            descriptors, sketch, nbytes = out
+            self._stats["bytes_read_lookup"] += nbytes
+            return descriptors, sketch
 
     def discard(self, key: str) -> None:
         """Remove ``key`` from every tier (an entry found unusable for its model); counted as corrupt."""

@@ -59,6 +59,7 @@ class Tier(Protocol):
     def touch(self, key: str) -> None: ...
     def full(self, key: str) -> Entry: ...
     def meta(self, key: str) -> Entry: ...
+    def lookup(self, key: str) -> tuple[torch.Tensor, torch.Tensor, int]: ...
     def tokens(self, key: str, tokens: torch.Tensor, first_layer: int) -> tuple[torch.Tensor, int]: ...
     def stats(self) -> dict: ...
 
@@ -111,6 +112,10 @@ class DeviceTier(_Local):
     def meta(self, key: str) -> Entry:
         return self.lru[key]
 
+    def lookup(self, key: str) -> tuple[torch.Tensor, torch.Tensor, int]:
+        entry = self.lru[key]
+        return entry.descriptors, entry.sketch, 0  # in memory: nothing read
+
     def tokens(self, key: str, tokens: torch.Tensor, first_layer: int) -> tuple[torch.Tensor, int]:
         kv = self.lru[key].kv
         out = token_rows(kv, tokens)[:, first_layer:]
@@ -149,6 +154,11 @@ class HostTier(_Local):
     def meta(self, key: str) -> Entry:
         header, data = self.lru[key]
         return blob.decode_meta(header, data[header.meta_start :])  # views of the blob: no copy
+
+    def lookup(self, key: str) -> tuple[torch.Tensor, torch.Tensor, int]:
+        header, data = self.lru[key]
+        section = data[header.meta_start : header.meta_start + header.lookup_bytes]
+        return (*blob.decode_lookup(header, section), header.lookup_bytes)
 
     @staticmethod
     def _blocks(header, data, tokens, first_layer) -> torch.Tensor:
@@ -300,6 +310,12 @@ class DiskTier:
         with self._open(key) as handle:
             header = blob.parse_header(self._pread(handle, 0, blob.HEADER_SIZE))
             return blob.decode_meta(header, self._pread(handle, header.meta_start, header.meta_bytes))
+
+    def lookup(self, key: str) -> tuple[torch.Tensor, torch.Tensor, int]:
+        with self._open(key) as handle:
+            header = blob.parse_header(self._pread(handle, 0, blob.HEADER_SIZE))
+            section = self._pread(handle, header.meta_start, header.lookup_bytes)
+        return (*blob.decode_lookup(header, section), blob.HEADER_SIZE + header.lookup_bytes)
 
     def full(self, key: str) -> Entry:
         with self._open(key) as handle:
