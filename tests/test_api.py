@@ -5,8 +5,8 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 import vismemo_hf
-from vismemo_hf.families import model_fingerprint
 from vismemo_hf import HitKind
+from vismemo_hf.families import model_fingerprint
 from vismemo_hf.runtime.context import current as current_forward
 from vismemo_hf.testing import tiny_model
 

@@ -15,8 +15,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from vismemo_hf.runtime.features import (exact_key, patch_entropy, patch_hashes, region_descriptors, sketch_cosine,
-                                         token_sketch)
+from vismemo_hf.runtime.features import (
+    exact_key,
+    patch_entropy,
+    patch_hashes,
+    region_descriptors,
+    sketch_cosine,
+    token_sketch,
+)
 from vismemo_hf.runtime.plan import CacheEvent, HitKind, ImageFeatures, ImagePlan
 from vismemo_hf.runtime.thresholds import model_centers, regional_cosines
 from vismemo_hf.store.entry import Entry
