@@ -45,8 +45,9 @@ def test_tau_is_respected(qwen2, pages):
     _kind(model, processor, store, pages["base"])
     edit = _kind(model, processor, store, pages["edit"])
     assert edit.kind is HitKind.APPROXIMATE
-    strict = _kind(model, processor, store, pages["edit"], tau=min(0.99999, edit.score + 1e-4))
-    assert strict.kind is HitKind.MISS
+    strict = _kind(model, processor, store, pages["edit"], tau_fine=min(0.99999, edit.score + 1e-4), store_misses=False)
+    assert strict.kind is HitKind.MISS  # the fine stage's threshold
+    assert _kind(model, processor, store, pages["edit"], tau=0.99999, store_misses=False).kind is HitKind.MISS
     assert _kind(model, processor, store, pages["shift"], top_k=0).kind is HitKind.MISS
 
 

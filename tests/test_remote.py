@@ -14,6 +14,7 @@ from transformers import DynamicCache
 
 import vismemo_hf
 from vismemo_hf import HitKind, VisMemoStore
+from vismemo_hf.runtime.thresholds import ModelReference
 from vismemo_hf.store import blob
 
 from conftest import build_inputs, generate
@@ -64,7 +65,7 @@ def server():
 
 def _store(url, **options):
     store = VisMemoStore(remote_url=url, remote_options={"refresh_s": 0, **options})
-    store.set_centers("fp", torch.zeros(8), torch.zeros(8))  # raw cosines for these random descriptors
+    store.set_reference("fp", ModelReference(torch.zeros(8), torch.zeros(8), 0.0))  # raw cosines for these descriptors
     return store
 
 

@@ -162,8 +162,8 @@ class VisMemoCache(DynamicCache):
 
     Approximate lookup compares embeddings centred by the model's reference means with ``thresholds``: a
     ``LookupThresholds``, or a preset name / YAML path written by ``vismemo calibrate`` for the model (default
-    tau 0.8, tau_fine 0.85); ``tau`` / ``tau_fine`` override single values; ``top_k`` candidates get the fine
-    stage (0: exact hits only).
+    tau 0.8, tau_fine 0.85 raised above the model's unrelated reference pairs); ``tau`` / ``tau_fine`` override
+    single values; ``top_k`` candidates get the fine stage (0: exact hits only).
     """
 
     def __init__(
@@ -189,6 +189,8 @@ class VisMemoCache(DynamicCache):
         if not isinstance(thresholds, LookupThresholds):
             thresholds = LookupThresholds.load(thresholds) if thresholds is not None else LookupThresholds()
         overrides = {k: float(v) for k, v in (("tau", tau), ("tau_fine", tau_fine)) if v is not None}
+        if tau_fine is not None:
+            overrides["adaptive"] = False
         self.thresholds = replace(thresholds, **overrides)
         if top_k < 0:
             raise ValueError("top_k must be >= 0")

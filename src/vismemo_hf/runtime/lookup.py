@@ -24,7 +24,7 @@ from vismemo_hf.runtime.features import (
     token_sketch,
 )
 from vismemo_hf.runtime.plan import CacheEvent, HitKind, ImageFeatures, ImagePlan
-from vismemo_hf.runtime.thresholds import model_centers, regional_cosines
+from vismemo_hf.runtime.thresholds import model_reference, regional_cosines
 from vismemo_hf.store.entry import Entry
 from vismemo_hf.store.store import store_call
 
@@ -291,13 +291,11 @@ def lookup_request(adapter, cache, input_ids, pixel_values, grids, get_image_fea
     return PrefillRequest(images), outputs
 
 
-def _centers(adapter, store, get_image_features):
-    """The model's reference means, computed with its tower on first use and kept by the store."""
-    centers = store.centers(adapter.fingerprint)
-    if centers is None:
-        store.set_centers(adapter.fingerprint, *model_centers(adapter, get_image_features))
-        centers = store.centers(adapter.fingerprint)
-    return centers
+def _reference(adapter, store, get_image_features):
+    """The model's reference, computed with its tower on first use and kept by the store."""
+    if store.reference(adapter.fingerprint) is None:
+        store.set_reference(adapter.fingerprint, model_reference(adapter, get_image_features))
+    return store.reference(adapter.fingerprint)
 
 
 def _approximate(adapter, state: ImageState, cache, fp: str, get_image_features) -> None:
@@ -310,10 +308,10 @@ def _approximate(adapter, state: ImageState, cache, fp: str, get_image_features)
     if thresholds.fingerprint not in (None, fp):
         raise ValueError(f"lookup thresholds calibrated for model {thresholds.fingerprint[:12]} used with model "
                          f"{fp[:12]}: run `vismemo calibrate` for this model or pass thresholds=None")
-    centers = store_call("index", lambda: _centers(adapter, cache.store, get_image_features), None)
-    if centers is None:
+    reference = store_call("index", lambda: _reference(adapter, cache.store, get_image_features), None)
+    if reference is None:
         return
-    descriptor_mean, token_mean = centers
+    tau_fine = thresholds.fine_for(reference)
     feats = state.features
     found = store_call("index", lambda: cache.store.candidates(fp, feats.grid, state.descriptors, thresholds.tau,
                                                                cache.top_k), [])
@@ -327,12 +325,12 @@ def _approximate(adapter, state: ImageState, cache, fp: str, get_image_features)
         state.lookup_bytes += descriptors.numel() * 4 + other.numel() * 2
         if descriptors.shape != state.descriptors.shape or other.shape != sketch.shape:
             continue
-        if not bool((regional_cosines(state.descriptors, descriptors, descriptor_mean) > thresholds.tau).all()):
+        if not bool((regional_cosines(state.descriptors, descriptors, reference.descriptor_mean) > thresholds.tau).all()):
             continue  # the projected index let it through; the exact coarse rule does not
-        score = float(sketch_cosine(sketch, other, token_mean).mean())
+        score = float(sketch_cosine(sketch, other, reference.token_mean).mean())
         if score > best_score:
             best, best_score = key, score
-    if best is None or best_score < thresholds.tau_fine:
+    if best is None or best_score < tau_fine:
         return
     entry = store_call("read", lambda: cache.store.peek(best, fp), None)
     if _usable(adapter, cache, entry, best, feats.grid):

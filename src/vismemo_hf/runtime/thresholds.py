@@ -5,9 +5,10 @@ two pages share most of their embedding, so raw cosines of unrelated pages pass 
 threshold. The lookup therefore compares embeddings *centred* by the model's reference means:
 the mean L2-normalised token and the mean region descriptor of a fixed set of synthetic
 images (documents, screens, photos, textures) that the model's own tower encodes once per
-process (``model_centers``). ``LookupThresholds`` are ``tau`` (every centred regional cosine)
-and ``tau_fine`` (mean centred token cosine); ``vismemo calibrate`` measures them for one model
-and writes a preset (``configs/lookup/``) that ``VisMemoCache(thresholds=...)`` takes.
+process (``model_reference``). ``LookupThresholds`` are ``tau`` (every centred regional cosine)
+and ``tau_fine`` (mean centred token cosine); by default ``tau_fine`` also stays above the
+model's most similar unrelated reference images. ``vismemo calibrate`` measures both for one
+model and writes a preset (``configs/lookup/``) that ``VisMemoCache(thresholds=...)`` takes.
 """
 
 from __future__ import annotations
@@ -25,14 +26,37 @@ from vismemo_hf.runtime.features import region_descriptors
 REFERENCE_SIZE = (224, 224)
 
 
+#: how far above the model's most similar unrelated reference pair an adaptive ``tau_fine`` is kept
+UNRELATED_MARGIN = 0.03
+
+
+@dataclass(frozen=True)
+class ModelReference:
+    """What the reference images tell about one model: the means that centre its embeddings, and the highest fine
+    score (mean centred token cosine) between two unrelated reference images of the same kind."""
+
+    descriptor_mean: torch.Tensor
+    token_mean: torch.Tensor
+    unrelated_fine: float
+
+
 @dataclass(frozen=True)
 class LookupThresholds:
     """``tau``: every centred regional cosine must exceed it (coarse stage); ``tau_fine``: the mean centred token
-    cosine must reach it (fine stage). ``fingerprint``: the model they were calibrated for (None: any)."""
+    cosine must reach it (fine stage). ``fingerprint``: the model they were calibrated for (None: any).
+    ``adaptive``: ``tau_fine`` is raised, per model, to ``UNRELATED_MARGIN`` above its most similar unrelated
+    reference pair (on by default; off for calibrated presets and explicit values)."""
 
     tau: float = 0.8
     tau_fine: float = 0.85
     fingerprint: str | None = None
+    adaptive: bool = True
+
+    def fine_for(self, reference: ModelReference) -> float:
+        """The fine threshold for a model."""
+        if not self.adaptive:
+            return self.tau_fine
+        return max(self.tau_fine, reference.unrelated_fine + UNRELATED_MARGIN)
 
     def __post_init__(self) -> None:
         for name in ("tau", "tau_fine"):
@@ -49,55 +73,62 @@ class LookupThresholds:
         unknown = set(cfg) - {"tau", "tau_fine", "fingerprint", "calibration"}
         if unknown:
             raise ValueError(f"unknown lookup option(s) {sorted(unknown)} in {find('lookup', name_or_path)}")
-        return cls(float(cfg["tau"]), float(cfg["tau_fine"]), cfg.get("fingerprint"))
+        return cls(float(cfg["tau"]), float(cfg["tau_fine"]), cfg.get("fingerprint"), adaptive=False)
 
     def as_dict(self) -> dict:
         return asdict(self)
 
 
-def reference_images() -> list[Image.Image]:
-    """Twelve fixed synthetic images of the kinds a VLM reads: text pages, tables, screens, photos, textures."""
-    rng = random.Random(20261130)
+#: the kinds of ``synthetic_image``
+IMAGE_KINDS = ("text", "screen", "photo", "texture")
+
+
+def synthetic_image(kind: str, seed: int, size: tuple[int, int] = REFERENCE_SIZE) -> Image.Image:
+    """A deterministic synthetic image of ``kind``: a text page or table, a screen (bars, buttons, labels), a photo
+    (colour gradient with shapes) or a texture."""
+    rng = random.Random(seed)
     font = ImageFont.load_default()
-    w, h = REFERENCE_SIZE
-    images = []
-    for i in range(12):
-        kind = i % 4
-        if kind == 0:  # a text page or a table
-            img = Image.new("RGB", (w, h), "white")
-            draw = ImageDraw.Draw(img)
-            for y in range(8, h - 12, 14):
-                words = " ".join("".join(rng.choice("abcdefghijklmnop0123456789") for _ in range(rng.randint(2, 7)))
-                                 for _ in range(4))
-                draw.text((8, y), words, fill="black", font=font)
-                if i % 8 == 4:
-                    draw.line((4, y + 12, w - 4, y + 12), fill=(150, 150, 150))
-        elif kind == 1:  # a screen: coloured bars, buttons and labels
-            img = Image.new("RGB", (w, h), tuple(rng.randint(200, 255) for _ in range(3)))
-            draw = ImageDraw.Draw(img)
-            for _ in range(6):
-                x0, y0 = rng.randint(0, w - 60), rng.randint(0, h - 30)
-                draw.rectangle((x0, y0, x0 + rng.randint(30, 120), y0 + rng.randint(12, 30)),
-                               fill=tuple(rng.randint(0, 255) for _ in range(3)))
-                draw.text((x0 + 4, y0 + 2), "".join(rng.choice("ABCDEFGHXYZ") for _ in range(5)), fill="white",
-                          font=font)
-        elif kind == 2:  # a photo: a colour gradient with shapes
-            top, bottom = (torch.tensor([rng.random() for _ in range(3)]) for _ in range(2))
-            ramp = torch.linspace(0, 1, h).view(h, 1, 1)
-            pixels = ((top * (1 - ramp) + bottom * ramp).expand(h, w, 3) * 255).to(torch.uint8)
-            img = Image.fromarray(pixels.numpy())
-            draw = ImageDraw.Draw(img)
-            for _ in range(4):
-                x0, y0 = rng.randint(0, w - 40), rng.randint(0, h - 40)
-                draw.ellipse((x0, y0, x0 + rng.randint(20, 90), y0 + rng.randint(20, 90)),
-                             fill=tuple(rng.randint(0, 255) for _ in range(3)))
-        else:  # a texture
-            g = torch.Generator().manual_seed(i)
-            coarse = torch.rand(3, h // 8, w // 8, generator=g)
-            pixels = (F.interpolate(coarse[None], size=(h, w), mode="bilinear")[0].permute(1, 2, 0) * 255)
-            img = Image.fromarray(pixels.clamp(0, 255).to(torch.uint8).numpy())
-        images.append(img)
-    return images
+    w, h = size
+    if kind == "text":
+        img = Image.new("RGB", (w, h), "white")
+        draw = ImageDraw.Draw(img)
+        ruled = rng.random() < 0.5
+        for y in range(8, h - 12, 14):
+            words = " ".join("".join(rng.choice("abcdefghijklmnop0123456789") for _ in range(rng.randint(2, 7)))
+                             for _ in range(4))
+            draw.text((8, y), words, fill="black", font=font)
+            if ruled:
+                draw.line((4, y + 12, w - 4, y + 12), fill=(150, 150, 150))
+        return img
+    if kind == "screen":
+        img = Image.new("RGB", (w, h), tuple(rng.randint(200, 255) for _ in range(3)))
+        draw = ImageDraw.Draw(img)
+        for _ in range(6):
+            x0, y0 = rng.randint(0, w - 60), rng.randint(0, h - 30)
+            draw.rectangle((x0, y0, x0 + rng.randint(30, 120), y0 + rng.randint(12, 30)),
+                           fill=tuple(rng.randint(0, 255) for _ in range(3)))
+            draw.text((x0 + 4, y0 + 2), "".join(rng.choice("ABCDEFGHXYZ") for _ in range(5)), fill="white", font=font)
+        return img
+    if kind == "photo":
+        top, bottom = (torch.tensor([rng.random() for _ in range(3)]) for _ in range(2))
+        ramp = torch.linspace(0, 1, h).view(h, 1, 1)
+        img = Image.fromarray(((top * (1 - ramp) + bottom * ramp).expand(h, w, 3) * 255).to(torch.uint8).numpy())
+        draw = ImageDraw.Draw(img)
+        for _ in range(4):
+            x0, y0 = rng.randint(0, w - 40), rng.randint(0, h - 40)
+            draw.ellipse((x0, y0, x0 + rng.randint(20, 90), y0 + rng.randint(20, 90)),
+                         fill=tuple(rng.randint(0, 255) for _ in range(3)))
+        return img
+    if kind == "texture":
+        coarse = torch.rand(3, h // 8, w // 8, generator=torch.Generator().manual_seed(seed))
+        pixels = F.interpolate(coarse[None], size=(h, w), mode="bilinear")[0].permute(1, 2, 0) * 255
+        return Image.fromarray(pixels.clamp(0, 255).to(torch.uint8).numpy())
+    raise ValueError(f"unknown image kind {kind!r}; one of {IMAGE_KINDS}")
+
+
+def reference_images() -> list[Image.Image]:
+    """The twelve fixed images whose embeddings define a model's reference means: three of each kind."""
+    return [synthetic_image(IMAGE_KINDS[i % 4], 20261130 + i) for i in range(12)]
 
 
 def image_processor(adapter):
@@ -124,13 +155,16 @@ def encode_images(adapter, get_image_features, images) -> list[tuple[torch.Tenso
     return [(e.float().cpu(), g) for (e, _), g in zip(encoded, grids)]
 
 
-def model_centers(adapter, get_image_features) -> tuple[torch.Tensor, torch.Tensor]:
-    """(descriptor mean (d,), token mean (d,)) of the reference images under this model."""
-    descriptors, tokens = [], []
-    for embeds, grid in encode_images(adapter, get_image_features, reference_images()):
-        descriptors.append(region_descriptors(embeds, grid, adapter.merge))
-        tokens.append(F.normalize(embeds, dim=-1))
-    return torch.cat(descriptors).mean(0), torch.cat(tokens).mean(0)
+def model_reference(adapter, get_image_features) -> ModelReference:
+    """Encode the reference images with the model's tower: their mean region descriptor and mean L2-normalised
+    token centre the lookup; pairs of the same kind give the unrelated-pair fine score."""
+    encoded = encode_images(adapter, get_image_features, reference_images())
+    descriptors = torch.stack([region_descriptors(e, g, adapter.merge) for e, g in encoded])
+    token_mean = torch.cat([F.normalize(e, dim=-1) for e, _ in encoded]).mean(0)
+    unrelated = [float(token_cosines(encoded[i][0], encoded[j][0], token_mean).mean())
+                 for i in range(len(encoded)) for j in range(i + 1, len(encoded))
+                 if i % len(IMAGE_KINDS) == j % len(IMAGE_KINDS) and encoded[i][1] == encoded[j][1]]
+    return ModelReference(descriptors.mean((0, 1)), token_mean, max(unrelated))
 
 
 def centred_descriptors(descriptors: torch.Tensor, mean: torch.Tensor) -> torch.Tensor:

@@ -6,7 +6,9 @@
   fingerprint, key, the hash of the text before the image, the size of each region, a CRC-32C
   digest of the metadata, and last a CRC-32 of all the header's bytes before it.
 * token block (patch-first): for each layer l, an 8-byte CRC-32C of the layer's K/V followed
-  by that K/V (2 x heads x head_dim values). The late layers of one token (l >= W) with
+  by that K/V (2 x heads x head_dim values). In an 8-bit blob (``KV_FORMATS``) the values are
+  int8 or fp8 e4m3, followed by one fp16 scale per (K or V, head): 2 x heads x (head_dim + 2)
+  bytes instead of 2 x heads x head_dim x 2 for bf16. The late layers of one token (l >= W) with
   their hashes are one contiguous byte range: an approximate hit reads one range per
   reused token and can check every layer it read.
 * metadata: first the lookup section (region descriptors and token sketches: all the lookup
@@ -34,6 +36,31 @@ HASH_BYTES = 8
 
 DTYPES = {0: torch.float32, 1: torch.float16, 2: torch.bfloat16}
 DTYPE_CODES = {v: k for k, v in DTYPES.items()}
+#: stored K/V formats: name -> (header flag, storage dtype, largest magnitude); None: the model's dtype
+KV_FORMATS = {"int8": (4, torch.int8, 127.0), "fp8": (8, torch.float8_e4m3fn, 448.0)}
+_FLAG_FORMAT = {flag: name for name, (flag, _, _) in KV_FORMATS.items()}
+
+
+def quantize(kv: torch.Tensor, kv_format: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(..., H, D) K/V -> (values in the format's dtype, fp16 scales (..., H, 1)): one scale per head vector
+    (per token, layer, K or V and head), its absolute maximum mapped to the format's largest value."""
+    _, dtype, top = KV_FORMATS[kv_format]
+    x = kv.float()
+    scale = (x.abs().amax(-1, keepdim=True) / top).clamp_min(1e-12).half()
+    q = x / scale.float()
+    q = q.round().clamp(-top, top) if dtype == torch.int8 else q.clamp(-top, top)
+    return q.to(dtype), scale
+
+
+def dequantize(values: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return (values.float() * scale.float()).to(dtype)
+
+
+def round_trip(kv: torch.Tensor, kv_format: str | None) -> torch.Tensor:
+    """The K/V a blob of ``kv_format`` gives back (the input itself when None)."""
+    if kv_format is None:
+        return kv
+    return dequantize(*quantize(kv, kv_format), kv.dtype)
 
 
 class BlobError(ValueError):
@@ -77,8 +104,15 @@ class BlobHeader:
     lookup_digest: bytes = b""
 
     @property
+    def kv_format(self) -> str | None:
+        """The stored K/V format (``KV_FORMATS``), None for the model's dtype."""
+        return next((name for flag, name in _FLAG_FORMAT.items() if self.flags & flag), None)
+
+    @property
     def layer_bytes(self) -> int:
-        """Bytes of one layer of one token: its hash and its K/V."""
+        """Bytes of one layer of one token: its hash and its K/V (8-bit values and their scales)."""
+        if self.kv_format is not None:
+            return HASH_BYTES + 2 * self.kv_heads * (self.head_dim + 2)
         return HASH_BYTES + 2 * self.kv_heads * self.head_dim * self.dtype.itemsize
 
     @property
@@ -116,6 +150,8 @@ def parse_header(data: bytes) -> BlobHeader:
         raise BlobError(f"layout version {version}, expected {LAYOUT_VERSION}")
     if dtype not in DTYPES:
         raise BlobError(f"unknown dtype code {dtype}")
+    if bin(flags & 12).count("1") > 1 or flags & ~15:
+        raise BlobError(f"unknown flags {flags:#x}")
     try:
         fingerprint, key = fp.decode("ascii").rstrip("\0"), key.decode("ascii").rstrip("\0")
     except UnicodeDecodeError as err:
@@ -141,16 +177,22 @@ def _raw(t: torch.Tensor) -> bytes:
     return t.reshape(-1).view(torch.uint8).numpy().tobytes()
 
 
-def encode(entry: Entry) -> bytes:
-    """Serialise an entry (with K/V) to a blob."""
+def encode(entry: Entry, kv_format: str | None = None) -> bytes:
+    """Serialise an entry (with K/V) to a blob; ``kv_format`` (``KV_FORMATS``) stores its K/V in 8 bits."""
     kv = entry.kv.detach().cpu().contiguous()
     n, layers, _, heads, hdim = kv.shape
-    hashes = block_hashes(kv)  # (N, L)
-    per_layer = kv.reshape(n, layers, -1).view(torch.uint8)
+    if kv_format is None:
+        per_layer = kv.reshape(n, layers, -1).view(torch.uint8)
+    else:
+        values, scale = quantize(kv, kv_format)
+        per_layer = torch.cat([values.reshape(n, layers, -1).view(torch.uint8),
+                               scale.reshape(n, layers, -1).view(torch.uint8)], dim=-1)
+    hashes = _crc_rows(per_layer)  # (N, L)
     blocks = torch.cat([hashes.unsqueeze(-1).view(torch.uint8), per_layer], dim=-1)
     parts = [_raw(t) for t in _meta_tensors(entry)]
     meta = b"".join(parts)
     flags = (1 if entry.deepstack is not None else 0) | (2 if entry.patch_hashes is not None else 0)
+    flags |= KV_FORMATS[kv_format][0] if kv_format is not None else 0
     levels = entry.deepstack.shape[0] if entry.deepstack is not None else 0
     body_start = HEADER_SIZE + blocks.numel()
     fields = _FIELDS.pack(
@@ -240,8 +282,14 @@ def decode_blocks(header: BlobHeader, data: torch.Tensor, first_layer: int) -> t
     stored = blocks[..., :HASH_BYTES].clone().view(torch.int64).reshape(t, layers)
     if not torch.equal(_crc_rows(blocks, skip=HASH_BYTES), stored):  # the hashes of the blocks, read in place
         raise BlobError("K/V block hash mismatch")
+    shape = (t, layers, 2, header.kv_heads, header.head_dim)
+    if header.kv_format is not None:
+        split = 2 * header.kv_heads * header.head_dim
+        values = payload[..., :split].contiguous().view(KV_FORMATS[header.kv_format][1]).reshape(shape)
+        scale = payload[..., split:].contiguous().view(torch.float16).reshape(*shape[:-1], 1)
+        return dequantize(values, scale, header.dtype)
     try:  # a strided view when the bytes are aligned for the dtype: no copy
         kv = payload.view(header.dtype)
     except RuntimeError:
         kv = payload.clone().view(header.dtype)
-    return kv.reshape(t, layers, 2, header.kv_heads, header.head_dim)
+    return kv.reshape(shape)

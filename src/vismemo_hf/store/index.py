@@ -42,11 +42,12 @@ def projection(dim: int, out: int, seed: int = 0) -> torch.Tensor:
 
 
 def projection_margin(dim: int, region_dim: int, tau: float) -> float:
-    """How far below ``tau`` a projected cosine may fall for an exact pass: 3 standard deviations of the
-    projection's error at ``tau`` (about (1 - tau^2) / sqrt(region_dim)); 0 when nothing is projected."""
+    """How far below ``tau`` a projected cosine may fall for an exact pass: 4 standard deviations of the
+    projection's error at ``tau`` (about (1 - tau^2) / sqrt(region_dim)); 0 when nothing is projected. What it
+    lets through in excess, the lookup's exact check on the candidate's own descriptors rejects."""
     if dim <= region_dim:
         return 0.0
-    return 3.0 * (1.0 - tau * tau) / math.sqrt(region_dim) + 1e-3
+    return 4.0 * (1.0 - tau * tau) / math.sqrt(region_dim) + 1e-3
 
 
 class _Group:

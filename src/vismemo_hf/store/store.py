@@ -24,6 +24,7 @@ import os
 import re
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -65,17 +66,22 @@ class VisMemoStore:
     reserved for entries ranked by ``priors`` (JSON file ``{key: weight}``) plus online reuse counts.
     ``remote_url`` (``redis://[:password@]host:port/db``, ``rediss://`` for TLS): the shared remote
     tier; ``remote_options``: ``RemoteTier`` keywords (``prefix``, ``timeout_s``, ``retry_s``, ``ttl_s``, ...).
+    ``kv_format``: ``"int8"`` or ``"fp8"`` (e4m3) stores K/V in 8 bits with a fp16 scale per token, layer and head
+    (about half the bytes of bf16); every tier then serves the same dequantized K/V. None: the model's dtype.
     """
 
     def __init__(self, device_bytes=None, host_bytes=0, disk_dir=None, disk_bytes=None, *, device="cpu",
                  protect: int = 2, victim_share: float = 0.0, priors=None, write_through: bool = True,
-                 remote_url: str | None = None, remote_options: dict | None = None):
+                 remote_url: str | None = None, remote_options: dict | None = None, kv_format: str | None = None):
         device_bytes, host_bytes, disk_bytes = (parse_bytes(v) for v in (device_bytes, host_bytes, disk_bytes))
         for name, v in (("device_bytes", device_bytes), ("host_bytes", host_bytes), ("disk_bytes", disk_bytes)):
             if v is not None and v < 0:
                 raise ValueError(f"{name} must be >= 0 or None")
         if not 0.0 <= victim_share < 1.0:
             raise ValueError("victim_share must lie in [0, 1)")
+        if kv_format not in (None, *blob.KV_FORMATS):
+            raise ValueError(f"kv_format must be None or one of {sorted(blob.KV_FORMATS)}, got {kv_format!r}")
+        self.kv_format = kv_format
         self.device = DeviceTier(device_bytes, device)
         main_host = None if host_bytes is None else int(host_bytes * (1 - victim_share))
         self.host = HostTier(main_host)
@@ -95,7 +101,7 @@ class VisMemoStore:
         self._priors: dict[str, float] = json.loads(Path(priors).read_text()) if priors else {}
         self._where: dict[str, tuple[str, tuple]] = {}  # key -> (fingerprint, grid) for the index
         self._index = DescriptorIndex()
-        self._token_centers: dict[str, torch.Tensor] = {}
+        self._references: dict = {}  # fingerprint -> thresholds.ModelReference
         self._lock = threading.RLock()
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vismemo-disk") if self.disk else None
         self._pending_writes: list = []
@@ -128,7 +134,8 @@ class VisMemoStore:
             if unset:
                 raise ValueError(f"remote_url of {file} needs the environment variable(s) {unset}")
         unknown = set(cfg) - {"device_bytes", "host_bytes", "disk_dir", "disk_bytes", "device", "protect",
-                              "victim_share", "priors", "write_through", "remote_url", "remote_options"}
+                              "victim_share", "priors", "write_through", "remote_url", "remote_options",
+                              "kv_format"}
         if unknown:
             raise ValueError(f"unknown store option(s) {sorted(unknown)} in {file}")
         return cls(**cfg)
@@ -168,20 +175,22 @@ class VisMemoStore:
             self._stats["rejected"] += 1
             return False
         self._settle_writes()
+        if self.kv_format is not None:  # what every tier will serve, the device tier included
+            entry = replace(entry, kv=blob.round_trip(entry.kv, self.kv_format))
         with self._lock:
             if self._tier_of(entry.key) is not None:
                 return True
             data = None
             placed = self._place(self.device, entry.key, entry, self.device.sizeof(entry))
             if not placed:
-                data = blob.encode(entry)
+                data = self._encode(entry)
                 placed = self._place(self.host, entry.key, data, len(data))
             if self.disk is not None and (self.write_through or not placed):
-                data = data if data is not None else blob.encode(entry)
+                data = data if data is not None else self._encode(entry)
                 placed = self._write_disk(entry.key, data) or placed
             if self.remote is not None:
                 self.remote.write_async(entry.key, (lambda d=data: d) if data is not None else
-                                        (lambda e=entry: blob.encode(e)), entry.descriptors)
+                                        (lambda e=entry: self._encode(e)), entry.descriptors)
                 placed = True
             if not placed:
                 self._stats["rejected"] += 1
@@ -222,7 +231,7 @@ class VisMemoStore:
         self._stats["evictions"] += 1
         if tier is self.device:
             entry = tier.pop(key)
-            data = blob.encode(entry)
+            data = self._encode(entry)
             if self._place(self.host, key, data, len(data)):
                 self._stats["demotions"] += 1
                 return
@@ -332,6 +341,9 @@ class VisMemoStore:
             for key in list(self._where):
                 self._forget_if_gone(key)
 
+    def _encode(self, entry: Entry) -> bytes:
+        return blob.encode(entry, self.kv_format)
+
     # -- reading -----------------------------------------------------------------------------------
     def _read(self, key: str, fingerprint: str, how: str, *args):
         """Read from the fastest tier holding ``key``; a foreign or corrupt blob is removed and gives None."""
@@ -390,7 +402,7 @@ class VisMemoStore:
                 self._stats["promotions"] += 1
                 return self.device.full(key)
             if not shared:  # no room above: put it back where it was
-                data = blob.encode(entry)
+                data = self._encode(entry)
                 if not self._place(tier, key, data, len(data)):
                     self._to_disk_or_drop(key, data)
             return entry
@@ -413,17 +425,17 @@ class VisMemoStore:
             self._reuse[key] = self._reuse.get(key, 0) + 1
             return kv
 
-    def centers(self, fingerprint: str) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The model's reference means (descriptor, token) the lookup centres by; None until ``set_centers``."""
-        descriptor = self._index.center(fingerprint)
-        return None if descriptor is None else (descriptor, self._token_centers[fingerprint])
+    def reference(self, fingerprint: str):
+        """The model's ``thresholds.ModelReference`` (the means the lookup centres by); None until registered."""
+        return self._references.get(fingerprint)
 
-    def set_centers(self, fingerprint: str, descriptor_mean: torch.Tensor, token_mean: torch.Tensor) -> None:
-        """Register a model's reference means (the first registration of a fingerprint stays)."""
+    def set_reference(self, fingerprint: str, reference) -> None:
+        """Register a model's reference (the first registration of a fingerprint stays: every process computes the
+        same one); the model's entries waiting for it are indexed now."""
         with self._lock:
-            if self._index.center(fingerprint) is None:
-                self._token_centers[fingerprint] = token_mean.detach().float().cpu().reshape(-1)
-                self._index.set_center(fingerprint, descriptor_mean)
+            if fingerprint not in self._references:
+                self._references[fingerprint] = reference
+                self._index.set_center(fingerprint, reference.descriptor_mean)
 
     def candidates(self, fingerprint: str, grid, descriptors: torch.Tensor, tau: float, top_k: int):
         """Coarse stage: (key, mean centred regional cosine) of same-grid entries passing all four regions."""

@@ -1,0 +1,143 @@
+"""``vismemo calibrate``: lookup thresholds for one model, from near-duplicate and unrelated image pairs.
+
+Pairs are synthetic: document pages (``synthdoc``, five page styles) and screens, photos,
+text pages and textures (``thresholds.synthetic_image``). A near-duplicate is the same image
+with a small change (an edited value or key, swapped rows, a 1-3 px shift, JPEG, brightness,
+noise, a small pasted patch); an unrelated image is another one of the same kind and size.
+Each pair is scored exactly as the lookup scores it: the smallest centred regional cosine
+(coarse) and the mean centred token cosine (fine, full width and from sketches).
+
+``tau_fine`` sits halfway between the highest unrelated score and the low (10th percentile)
+near-duplicate scores above it, so that no calibration pair aliases an unrelated image; ``tau``
+lets through every near-duplicate that passes ``tau_fine``. Recall and false-positive rate are
+reported on the calibration pairs and on held-out pairs of other seeds.
+"""
+
+from __future__ import annotations
+
+import random
+
+import torch
+from PIL import Image, ImageDraw
+
+from vismemo_hf.eval import synthdoc
+from vismemo_hf.families import ModelAdapter
+from vismemo_hf.runtime.features import region_descriptors, sketch_cosine, token_sketch
+from vismemo_hf.runtime.thresholds import (
+    IMAGE_KINDS,
+    LookupThresholds,
+    encode_images,
+    model_reference,
+    regional_cosines,
+    synthetic_image,
+    token_cosines,
+)
+
+
+def _patch(image: Image.Image, rng: random.Random) -> Image.Image:
+    """A small rectangle pasted somewhere (about 3 % of the image): an edit of a screen or photo."""
+    out = image.copy()
+    w, h = out.size
+    pw, ph = w // 6, h // 6
+    x, y = rng.randrange(w - pw), rng.randrange(h - ph)
+    ImageDraw.Draw(out).rectangle((x, y, x + pw, y + ph), fill=tuple(rng.randrange(256) for _ in range(3)))
+    return out
+
+
+def pairs(seed: int, per_kind: int) -> list[tuple[Image.Image, Image.Image, bool, str]]:
+    """(image, other image, near-duplicate?, what changed) pairs: ``per_kind`` of each near-duplicate kind and as
+    many unrelated pairs, for documents and for each synthetic image kind."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(per_kind):
+        style = synthdoc.STYLES[i % len(synthdoc.STYLES)]
+        page = synthdoc.random_form(seed * 1000 + i, style=style)
+        near = {"edit value": synthdoc.edit_value(page, rng.randrange(synthdoc.ROWS), rng),
+                "edit key": synthdoc.edit_key(page, rng.randrange(synthdoc.ROWS), rng),
+                "swap rows": synthdoc.swap_rows(page, 0, synthdoc.ROWS - 1),
+                "shift": synthdoc.shift(page, rng.randint(1, 3), rng.randint(0, 1)),
+                "jpeg": synthdoc.reencode(page, 60), "brightness": synthdoc.brighten(page, 0.85),
+                "noise": synthdoc.noisy(page, 6.0)}
+        base = synthdoc.render(page)
+        out += [(base, synthdoc.render(p), True, f"page {kind}") for kind, p in near.items()]
+        other = synthdoc.random_form(seed * 1000 + 500 + i, style=style)
+        out.append((base, synthdoc.render(other), False, "page unrelated"))
+        for kind in IMAGE_KINDS:
+            image = synthetic_image(kind, seed * 1000 + i)
+            near_images = {"patch": _patch(image, rng), "jpeg": synthdoc.reencode_image(image, 60),
+                           "brightness": synthdoc.brighten_image(image, 0.9),
+                           "shift": synthdoc.shift_image(image, rng.randint(1, 3))}
+            out += [(image, b, True, f"{kind} {what}") for what, b in near_images.items()]
+            out.append((image, synthetic_image(kind, seed * 1000 + 500 + i), False, f"{kind} unrelated"))
+    return out
+
+
+def score_pairs(adapter, get_image_features, pair_list, reference) -> list[dict]:
+    """Per pair: coarse (smallest centred regional cosine), fine (mean centred token cosine) and fine_sketch."""
+    descriptor_mean, token_mean = reference.descriptor_mean, reference.token_mean
+    encoded = encode_images(adapter, get_image_features, [im for a, b, _, _ in pair_list for im in (a, b)])
+    rows = []
+    for i, (_, _, near, what) in enumerate(pair_list):
+        (ea, ga), (eb, gb) = encoded[2 * i], encoded[2 * i + 1]
+        if ga != gb:
+            continue
+        da, db = region_descriptors(ea, ga, adapter.merge), region_descriptors(eb, gb, adapter.merge)
+        rows.append({
+            "near": near, "what": what,
+            "coarse": float(regional_cosines(da, db, descriptor_mean).min()),
+            "fine": float(token_cosines(ea, eb, token_mean).mean()),
+            "fine_sketch": float(sketch_cosine(token_sketch(ea), token_sketch(eb), token_mean).mean()),
+            "coarse_raw": float(torch.nn.functional.cosine_similarity(da, db, dim=-1).min()),
+            "fine_raw": float(torch.nn.functional.cosine_similarity(ea, eb, dim=-1).mean()),
+        })
+    return rows
+
+
+def choose(rows: list[dict]) -> tuple[float, float]:
+    """(tau, tau_fine) from scored calibration pairs (see the module docstring)."""
+    unrelated = max(r["fine"] for r in rows if not r["near"])
+    above = sorted(r["fine"] for r in rows if r["near"] and r["fine"] > unrelated)
+    if above:
+        low = above[int(0.1 * (len(above) - 1))]
+        tau_fine = min(0.98, unrelated + max(0.02, 0.5 * (low - unrelated)))
+    else:
+        tau_fine = min(0.99, unrelated + 0.02)
+    kept = [r["coarse"] for r in rows if r["near"] and r["fine"] >= tau_fine]
+    tau = min(tau_fine, min(kept) - 0.02) if kept else tau_fine
+    return round(max(-1.0, tau), 4), round(tau_fine, 4)
+
+
+def rates(rows: list[dict], tau: float, tau_fine: float, key: str = "fine", coarse: str = "coarse") -> dict:
+    """Recall (near-duplicates found), false-positive rate (unrelated aliased), per-kind recall."""
+    def passes(r):
+        return r[coarse] > tau and r[key] >= tau_fine
+
+    near = [r for r in rows if r["near"]]
+    far = [r for r in rows if not r["near"]]
+    kinds = sorted({r["what"] for r in near})
+    return {"recall": sum(map(passes, near)) / max(1, len(near)), "fpr": sum(map(passes, far)) / max(1, len(far)),
+            "near_pairs": len(near), "unrelated_pairs": len(far),
+            "recall_by_kind": {k: sum(passes(r) for r in near if r["what"] == k) / sum(r["what"] == k for r in near)
+                               for k in kinds}}
+
+
+def calibrate(model, per_kind: int = 10, seed: int = 1, heldout_seed: int = 2) -> dict:
+    """Measure and choose thresholds for ``model``; the report holds what ``LookupThresholds`` needs."""
+    adapter = ModelAdapter.for_model(model)
+    get_image_features = model.model.get_image_features
+    with torch.no_grad():
+        reference = model_reference(adapter, get_image_features)
+        rows = score_pairs(adapter, get_image_features, pairs(seed, per_kind), reference)
+        heldout = score_pairs(adapter, get_image_features, pairs(heldout_seed, per_kind), reference)
+    tau, tau_fine = choose(rows)
+    sketch_agree = [(r["fine"] >= tau_fine) == (r["fine_sketch"] >= tau_fine) for r in rows + heldout]
+    return {
+        "fingerprint": adapter.fingerprint, "tau": tau, "tau_fine": tau_fine,
+        "calibration": rates(rows, tau, tau_fine), "heldout": rates(heldout, tau, tau_fine),
+        "heldout_from_sketches": rates(heldout, tau, tau_fine, key="fine_sketch"),
+        "sketch_agreement": sum(sketch_agree) / len(sketch_agree),
+        "max_unrelated_fine": max(r["fine"] for r in rows if not r["near"]),
+        "defaults": rates(heldout, LookupThresholds().tau, LookupThresholds().fine_for(reference)),
+        "uncentred_rule": rates(heldout, 0.8, 0.8, key="fine_raw", coarse="coarse_raw"),
+        "rows": rows, "heldout_rows": heldout,
+    }
