@@ -154,10 +154,10 @@ def main(args) -> int:
         "4,096 entries per grid, an inverted file above). Entries are spread over "
         f"{args.groups} grid(s) and come in clusters of {CLUSTER} near-duplicates among unrelated pages; half of the "
         "timed queries are fresh noisy copies of stored pages, half unrelated pages. Latency: one query, projection "
-        "included, after 10 warm-up queries. Memory: faiss codes, ids and id map per entry. Recall: the share of the exact rule's answers "
-        f"(all four full-width centred cosines > {args.tau}, top {args.top_k}) that the index returns, over "
-        f"{args.recall_queries} near-duplicate queries; best: the share of queries whose best exact answer is "
-        "returned.", "",
+        "included, after 10 warm-up queries. Memory: faiss codes, ids and id map per entry. Recall: the share of "
+        f"the exact rule's answers (all four full-width centred cosines > {args.tau}, top {args.top_k}) that the "
+        f"index returns, over {args.recall_queries} near-duplicate queries; best: the share of queries whose best "
+        "exact answer is returned.", "",
         "| entries | median ms | p99 ms | bytes / entry | recall | best recall | exact answers | add us / entry |",
         "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     lines += [f"| {r['entries']:,} | {r['median_ms']:.3f} | {r['p99_ms']:.3f} | {r['index_bytes_per_entry']:.0f} | "

@@ -373,15 +373,20 @@ def page_stream(pages, seed: int = 0, near: dict | None = None) -> list[dict]:
     return rows + pending
 
 
-def near_duplicates(images: dict, model, processor, tau: float = 0.8, tau_fine: float | None = None) -> dict:
-    """{page id: earlier page id} for pages whose encoder output passes the lookup's own rule (METHOD §1: same
-    grid, all four regional cosines > ``tau``, mean per-token cosine >= ``tau_fine``) against an earlier page."""
+def near_duplicates(images: dict, model, processor, thresholds=None) -> dict:
+    """{page id: earlier page id} for pages whose encoder output passes the lookup's own rule against an earlier
+    page (same grid, every centred regional cosine > tau, mean centred token cosine >= the model's tau_fine)."""
     import torch
 
     from vismemo_hf.families import ModelAdapter
-    from vismemo_hf.runtime.features import region_descriptors, token_cosine
+    from vismemo_hf.runtime.features import region_descriptors
+    from vismemo_hf.runtime.thresholds import LookupThresholds, model_reference, regional_cosines, token_cosines
 
     adapter = ModelAdapter.for_model(model)
+    thresholds = thresholds or LookupThresholds()
+    with torch.no_grad():
+        reference = model_reference(adapter, adapter.base.get_image_features)
+    tau_fine = thresholds.fine_for(reference)
     seen, out = [], {}
     for page_id, image in images.items():
         inputs = processor.image_processor(images=[image.convert("RGB")], return_tensors="pt")
@@ -393,8 +398,8 @@ def near_duplicates(images: dict, model, processor, tau: float = 0.8, tau_fine: 
         for other_id, other_grid, other_desc, other_embeds in seen:
             if other_grid != grid:
                 continue
-            regional = torch.nn.functional.cosine_similarity(desc.float(), other_desc.float(), dim=-1)
-            if bool((regional > tau).all()) and float(token_cosine(embeds, other_embeds).mean()) >= (tau_fine or tau):
+            if bool((regional_cosines(desc, other_desc, reference.descriptor_mean) > thresholds.tau).all()) and \
+                    float(token_cosines(embeds, other_embeds, reference.token_mean).mean()) >= tau_fine:
                 out[page_id] = other_id
                 break
         seen.append((page_id, grid, desc, embeds))

@@ -1,0 +1,171 @@
+"""Production scale: the projected faiss index against the exact rule, centred lookup, sketches, 8-bit entries."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+import yaml
+
+import vismemo_hf
+from vismemo_hf import HitKind, LookupThresholds
+from vismemo_hf.bench.lookup import ClusteredDescriptors, run_size
+from vismemo_hf.cli import main
+from vismemo_hf.eval import synthdoc
+from vismemo_hf.families import model_fingerprint
+from vismemo_hf.runtime.features import sketch_cosine, token_sketch
+from vismemo_hf.runtime.thresholds import ModelReference, synthetic_image
+from vismemo_hf.store import blob
+from vismemo_hf.store.index import DescriptorIndex
+
+from conftest import build_inputs, generate
+from test_store import _entry
+
+
+def _exact(index_desc: dict, query: torch.Tensor, mean: torch.Tensor, tau: float, top_k: int) -> list[str]:
+    scores = {}
+    for key, d in index_desc.items():
+        cos = F.cosine_similarity(d - mean, query - mean, dim=-1)
+        if bool((cos > tau).all()):
+            scores[key] = float(cos.mean())
+    return sorted(scores, key=scores.get, reverse=True)[:top_k]
+
+
+@pytest.mark.parametrize("ivf_from", [10_000, 256])
+def test_index_returns_the_exact_rules_answers(ivf_from):
+    """Clustered 1,024-d descriptors, exhaustive and inverted-file groups: every exact answer comes back."""
+    data = ClusteredDescriptors(1024, seed=3)
+    mean = data.reference_mean(128)
+    index = DescriptorIndex(ivf_from=ivf_from)
+    index.set_center("fp", mean)
+    pages, desc = data.chunk(0, 300)
+    keys = [f"p{p}c{j % 4}" for j, p in enumerate(pages.tolist())]
+    index.add_many("fp", (1, 8, 8), keys, desc)
+    assert len(index) == 1200 and index.nbytes / len(index) <= 2048
+    stored = dict(zip(keys, desc))
+    g = torch.Generator().manual_seed(0)
+    wanted = found = 0
+    for _ in range(60):
+        query = data.page(int(torch.randint(0, 300, (1,), generator=g)), g)
+        exact = _exact(stored, query, mean, 0.8, 5)
+        got = [k for k, _ in index.search("fp", (1, 8, 8), query, 0.8, 5)]
+        wanted += len(exact)
+        found += len(set(exact) & set(got))
+    assert wanted > 20 and found == wanted
+    unrelated = data.unrelated(g)
+    assert _exact(stored, unrelated, mean, 0.8, 5) == [] and index.search("fp", (1, 8, 8), unrelated, 0.8, 5) == []
+
+
+def test_index_waits_for_the_models_center_and_forgets_removed_keys():
+    index = DescriptorIndex(ivf_from=64)
+    d = F.normalize(torch.randn(100, 4, 256), dim=-1)
+    index.add_many("fp", (1, 4, 4), [f"k{i}" for i in range(100)], d)
+    assert len(index) == 100 and index.search("fp", (1, 4, 4), d[7], 0.8, 3) == []  # no center yet
+    index.set_center("fp", torch.zeros(256))
+    assert index.search("fp", (1, 4, 4), d[7], 0.8, 3)[0][0] == "k7"
+    index.remove("fp", (1, 4, 4), "k7")
+    assert "k7" not in [k for k, _ in index.search("fp", (1, 4, 4), d[7], -1.0, 100)] and len(index) == 99
+
+
+def test_lookup_bench_reports_recall_memory_and_latency():
+    record = run_size(2000, 512, queries=20, recall_queries=40, tau=0.8, top_k=5, groups=1)
+    assert record["entries"] == 2000 and record["median_ms"] > 0 and record["index_bytes_per_entry"] <= 2048
+    assert record["exact_answers"] > 0 and record["recall"] == 1.0
+
+
+def test_sketches_estimate_centred_token_cosines():
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(256, 1024, generator=g) + 3.0  # anisotropic: a shared component
+    b = a + 0.5 * torch.randn(256, 1024, generator=g)
+    mean = F.normalize(a, dim=-1).mean(0)
+    exact = F.cosine_similarity(F.normalize(a, dim=-1) - mean, F.normalize(b, dim=-1) - mean, dim=-1).mean()
+    estimate = sketch_cosine(token_sketch(a), token_sketch(b), mean).mean()
+    assert abs(float(exact) - float(estimate)) < 0.03
+    assert token_sketch(a).dtype == torch.float16 and token_sketch(a).shape == (256, 32)
+
+
+def test_unrelated_images_never_alias_on_a_random_tower(family):
+    """Raw cosines of a random tower pass 0.8 for unrelated images; the centred lookup misses them, and still finds
+    a near-duplicate."""
+    from vismemo_hf.testing import tiny_model
+
+    model, processor = tiny_model(family)
+    vismemo_hf.enable(model)
+    store = vismemo_hf.VisMemoStore()
+    kinds = ("text", "screen", "photo", "texture")
+    for i, kind in enumerate(kinds):
+        cache = vismemo_hf.VisMemoCache(store=store)
+        generate(model, build_inputs(processor, [synthetic_image(kind, 7000 + i)]), cache, 1)
+    for i, kind in enumerate(kinds):
+        cache = vismemo_hf.VisMemoCache(store=store, store_misses=False)
+        generate(model, build_inputs(processor, [synthetic_image(kind, 8000 + i)]), cache, 1)
+        assert cache.events[0].kind is HitKind.MISS, kind
+    cache = vismemo_hf.VisMemoCache(store=store)
+    generate(model, build_inputs(processor, [synthdoc.reencode_image(synthetic_image("screen", 7001), 70)]), cache, 1)
+    event = cache.events[0]
+    assert event.kind is HitKind.APPROXIMATE and 0 < event.lookup_bytes < event.n_tokens * 64 + 4 * 4 * 4096
+
+
+def test_thresholds_presets_and_model_check(tmp_path, qwen2, pages):
+    model, processor = qwen2
+    path = tmp_path / "t.yaml"
+    path.write_text(yaml.safe_dump({"tau": 0.7, "tau_fine": 0.9, "fingerprint": "0" * 32}))
+    loaded = LookupThresholds.load(str(path))
+    assert (loaded.tau, loaded.tau_fine, loaded.adaptive) == (0.7, 0.9, False)
+    cache = vismemo_hf.VisMemoCache(store=vismemo_hf.VisMemoStore(), thresholds=str(path))
+    with pytest.raises(ValueError, match="calibrate"):
+        generate(model, build_inputs(processor, [pages["base"]]), cache, 1)
+    path.write_text(yaml.safe_dump({"tau": 0.7, "tau_fine": 0.9, "fingerprint": model_fingerprint(model)}))
+    store = vismemo_hf.VisMemoStore()
+    generate(model, build_inputs(processor, [pages["base"]]), vismemo_hf.VisMemoCache(store=store, thresholds=str(path)), 1)
+    with pytest.raises(ValueError, match="unknown lookup option"):
+        path.write_text(yaml.safe_dump({"tau": 0.7, "tau_fine": 0.9, "tua": 1}))
+        LookupThresholds.load(str(path))
+    with pytest.raises(ValueError, match="cosine"):
+        LookupThresholds(tau=2.0)
+    floor = ModelReference(torch.zeros(4), torch.zeros(4), unrelated_fine=0.93)
+    assert LookupThresholds().fine_for(floor) == pytest.approx(0.96)
+    assert vismemo_hf.VisMemoCache(store=store, tau_fine=0.5).thresholds.fine_for(floor) == 0.5
+
+
+def test_calibrate_writes_a_preset_the_cache_takes(tmp_path, capsys):
+    out = tmp_path / "tiny.yaml"
+    assert main(["calibrate", "--model", "tiny", "--family", "qwen2_vl", "--pairs-per-kind", "2", "--out", str(out),
+                 "--report-dir", str(tmp_path / "report")]) == 0
+    preset = yaml.safe_load(out.read_text())
+    assert -1 <= preset["tau"] <= preset["tau_fine"] <= 1 and len(preset["fingerprint"]) == 32
+    assert preset["calibration"]["heldout_fpr"] == 0.0
+    assert "recall" in (tmp_path / "report" / "tiny-qwen2_vl.md").read_text()
+    assert vismemo_hf.VisMemoCache(store=vismemo_hf.VisMemoStore(), thresholds=str(out)).thresholds.tau_fine == \
+        preset["tau_fine"]
+
+
+@pytest.mark.parametrize("kv_format", ["int8", "fp8"])
+def test_8bit_entries_serve_the_same_kv_from_every_tier(tmp_path, kv_format):
+    e = _entry("a", n=6, layers=3)
+    e.kv = (torch.randn(6, 3, 2, 2, 64) * 3).to(torch.bfloat16)
+    full = len(blob.encode(e))
+    small = len(blob.encode(e, kv_format))
+    assert small < 0.6 * full
+    served = []
+    for options in ({}, {"device_bytes": 0, "host_bytes": None},
+                    {"device_bytes": 0, "host_bytes": 0, "disk_dir": tmp_path / kv_format}):
+        store = vismemo_hf.VisMemoStore(kv_format=kv_format, **options)
+        store.put(e)
+        store.flush()
+        got = store.get("a", "fp")
+        assert got.kv.dtype == torch.bfloat16
+        assert torch.equal(store.get_tokens("a", "fp", torch.tensor([1, 4]), 1), got.kv[[1, 4], 1:])
+        served.append(got.kv)
+    assert all(torch.equal(served[0], kv) for kv in served[1:])
+    error = float((served[0].float() - e.kv.float()).norm() / e.kv.float().norm())
+    assert error < (0.01 if kv_format == "int8" else 0.05)
+    with pytest.raises(ValueError, match="kv_format"):
+        vismemo_hf.VisMemoStore(kv_format="int4")
+
+
+def test_a_corrupt_8bit_blob_is_a_miss(tmp_path):
+    e = _entry("a", n=4, layers=2)
+    data = bytearray(blob.encode(e, "int8"))
+    header = blob.parse_header(bytes(data[: blob.HEADER_SIZE]))
+    data[blob.HEADER_SIZE + header.layer_bytes - 1] ^= 0xFF  # a scale byte of token 0, layer 0
+    with pytest.raises(blob.BlobError):
+        blob.decode_entry(header, torch.frombuffer(data, dtype=torch.uint8))
