@@ -337,7 +337,7 @@ class PrefillRunner:
                 else:
                     idx = idx.to(f.keys.device)
                     keys, values = f.keys[at][:, idx], f.values[at][:, idx]
-                parts.append((keys.to(device), values.to(device), columns))
+                parts.append((keys.to(device, non_blocking=True), values.to(device, non_blocking=True), columns))
             per_row.append(parts)
         if not any(per_row):
             return None

@@ -30,6 +30,11 @@ import torch
 
 from vismemo_hf.store import blob
 from vismemo_hf.store.entry import Entry
+from vismemo_hf.store.tiers import read_buffer
+
+#: bytes per GETRANGE of a full read, and ranges per pipelined round trip
+READ_CHUNK = 8 << 20
+READ_BATCH = 4
 
 logger = logging.getLogger(__name__)
 
@@ -346,14 +351,32 @@ class RemoteTier:
         return (*blob.decode_lookup(header, section), blob.HEADER_SIZE + header.lookup_bytes)
 
     def full(self, key: str) -> Entry:
-        data = self._call(lambda: self.client.get(self._blob_key(key)))
-        if data is None:
-            raise KeyError(key)
-        self.counters["bytes_read"] += len(data)
-        header = self._checked(key, blob.parse_header(data[: blob.HEADER_SIZE]))
-        if len(data) != header.total_bytes:
-            raise blob.BlobError("blob size does not match its header")
-        entry = blob.decode_entry(header, torch.frombuffer(bytearray(data), dtype=torch.uint8))
+        """The header, then the blob in ``READ_CHUNK`` ranges, ``READ_BATCH`` per pipelined round trip, copied
+        into one preallocated buffer (the entry's memory: no whole-blob reply object, no second copy)."""
+        header = self.header(key)
+        total = header.total_bytes
+        data = read_buffer(total)
+        view = memoryview(data.numpy())
+        ranges = [(start, min(total, start + READ_CHUNK)) for start in range(0, total, READ_CHUNK)]
+        for first in range(0, len(ranges), READ_BATCH):
+            batch = ranges[first : first + READ_BATCH]
+
+            def fetch(batch=batch):
+                pipe = self.client.pipeline(transaction=False)
+                for start, end in batch:
+                    pipe.getrange(self._blob_key(key), start, end - 1)
+                return pipe.execute()
+
+            for (start, end), chunk in zip(batch, self._call(fetch)):
+                if not chunk:
+                    raise KeyError(key)  # deleted since the header read
+                if len(chunk) != end - start:
+                    raise blob.BlobError("blob size does not match its header")
+                view[start:end] = chunk
+                self.counters["bytes_read"] += len(chunk)
+        if blob.parse_header(view[: blob.HEADER_SIZE]) != header:
+            raise blob.BlobError("blob replaced while it was read")
+        entry = blob.decode_entry(header, data)
         self.track(key, header)  # known now, even if its index record has not been read yet
         return entry
 

@@ -5,6 +5,7 @@ places, touches, evicts and reports on all of them alike; a new tier is one clas
 
 * ``DeviceTier`` (L1): decoded entries, K/V on the tier's device; reads are indexing.
 * ``HostTier`` (L2): blobs as uint8 tensors (pinned when CUDA exists); sparse reads gather.
+  Full reads of the lower tiers land in pinned buffers too (``read_buffer``).
 * ``DiskTier`` (L3): blobs as raw-byte files of a ``diskcache`` directory; sparse reads are
   positioned reads of the ranges they need. Pickled values are refused, never loaded.
 
@@ -36,6 +37,12 @@ def token_rows(kv: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     if tokens.numel() == kv.shape[0] and bool((tokens.cpu() == torch.arange(kv.shape[0])).all()):
         return kv
     return kv[tokens.to(kv.device)]
+
+
+def read_buffer(size: int) -> torch.Tensor:
+    """A uint8 buffer a full read lands in: pinned when CUDA exists, so that the copy of its K/V to the GPU runs
+    without blocking (torch's pinned-memory cache reuses the blocks of earlier reads)."""
+    return torch.empty(size, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
 
 
 @runtime_checkable
@@ -96,8 +103,10 @@ class DeviceTier(_Local):
         return entry.nbytes
 
     def put(self, key: str, entry: Entry) -> None:
-        moved = replace(entry, embeds=entry.embeds.to(self.device), kv=entry.kv.to(self.device),
-                        deepstack=None if entry.deepstack is None else entry.deepstack.to(self.device))
+        def move(t):  # asynchronous from pinned host memory (blobs read by the host, disk and remote tiers)
+            return None if t is None else t.to(self.device, non_blocking=True)
+
+        moved = replace(entry, embeds=move(entry.embeds), kv=move(entry.kv), deepstack=move(entry.deepstack))
         self.lru[key] = moved
         self.bytes += moved.nbytes
 
@@ -320,7 +329,7 @@ class DiskTier:
     def full(self, key: str) -> Entry:
         with self._open(key) as handle:
             header = blob.parse_header(self._pread(handle, 0, blob.HEADER_SIZE))
-            data = torch.empty(header.total_bytes, dtype=torch.uint8)
+            data = read_buffer(header.total_bytes)
             handle.seek(0)
             if handle.readinto(data.numpy()) != header.total_bytes or handle.read(1):
                 raise blob.BlobError("blob size does not match its header")
