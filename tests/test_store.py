@@ -57,7 +57,7 @@ class FaultyStore(VisMemoStore):
             raise OSError("disk gone")
         return super().get(*a, **k)
 
-    def put(self, entry):
+    def put(self, entry, importance=None):
         if "put" in self.fail:
             raise OSError("disk full")
         return super().put(entry)

@@ -173,8 +173,11 @@ class ModelAdapter:
             (levels == self.deepstack_levels, f"{levels} deepstack levels for {self.deepstack_levels}"),
             (entry.deepstack is None or tuple(entry.deepstack.shape[1:]) == tuple(entry.embeds.shape),
              "deepstack shape"),
-            (entry.kv is None or tuple(entry.kv.shape) == (n, self.num_layers, 2, text.num_key_value_heads, head_dim),
+            (entry.kv is None or tuple(entry.kv.shape) == (entry.kv_count, self.num_layers, 2,
+                                                            text.num_key_value_heads, head_dim),
              f"K/V shape {None if entry.kv is None else tuple(entry.kv.shape)}"),
+            (entry.kv_tokens is None or (entry.kv_tokens.numel() <= n and (
+                entry.kv_tokens.numel() == 0 or int(entry.kv_tokens.max()) < n)), "stored token indices"),
             (0 <= entry.offset < getattr(text, "max_position_embeddings", 2**31), f"offset {entry.offset}"),
             (entry.entropy.shape == (n,) and bool(torch.isfinite(entry.entropy).all()), "patch entropy"),
         ]

@@ -85,12 +85,17 @@ class RoutingPolicy:
     prefix_check_layer: int = 1
     prefix_recompute_ratio: float = 0.15
     prefix_tolerance: float = 0.005
+    #: reused tokens a compressed alias entry holds no K/V for (METHOD §4): ``"mask"`` them (VL-Cache's choice;
+    #: they are left out of attention) or ``"recompute"`` them (compute them at every layer)
+    missing: str = "mask"
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.recompute_ratio <= 1.0 or not 0.0 <= self.reuse_ratio <= 1.0:
             raise ValueError("recompute_ratio and reuse_ratio must lie in [0, 1]")
         if self.warmup_layers < 0:
             raise ValueError("warmup_layers must be >= 0")
+        if self.missing not in ("mask", "recompute"):
+            raise ValueError(f"missing must be 'mask' or 'recompute', got {self.missing!r}")
         if self.prefix_routing not in ("reuse", "check"):
             raise ValueError(f"prefix_routing must be 'reuse' or 'check', got {self.prefix_routing!r}")
         if self.prefix_check_layer < 0 or not 0.0 <= self.prefix_recompute_ratio <= 1.0 or self.prefix_tolerance < 0:

@@ -7,7 +7,7 @@ plan does not depend on where the image sits in the request.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import Enum
 
 import torch
@@ -95,6 +95,21 @@ class ImagePlan:
         """Visual tokens whose K/V at ``layer`` come from the alias entry."""
         return self.reuse[self.reuse_selected_at(layer)]
 
+    def limited_to(self, features: ImageFeatures, missing: str) -> ImagePlan:
+        """This plan with the reused tokens the alias entry holds no K/V for (a compressed entry) masked
+        (``missing="mask"``, METHOD §4) or recomputed (``"recompute"``)."""
+        gap = ~features.stored(self.reuse)
+        if not bool(gap.any()):
+            return self
+        moved, keep = self.reuse[gap], ~gap
+        recompute, mask = self.recompute, self.mask
+        if missing == "recompute":
+            recompute = torch.cat([recompute, moved]).sort().values
+        else:
+            mask = torch.cat([mask, moved]).sort().values
+        return replace(self, recompute=recompute, reuse=self.reuse[keep], mask=mask,
+                       reuse_from=self.reuse_from[keep])
+
     @property
     def complete(self) -> bool:
         """True when every token is computed at every layer: the K/V can become an entry."""
@@ -120,10 +135,28 @@ class ImageFeatures:
     embeds: torch.Tensor
     entropy: torch.Tensor
     patch_hashes: torch.Tensor | None = None  # (N,) int64 hash of each token's pixels
+    #: tokens whose K/V the stored entry holds (a compressed entry, METHOD §4); None: every token
+    kv_tokens: torch.Tensor | None = None
 
     @property
     def n_tokens(self) -> int:
         return self.embeds.shape[0]
+
+    def stored(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Boolean over ``tokens``: those whose K/V the stored entry holds."""
+        if self.kv_tokens is None:
+            return torch.ones(tokens.shape, dtype=torch.bool)
+        return torch.isin(tokens.cpu(), self.kv_tokens)
+
+    def stored_rows(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Rows of the stored K/V that hold ``tokens`` (each must be stored)."""
+        tokens = tokens.to(torch.long).cpu()
+        if self.kv_tokens is None:
+            return tokens
+        rows = torch.searchsorted(self.kv_tokens, tokens).clamp(max=max(0, self.kv_tokens.numel() - 1))
+        if tokens.numel() and not bool((self.kv_tokens[rows] == tokens).all()):
+            raise ValueError(f"image {self.key[:12]}: the stored entry holds no K/V for some requested tokens")
+        return rows
 
 
 @dataclass

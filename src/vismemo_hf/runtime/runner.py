@@ -90,12 +90,13 @@ class PrefillRunner:
     def _read(self, img: ImageState, tokens: torch.Tensor, first_layer: int):
         """Alias K/V of ``tokens`` (sorted) at layers >= ``first_layer``, keys moved to this offset; and the ms it took."""
         t0 = time.perf_counter()
+        rows = img.alias.stored_rows(tokens)  # rows of the stored K/V (fewer than tokens in a compressed entry)
         if img.kind is HitKind.EXACT:
-            kv = token_rows(img.alias_entry.kv, tokens)[:, first_layer:]
+            kv = token_rows(img.alias_entry.kv, rows)[:, first_layer:]
         else:
             kv = store_call(
                 "read",
-                lambda: self.cache.store.get_tokens(img.alias.key, self.adapter.fingerprint, tokens, first_layer),
+                lambda: self.cache.store.get_tokens(img.alias.key, self.adapter.fingerprint, rows, first_layer),
                 None,
             )
         fetched = None
@@ -157,12 +158,13 @@ class PrefillRunner:
             if img.kind is HitKind.EXACT:
                 img.plan = self.policy.exact_plan(img.features, img.alias.key, img.prefix_changed)
                 if img.plan is not None:
+                    img.plan = img.plan.limited_to(img.alias, self.policy.missing)
                     self._bind(img)
                 elif self.policy.prefix_check_layer >= self.adapter.num_layers:
                     raise ValueError(f"prefix_check_layer={self.policy.prefix_check_layer} leaves no layer to check "
                                      f"in a {self.adapter.num_layers}-layer model")
                 else:  # decided at the check layer: the whole entry is at hand
-                    self._fetch(img, torch.arange(img.n_tokens), 0)
+                    self._fetch(img, self._stored(img, torch.arange(img.n_tokens)), 0)
             elif img.kind is HitKind.MISS:
                 img.plan = self.policy.miss_plan(img.features)
             else:
@@ -171,6 +173,7 @@ class PrefillRunner:
                 first = self.policy.warmup_layers
                 if self.policy.needs_deviation:  # the warmup layers' K/V of every token, for the deviation
                     tokens, first = torch.arange(img.n_tokens), 0
+                tokens = self._stored(img, tokens)
                 img.prefetched = tokens
                 img.timings["plan"] = (time.perf_counter() - t0) * 1e3
                 if tokens.numel():
@@ -189,19 +192,34 @@ class PrefillRunner:
                 img.plan = self.policy.prefix_plan(img.features, img.alias.key, signals)
             else:
                 img.plan = self.policy.plan(img.features, img.alias, img.prefetched, signals)
+            img.plan = img.plan.limited_to(img.alias, self.policy.missing)
             img.timings["plan"] = img.timings.get("plan", 0.0) + (time.perf_counter() - t0) * 1e3
             self._bind(img)
 
-    def _cached_at(self, img: ImageState, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The alias's (K, V) of every token of ``img`` at ``layer``, (H, N, D) each, if they were read."""
-        everything = torch.arange(img.n_tokens)
+    @staticmethod
+    def _stored(img: ImageState, tokens: torch.Tensor) -> torch.Tensor:
+        """The ``tokens`` whose K/V the alias entry holds (all of them unless it is compressed)."""
+        return tokens if img.alias.kv_tokens is None else tokens[img.alias.stored(tokens)]
+
+    def _cached_at(self, img: ImageState, layer: int, fill=None) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The alias's (K, V) of every token of ``img`` at ``layer``, (H, N, D) each, if they were read. A
+        compressed alias holds no K/V for some tokens: ``fill`` (K, V) stands in for them (else None)."""
+        stored = self._stored(img, torch.arange(img.n_tokens))
         f = img.fetched
-        if f is None or f.first_layer > layer or not f.covers(everything):
+        if f is None or f.first_layer > layer or not f.covers(stored):
             return None
         at = layer - f.first_layer
+        if stored.numel() < img.n_tokens:
+            if fill is None:
+                return None
+            pos = f.positions(stored)
+            out = tuple(x.clone() for x in fill)
+            out[0][:, stored.to(out[0].device)] = f.keys[at][:, pos].to(out[0].device, out[0].dtype)
+            out[1][:, stored.to(out[1].device)] = f.values[at][:, pos].to(out[1].device, out[1].dtype)
+            return out
         if f.tokens.numel() == img.n_tokens:  # every token, in order: no gather
             return f.keys[at], f.values[at]
-        pos = f.positions(everything)
+        pos = f.positions(stored)
         return f.keys[at][:, pos], f.values[at][:, pos]
 
     def _signals(self, img: ImageState, layer: int, hidden, active, cos, sin) -> WarmupSignals:
@@ -218,12 +236,12 @@ class PrefillRunner:
             cols = img.columns(torch.arange(img.n_tokens, device=self.device))
             k_dev, v_dev = [], []
             for at in range(layer):
-                cached = self._cached_at(img, at)
-                if cached is None:
-                    break
                 cache_layer = self.cache.layers[at]
                 slots = cache_layer.slot_of(cols, img.row)
                 fresh = cache_layer.keys[img.row][:, slots], cache_layer.values[img.row][:, slots]
+                cached = self._cached_at(img, at, fill=fresh)  # tokens a compressed alias lacks: no deviation
+                if cached is None:
+                    break
                 k_dev.append(relative_deviation(fresh[0], cached[0]))
                 v_dev.append(relative_deviation(fresh[1], cached[1]))
             else:
@@ -231,7 +249,7 @@ class PrefillRunner:
                     signals.key_deviation, signals.value_deviation = torch.stack(k_dev), torch.stack(v_dev)
         if (self.policy.needs_check_kv or exact) and layer < self.adapter.num_layers:
             signals.fresh_kv = self._fresh_kv(layer, img, hidden, active, cos, sin)
-            signals.cached_kv = self._cached_at(img, layer)
+            signals.cached_kv = self._cached_at(img, layer, fill=signals.fresh_kv)
         return signals
 
     def _fresh_kv(self, layer_idx: int, img: ImageState, hidden, active, cos, sin):
@@ -293,15 +311,18 @@ class PrefillRunner:
                   if img.plan is not None and img.plan.restore_masked and img.plan.mask.numel()]
         for img in images:
             first = img.plan.warmup_layers
+            masked = self._stored(img, img.plan.mask)  # a compressed alias has nothing for the tokens it lacks
+            if not masked.numel():
+                continue
             f = img.fetched
-            if f is None or f.first_layer > first or not f.covers(img.plan.mask):
-                f, ms = self._read(img, img.plan.mask, first)
+            if f is None or f.first_layer > first or not f.covers(masked):
+                f, ms = self._read(img, masked, first)
                 img.timings["fetch"] = img.timings.get("fetch", 0.0) + ms
                 if f is None:
                     logger.warning("vismemo: masked tokens of %s not restored (alias K/V unavailable)",
                                    img.features.key[:12])
                     continue
-            img.restored = (f, f.positions(img.plan.mask))
+            img.restored = (f, masked, f.positions(masked))
         if not any(img.restored is not None for img in images):
             return
         for layer in range(min(img.plan.warmup_layers for img in images), self.adapter.num_layers):
@@ -309,7 +330,7 @@ class PrefillRunner:
             def select(img, layer=layer):
                 if img.restored is None or layer < img.plan.warmup_layers:
                     return None
-                return img.plan.mask, img.restored[1]
+                return img.restored[1], img.restored[2]
 
             restored = self._alias_kv(layer, select, lambda img: img.restored[0] if img.restored else None)
             if restored is not None:
@@ -393,7 +414,10 @@ class PrefillRunner:
         final = inputs_embeds.clone()
         identity_mask = slot_layout = None
         compress = cache.compress if self.request.images else None
-        capture_rows = self._window_columns() if self.policy.needs_attention or compress is not None else None
+        # VL-Cache's window statistics: for compressing the decoding K/V, or the entries this prefill stores
+        window_stats_wanted = compress is not None or (
+            cache.store_misses and getattr(cache.store, "keep_ratio", None) is not None and self.request.images)
+        capture_rows = self._window_columns() if self.policy.needs_attention or window_stats_wanted else None
         window_stats_per_layer = []
         deepstack_rank = None
         if deepstack_visual_embeds is not None and visual_pos_masks is not None:
@@ -417,7 +441,7 @@ class PrefillRunner:
             if reused is not None:
                 cache_layer.preload(*reused)
             wants_attention = bool(warming) and self.policy.needs_attention
-            capturing = capture_rows is not None and (wants_attention or compress is not None)
+            capturing = capture_rows is not None and (wants_attention or window_stats_wanted)
             if identity:
                 ctx.incoming = None
                 if self.valid is not None:  # padding; without it SDPA's causal mode is exact (and faster)
@@ -448,7 +472,7 @@ class PrefillRunner:
                 probs, window_valid = ctx.capture.probs, ctx.capture.valid
                 if wants_attention:
                     self._collect_attention(layer_idx, warming, probs, window_valid)
-                if compress is not None:
+                if window_stats_wanted:
                     window_stats_per_layer.append(
                         window_stats(probs, window_valid, cache_layer.slot_columns(), self._visual_columns()))
                 ctx.capture = None
@@ -460,7 +484,7 @@ class PrefillRunner:
         t_end = time.perf_counter()
         t_warm_end = t_warm_end or t_end
         self._restore_masked()
-        self._store_complete()
+        self._store_complete(window_stats_per_layer)
         if compress is not None:
             keep = compress.keep(window_stats_per_layer, self._visual_columns())
             for layer, kept in zip(cache.layers, keep or []):
@@ -525,7 +549,24 @@ class PrefillRunner:
         hidden[ok] = hidden[ok] + embeds[r[ok]].to(hidden.device, hidden.dtype)
         return hidden
 
-    def _store_complete(self) -> None:
+    def _token_importance(self, img: ImageState, stats) -> torch.Tensor | None:
+        """VL-Cache's ranking of one image's tokens (METHOD §4) at token granularity, for a compressed entry: the
+        observation window's attention to each token, per layer weighted by that layer's VDR x entropy."""
+        if not stats:
+            return None
+        cols = img.columns(torch.arange(img.n_tokens, device=self.device))
+        total = torch.zeros(img.n_tokens)
+        for s in stats:
+            slot_columns = s.columns[img.row]
+            where = torch.full((self.length,), -1, dtype=torch.long, device=slot_columns.device)
+            ok = slot_columns >= 0
+            where[slot_columns[ok]] = torch.nonzero(ok).flatten()
+            slots = where[cols.to(where.device)]
+            score = s.score[img.row][slots.clamp(min=0)].masked_fill(slots < 0, 0.0)
+            total += float(s.vdr[img.row] * s.entropy[img.row]) * score.float().cpu()
+        return total
+
+    def _store_complete(self, window_stats_per_layer=()) -> None:
         """Store every image whose K/V were computed at every layer (misses, and hits under policies that recompute all)."""
         cache = self.cache
         if not cache.store_misses:
@@ -555,7 +596,8 @@ class PrefillRunner:
                 patch_hashes=img.features.patch_hashes,
                 prefix=img.prefix,
             )
-            store_call("write", lambda e=entry: cache.store.put(e), None)
+            importance = self._token_importance(img, window_stats_per_layer)
+            store_call("write", lambda e=entry, i=importance: cache.store.put(e, importance=i), None)
 
 
 def run_prefill(adapter, request, *, ctx: ForwardContext, inputs_embeds, attention_mask=None, position_ids=None,

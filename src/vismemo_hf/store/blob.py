@@ -29,7 +29,7 @@ from vismemo_hf.store.entry import Entry
 
 MAGIC = b"VMEM"
 LAYOUT_VERSION = 4
-_FIELDS = struct.Struct("<4sHBB" + "I" * 10 + "q32s64s16sQQ16s16s")
+_FIELDS = struct.Struct("<4sHBB" + "I" * 11 + "q32s64s16sQQ16s16s")
 _HEADER_CRC = struct.Struct("<I")
 HEADER_SIZE = _FIELDS.size + _HEADER_CRC.size
 HASH_BYTES = 8
@@ -102,6 +102,7 @@ class BlobHeader:
     prefix: str = ""
     sketch_dim: int = 0
     lookup_digest: bytes = b""
+    kv_count: int = 0  # token blocks: n_tokens, or fewer for a compressed entry (flag 16: their tokens in the metadata)
 
     @property
     def kv_format(self) -> str | None:
@@ -126,7 +127,7 @@ class BlobHeader:
 
     @property
     def meta_start(self) -> int:
-        return HEADER_SIZE + self.n_tokens * self.token_bytes
+        return HEADER_SIZE + self.kv_count * self.token_bytes
 
     @property
     def lookup_bytes(self) -> int:
@@ -142,15 +143,15 @@ def parse_header(data: bytes) -> BlobHeader:
         raise BlobError("not a vismemo blob")
     if zlib.crc32(raw[: _FIELDS.size]) != _HEADER_CRC.unpack(raw[_FIELDS.size :])[0]:
         raise BlobError("header checksum mismatch")
-    (magic, version, dtype, flags, n, layers, heads, hdim, edim, levels, t, h, w, sketch_dim, offset, fp, key, digest,
-     meta, total, prefix, lookup_digest) = _FIELDS.unpack(raw[: _FIELDS.size])
+    (magic, version, dtype, flags, n, layers, heads, hdim, edim, levels, t, h, w, sketch_dim, kv_count, offset, fp, key,
+     digest, meta, total, prefix, lookup_digest) = _FIELDS.unpack(raw[: _FIELDS.size])
     if magic != MAGIC:
         raise BlobError("not a vismemo blob")
     if version != LAYOUT_VERSION:
         raise BlobError(f"layout version {version}, expected {LAYOUT_VERSION}")
     if dtype not in DTYPES:
         raise BlobError(f"unknown dtype code {dtype}")
-    if bin(flags & 12).count("1") > 1 or flags & ~15:
+    if bin(flags & 12).count("1") > 1 or flags & ~31 or kv_count > n or (kv_count != n and not flags & 16):
         raise BlobError(f"unknown flags {flags:#x}")
     try:
         fingerprint, key = fp.decode("ascii").rstrip("\0"), key.decode("ascii").rstrip("\0")
@@ -158,7 +159,7 @@ def parse_header(data: bytes) -> BlobHeader:
         raise BlobError("header names are not ascii") from err
     header = BlobHeader(DTYPES[dtype], flags, n, layers, heads, hdim, edim, levels, (t, h, w), offset,
                         fingerprint, key, digest, meta, total, prefix.hex() if any(prefix) else "", sketch_dim,
-                        lookup_digest)
+                        lookup_digest, kv_count)
     if header.meta_start + meta != total or header.lookup_bytes > meta:
         raise BlobError("header sizes disagree")
     return header
@@ -170,6 +171,8 @@ def _meta_tensors(entry: Entry) -> list[torch.Tensor]:
         tensors.append(entry.deepstack.to(entry.kv.dtype))
     if entry.patch_hashes is not None:
         tensors.append(entry.patch_hashes.long())
+    if entry.kv_tokens is not None:
+        tensors.append(entry.kv_tokens.long())
     return [t.detach().cpu().contiguous() for t in tensors]
 
 
@@ -193,11 +196,13 @@ def encode(entry: Entry, kv_format: str | None = None) -> bytes:
     meta = b"".join(parts)
     flags = (1 if entry.deepstack is not None else 0) | (2 if entry.patch_hashes is not None else 0)
     flags |= KV_FORMATS[kv_format][0] if kv_format is not None else 0
+    flags |= 16 if entry.kv_tokens is not None else 0
     levels = entry.deepstack.shape[0] if entry.deepstack is not None else 0
     body_start = HEADER_SIZE + blocks.numel()
     fields = _FIELDS.pack(
-        MAGIC, LAYOUT_VERSION, DTYPE_CODES[kv.dtype], flags, n, layers, heads, hdim, entry.embeds.shape[-1], levels,
-        *entry.grid, entry.sketch.shape[-1], int(entry.offset), entry.fingerprint.encode("ascii"),
+        MAGIC, LAYOUT_VERSION, DTYPE_CODES[kv.dtype], flags, entry.n_tokens, layers, heads, hdim,
+        entry.embeds.shape[-1], levels,
+        *entry.grid, entry.sketch.shape[-1], n, int(entry.offset), entry.fingerprint.encode("ascii"),
         entry.key.encode("ascii"), meta_digest(meta), len(meta), body_start + len(meta),
         bytes.fromhex(entry.prefix) if entry.prefix else bytes(16), meta_digest(parts[0] + parts[1]),
     )
@@ -237,8 +242,12 @@ def decode_meta(header: BlobHeader, meta) -> Entry:
     levels = header.deepstack_levels
     deepstack = take(levels * n * d, header.dtype, (levels, n, d)) if header.flags & 1 else None
     patch_hashes = take(n, torch.int64, (n,)) if header.flags & 2 else None
+    kv_tokens = take(header.kv_count, torch.int64, (header.kv_count,)) if header.flags & 16 else None
+    if pos != buf.numel():
+        raise BlobError("metadata size does not match its header")
     return Entry(header.key, header.fingerprint, header.grid, embeds, deepstack, descriptors, entropy, None,
-                 header.offset, patch_hashes, prefix=header.prefix, n_layers=header.n_layers, sketch=sketch)
+                 header.offset, patch_hashes, prefix=header.prefix, n_layers=header.n_layers, sketch=sketch,
+                 kv_tokens=kv_tokens)
 
 
 def decode_lookup(header: BlobHeader, section) -> tuple[torch.Tensor, torch.Tensor]:
@@ -256,7 +265,7 @@ def decode_entry(header: BlobHeader, data: torch.Tensor) -> Entry:
     """The whole entry, K/V included, from a whole blob (uint8 tensor, whose memory the entry then shares);
     checks the digest and every hash."""
     entry = decode_meta(header, data[header.meta_start :])
-    region = data[HEADER_SIZE : header.meta_start].view(header.n_tokens, header.token_bytes)
+    region = data[HEADER_SIZE : header.meta_start].view(header.kv_count, header.token_bytes)
     entry.kv = decode_blocks(header, region, 0)
     entry.n_layers = header.n_layers
     return entry

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -36,6 +36,8 @@ class Entry:
     n_layers: int = 0
     #: (N, SKETCH_DIM) fp16 token sketches for the fine lookup stage (computed from ``embeds`` when not given)
     sketch: torch.Tensor | None = None
+    #: a compressed entry (METHOD §4): the sorted tokens whose K/V ``kv`` holds, row by row; None: every token
+    kv_tokens: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if self.kv is not None:
@@ -50,17 +52,33 @@ class Entry:
     @property
     def nbytes(self) -> int:
         tensors = [self.embeds, self.descriptors, self.entropy, self.sketch]
-        tensors += [t for t in (self.kv, self.deepstack, self.patch_hashes) if t is not None]
+        tensors += [t for t in (self.kv, self.deepstack, self.patch_hashes, self.kv_tokens) if t is not None]
         return sum(t.numel() * t.element_size() for t in tensors)
 
     def features(self) -> ImageFeatures:
-        return ImageFeatures(self.key, self.grid, self.embeds, self.entropy, self.patch_hashes)
+        return ImageFeatures(self.key, self.grid, self.embeds, self.entropy, self.patch_hashes, self.kv_tokens)
+
+    @property
+    def kv_count(self) -> int:
+        """Tokens whose K/V the entry holds."""
+        return self.n_tokens if self.kv_tokens is None else self.kv_tokens.numel()
+
+    def compressed(self, keep: torch.Tensor) -> Entry:
+        """The entry holding the K/V of the tokens ``keep`` only (any order; as a compressed entry)."""
+        rows = self.features().stored_rows(keep.to(torch.long).unique().sort().values)
+        tokens = rows if self.kv_tokens is None else self.kv_tokens[rows]
+        return replace(self, kv=self.kv[rows.to(self.kv.device)], kv_tokens=tokens.cpu())
 
     def check(self) -> None:
         """Raise if the entry is inconsistent with itself (a corrupt entry must never be used)."""
         n = self.n_tokens
-        if self.kv is not None and (self.kv.ndim != 5 or self.kv.shape[2] != 2 or self.kv.shape[0] != n):
-            raise ValueError(f"entry {self.key[:12]}: kv must be (N, L, 2, H, D), got {tuple(self.kv.shape)}")
+        if self.kv_tokens is not None and (self.kv_tokens.ndim != 1 or (self.kv_tokens.numel() and (
+                int(self.kv_tokens.min()) < 0 or int(self.kv_tokens.max()) >= n
+                or bool((self.kv_tokens[1:] <= self.kv_tokens[:-1]).any())))):
+            raise ValueError(f"entry {self.key[:12]}: kv_tokens must be sorted distinct tokens of 0..{n - 1}")
+        rows = self.kv_count
+        if self.kv is not None and (self.kv.ndim != 5 or self.kv.shape[2] != 2 or self.kv.shape[0] != rows):
+            raise ValueError(f"entry {self.key[:12]}: kv must be ({rows}, L, 2, H, D), got {tuple(self.kv.shape)}")
         if self.entropy.shape[0] != n or self.descriptors.shape[0] != 4 or self.sketch.shape[0] != n:
             raise ValueError(f"entry {self.key[:12]}: token counts disagree")
         if self.patch_hashes is not None and self.patch_hashes.shape != (n,):

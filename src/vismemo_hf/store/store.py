@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import re
 import threading
@@ -68,11 +69,15 @@ class VisMemoStore:
     tier; ``remote_options``: ``RemoteTier`` keywords (``prefix``, ``timeout_s``, ``retry_s``, ``ttl_s``, ...).
     ``kv_format``: ``"int8"`` or ``"fp8"`` (e4m3) stores K/V in 8 bits with a fp16 scale per token, layer and head
     (about half the bytes of bf16); every tier then serves the same dequantized K/V. None: the model's dtype.
+    ``keep_ratio``: compressed entries (METHOD §4): keep the K/V of that share of each image's tokens, those
+    VL-Cache ranks first (``put``'s ``importance``; patch entropy when none is given); a hit on such an entry
+    masks or recomputes the missing ones (the policy's ``missing``). None: every token.
     """
 
     def __init__(self, device_bytes=None, host_bytes=0, disk_dir=None, disk_bytes=None, *, device="cpu",
                  protect: int = 2, victim_share: float = 0.0, priors=None, write_through: bool = True,
-                 remote_url: str | None = None, remote_options: dict | None = None, kv_format: str | None = None):
+                 remote_url: str | None = None, remote_options: dict | None = None, kv_format: str | None = None,
+                 keep_ratio: float | None = None):
         device_bytes, host_bytes, disk_bytes = (parse_bytes(v) for v in (device_bytes, host_bytes, disk_bytes))
         for name, v in (("device_bytes", device_bytes), ("host_bytes", host_bytes), ("disk_bytes", disk_bytes)):
             if v is not None and v < 0:
@@ -82,6 +87,9 @@ class VisMemoStore:
         if kv_format not in (None, *blob.KV_FORMATS):
             raise ValueError(f"kv_format must be None or one of {sorted(blob.KV_FORMATS)}, got {kv_format!r}")
         self.kv_format = kv_format
+        if keep_ratio is not None and not 0.0 < keep_ratio <= 1.0:
+            raise ValueError(f"keep_ratio must lie in (0, 1] or be None, got {keep_ratio!r}")
+        self.keep_ratio = keep_ratio
         self.device = DeviceTier(device_bytes, device)
         main_host = None if host_bytes is None else int(host_bytes * (1 - victim_share))
         self.host = HostTier(main_host)
@@ -135,7 +143,7 @@ class VisMemoStore:
                 raise ValueError(f"remote_url of {file} needs the environment variable(s) {unset}")
         unknown = set(cfg) - {"device_bytes", "host_bytes", "disk_dir", "disk_bytes", "device", "protect",
                               "victim_share", "priors", "write_through", "remote_url", "remote_options",
-                              "kv_format"}
+                              "kv_format", "keep_ratio"}
         if unknown:
             raise ValueError(f"unknown store option(s) {sorted(unknown)} in {file}")
         return cls(**cfg)
@@ -164,8 +172,9 @@ class VisMemoStore:
                 self._index.add(header.fingerprint, header.grid, key, descriptors)
 
     # -- writing -----------------------------------------------------------------------------------
-    def put(self, entry: Entry) -> bool:
-        """Store an entry (fastest tier with room; through to disk). False if it fits nowhere or is malformed."""
+    def put(self, entry: Entry, importance: torch.Tensor | None = None) -> bool:
+        """Store an entry (fastest tier with room; through to disk). False if it fits nowhere or is malformed.
+        ``importance`` (N,): what a compressed store keeps first (``keep_ratio``)."""
         try:
             entry.check()
             if entry.kv is None:
@@ -175,6 +184,11 @@ class VisMemoStore:
             self._stats["rejected"] += 1
             return False
         self._settle_writes()
+        if self.keep_ratio is not None and entry.kv_tokens is None and self.keep_ratio < 1.0:
+            score = (importance if importance is not None else entry.entropy).float().cpu()
+            if score.shape != (entry.n_tokens,):
+                raise ValueError(f"importance must hold one score per token ({entry.n_tokens}), got {tuple(score.shape)}")
+            entry = entry.compressed(torch.topk(score, max(1, math.ceil(self.keep_ratio * entry.n_tokens))).indices)
         if self.kv_format is not None:  # what every tier will serve, the device tier included
             entry = replace(entry, kv=blob.round_trip(entry.kv, self.kv_format))
         with self._lock:
@@ -413,7 +427,8 @@ class VisMemoStore:
             return self._read(key, fingerprint, "meta")[0]
 
     def get_tokens(self, key: str, fingerprint: str, tokens: torch.Tensor, first_layer: int) -> torch.Tensor | None:
-        """K/V of ``tokens`` at layers >= ``first_layer``: (|tokens|, L - first_layer, 2, H, D). Sparse, never promotes."""
+        """K/V rows ``tokens`` at layers >= ``first_layer``: (|tokens|, L - first_layer, 2, H, D). Sparse, never
+        promotes. Rows are token indices, except in a compressed entry (``ImageFeatures.stored_rows``)."""
         with self._lock:
             out, tier = self._read(key, fingerprint, "tokens", tokens.to(torch.long).cpu(), first_layer)
             if out is None:

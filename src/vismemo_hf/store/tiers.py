@@ -171,7 +171,7 @@ class HostTier(_Local):
 
     @staticmethod
     def _blocks(header, data, tokens, first_layer) -> torch.Tensor:
-        region = data[blob.HEADER_SIZE : header.meta_start].view(header.n_tokens, header.token_bytes)
+        region = data[blob.HEADER_SIZE : header.meta_start].view(header.kv_count, header.token_bytes)
         start = first_layer * header.layer_bytes
         return blob.decode_blocks(header, region[tokens][:, start:], first_layer)
 
