@@ -123,7 +123,7 @@ def test_thresholds_presets_and_model_check(tmp_path, qwen2, pages):
         LookupThresholds(tau=2.0)
     floor = ModelReference(torch.zeros(4), torch.zeros(4), unrelated_fine=0.93)
     assert LookupThresholds().fine_for(floor) == pytest.approx(0.96)
-    assert vismemo_hf.VisMemoCache(store=store, tau_fine=0.5).thresholds.fine_for(floor) == 0.5
+    assert vismemo_hf.VisMemoCache(store=store, tau_fine=0.5).lookup_thresholds("x").fine_for(floor) == 0.5
 
 
 def test_calibrate_writes_a_preset_the_cache_takes(tmp_path, capsys):
@@ -136,6 +136,14 @@ def test_calibrate_writes_a_preset_the_cache_takes(tmp_path, capsys):
     assert "recall" in (tmp_path / "report" / "tiny-qwen2_vl.md").read_text()
     assert vismemo_hf.VisMemoCache(store=vismemo_hf.VisMemoStore(), thresholds=str(out)).thresholds.tau_fine == \
         preset["tau_fine"]
+    # a store given the preset serves it to every cache of that model; other models keep the defaults
+    store = vismemo_hf.VisMemoStore(thresholds=[str(out)])
+    cache = vismemo_hf.VisMemoCache(store=store, tau=0.5)
+    got = cache.lookup_thresholds(preset["fingerprint"])
+    assert (got.tau, got.tau_fine, got.adaptive) == (0.5, preset["tau_fine"], False)
+    assert cache.lookup_thresholds("another-model") == vismemo_hf.LookupThresholds(tau=0.5)
+    with pytest.raises(ValueError, match="fingerprint"):
+        vismemo_hf.VisMemoStore(thresholds=[vismemo_hf.LookupThresholds()])
 
 
 @pytest.mark.parametrize("kv_format", ["int8", "fp8"])

@@ -161,9 +161,10 @@ class VisMemoCache(DynamicCache):
     ``compress=VLCacheCompression(ratio)`` shrinks the K/V kept for decoding after prefill.
 
     Approximate lookup compares embeddings centred by the model's reference means with ``thresholds``: a
-    ``LookupThresholds``, or a preset name / YAML path written by ``vismemo calibrate`` for the model (default
-    tau 0.8, tau_fine 0.85 raised above the model's unrelated reference pairs); ``tau`` / ``tau_fine`` override
-    single values; ``top_k`` candidates get the fine stage (0: exact hits only).
+    ``LookupThresholds``, or a preset name / YAML path written by ``vismemo calibrate`` for the model; None: the
+    store's calibration for the model (``VisMemoStore(thresholds=...)``), else tau 0.8 and tau_fine 0.85 raised
+    above the model's unrelated reference pairs. ``tau`` / ``tau_fine`` override single values; ``top_k``
+    candidates get the fine stage (0: exact hits only).
     """
 
     def __init__(
@@ -186,12 +187,13 @@ class VisMemoCache(DynamicCache):
         shared = {"warmup_layers": warmup_layers, "recompute_ratio": recompute_ratio, "reuse_ratio": reuse_ratio}
         given = {k: v for k, v in shared.items() if not isinstance(v, _Unset)}
         self.policy = get_policy(policy, **given, **policy_options)
-        if not isinstance(thresholds, LookupThresholds):
-            thresholds = LookupThresholds.load(thresholds) if thresholds is not None else LookupThresholds()
-        overrides = {k: float(v) for k, v in (("tau", tau), ("tau_fine", tau_fine)) if v is not None}
+        if isinstance(thresholds, str):
+            thresholds = LookupThresholds.load(thresholds)
+        self.thresholds = thresholds
+        self._overrides = {k: float(v) for k, v in (("tau", tau), ("tau_fine", tau_fine)) if v is not None}
         if tau_fine is not None:
-            overrides["adaptive"] = False
-        self.thresholds = replace(thresholds, **overrides)
+            self._overrides["adaptive"] = False
+        replace(LookupThresholds(), **self._overrides)  # a bad tau is an error here, not at the first lookup
         if top_k < 0:
             raise ValueError("top_k must be >= 0")
         self.top_k = top_k
@@ -199,6 +201,12 @@ class VisMemoCache(DynamicCache):
         self.compress = compress
         self.events: list[CacheEvent] = []
         self._length = 0
+
+    def lookup_thresholds(self, fingerprint: str) -> LookupThresholds:
+        """The thresholds for a model: this cache's, else the store's calibration for that model, else the defaults;
+        then ``tau`` / ``tau_fine`` if they were passed."""
+        base = self.thresholds or self.store.thresholds_for(fingerprint) or LookupThresholds()
+        return replace(base, **self._overrides)
 
     # -- transformers Cache API ----------------------------------------------------------------
     def layer(self, layer_idx: int) -> VisMemoLayer:

@@ -304,7 +304,7 @@ def _approximate(adapter, state: ImageState, cache, fp: str, get_image_features)
     embeddings centred by the model's reference means (``thresholds.py``)."""
     if cache.top_k == 0:
         return
-    thresholds = cache.thresholds
+    thresholds = cache.lookup_thresholds(fp)
     if thresholds.fingerprint not in (None, fp):
         raise ValueError(f"lookup thresholds calibrated for model {thresholds.fingerprint[:12]} used with model "
                          f"{fp[:12]}: run `vismemo calibrate` for this model or pass thresholds=None")

@@ -72,12 +72,14 @@ class VisMemoStore:
     ``keep_ratio``: compressed entries (METHOD §4): keep the K/V of that share of each image's tokens, those
     VL-Cache ranks first (``put``'s ``importance``; patch entropy when none is given); a hit on such an entry
     masks or recomputes the missing ones (the policy's ``missing``). None: every token.
+    ``thresholds``: ``vismemo calibrate`` presets (names or paths, one per model): a cache without thresholds of
+    its own uses the one calibrated for its model.
     """
 
     def __init__(self, device_bytes=None, host_bytes=0, disk_dir=None, disk_bytes=None, *, device="cpu",
                  protect: int = 2, victim_share: float = 0.0, priors=None, write_through: bool = True,
                  remote_url: str | None = None, remote_options: dict | None = None, kv_format: str | None = None,
-                 keep_ratio: float | None = None):
+                 keep_ratio: float | None = None, thresholds=None):
         device_bytes, host_bytes, disk_bytes = (parse_bytes(v) for v in (device_bytes, host_bytes, disk_bytes))
         for name, v in (("device_bytes", device_bytes), ("host_bytes", host_bytes), ("disk_bytes", disk_bytes)):
             if v is not None and v < 0:
@@ -90,6 +92,9 @@ class VisMemoStore:
         if keep_ratio is not None and not 0.0 < keep_ratio <= 1.0:
             raise ValueError(f"keep_ratio must lie in (0, 1] or be None, got {keep_ratio!r}")
         self.keep_ratio = keep_ratio
+        self._thresholds = {}  # fingerprint -> calibrated LookupThresholds
+        for preset in [thresholds] if isinstance(thresholds, str) else (thresholds or []):
+            self.add_thresholds(preset)
         self.device = DeviceTier(device_bytes, device)
         main_host = None if host_bytes is None else int(host_bytes * (1 - victim_share))
         self.host = HostTier(main_host)
@@ -143,7 +148,7 @@ class VisMemoStore:
                 raise ValueError(f"remote_url of {file} needs the environment variable(s) {unset}")
         unknown = set(cfg) - {"device_bytes", "host_bytes", "disk_dir", "disk_bytes", "device", "protect",
                               "victim_share", "priors", "write_through", "remote_url", "remote_options",
-                              "kv_format", "keep_ratio"}
+                              "kv_format", "keep_ratio", "thresholds"}
         if unknown:
             raise ValueError(f"unknown store option(s) {sorted(unknown)} in {file}")
         return cls(**cfg)
@@ -451,6 +456,19 @@ class VisMemoStore:
             if fingerprint not in self._references:
                 self._references[fingerprint] = reference
                 self._index.set_center(fingerprint, reference.descriptor_mean)
+
+    def add_thresholds(self, preset) -> None:
+        """Register calibrated lookup thresholds (a ``LookupThresholds``, preset name or path) for their model."""
+        from vismemo_hf.runtime.thresholds import LookupThresholds
+
+        loaded = preset if isinstance(preset, LookupThresholds) else LookupThresholds.load(preset)
+        if loaded.fingerprint is None:
+            raise ValueError(f"lookup thresholds {preset!r} name no model fingerprint: write them with vismemo calibrate")
+        self._thresholds[loaded.fingerprint] = loaded
+
+    def thresholds_for(self, fingerprint: str):
+        """The calibrated ``LookupThresholds`` of a model, or None."""
+        return self._thresholds.get(fingerprint)
 
     def candidates(self, fingerprint: str, grid, descriptors: torch.Tensor, tau: float, top_k: int):
         """Coarse stage: (key, mean centred regional cosine) of same-grid entries passing all four regions."""
