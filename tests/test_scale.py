@@ -241,3 +241,15 @@ def test_compressed_blobs_round_trip_and_options_are_checked(tmp_path):
         vismemo_hf.VisMemoStore(keep_ratio=0.0)
     with pytest.raises(ValueError, match="missing"):
         vismemo_hf.VisMemoCache(store=store, missing="drop")
+
+
+def test_a_reopened_store_indexes_its_entries_once_the_model_reference_is_known(tmp_path):
+    first = vismemo_hf.VisMemoStore(device_bytes=0, host_bytes=0, disk_dir=tmp_path)
+    entries = [_entry(f"k{i}", seed=i) for i in range(5)]
+    for e in entries:
+        first.put(e)
+    first.close()
+    again = vismemo_hf.VisMemoStore(device_bytes=0, host_bytes=0, disk_dir=tmp_path)
+    assert len(again) == 5 and again.candidates("fp", (1, 4, 4), entries[2].descriptors, 0.9, 3) == []
+    again.set_reference("fp", ModelReference(torch.zeros(8), torch.zeros(8), 0.0))
+    assert again.candidates("fp", (1, 4, 4), entries[2].descriptors, 0.9, 3)[0][0] == "k2"

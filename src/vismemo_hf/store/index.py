@@ -143,8 +143,11 @@ class DescriptorIndex:
         if fingerprint in self._centers:
             return
         self._centers[fingerprint] = mean.detach().float().cpu().reshape(-1)
+        by_grid: dict[tuple, list] = {}
         for key, (grid, projected) in self._pending.pop(fingerprint, {}).items():
-            self._insert(fingerprint, grid, [key], projected[None])
+            by_grid.setdefault(grid, []).append((key, projected))
+        for grid, items in by_grid.items():  # one batch per grid (a reopened store may hold many)
+            self._insert(fingerprint, grid, [k for k, _ in items], torch.stack([p for _, p in items]))
 
     def _project(self, descriptors: torch.Tensor) -> torch.Tensor:
         """(..., 4, d) -> (..., 4, p) projected (not centred, not normalised)."""
