@@ -18,6 +18,7 @@ measures that recall). Entries of a model whose reference mean is not known yet 
 from __future__ import annotations
 
 import math
+import sys
 from functools import lru_cache
 
 import faiss
@@ -113,8 +114,9 @@ class _Group:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the faiss index: fp16 codes, ids and the id map (not the Python key maps)."""
-        return len(self) * (self.width * 2 + 8 + 16)
+        """Bytes of the faiss index: fp16 codes and ids, and for an IVF its id -> list map (a hash table, about
+        48 bytes per entry)."""
+        return len(self) * (self.width * 2 + 8 + (48 if self.trained_at else 0))
 
 
 class DescriptorIndex:
@@ -203,8 +205,12 @@ class DescriptorIndex:
 
     @property
     def nbytes(self) -> int:
-        """Bytes the faiss indices hold (waiting entries and Python maps not included)."""
-        return sum(g.nbytes for g in self._groups.values())
+        """Bytes the index holds: the faiss indices, and the key <-> id maps with their keys and ids (waiting
+        entries not included)."""
+        maps = [self._where] + [m for g in self._groups.values() for m in (g.ids, g.keys)]
+        python = sum(sys.getsizeof(m) for m in maps) + sum(sys.getsizeof(k) for k in self._where)
+        python += sum(sys.getsizeof(i) for g in self._groups.values() for i in g.keys)
+        return sum(g.nbytes for g in self._groups.values()) + python
 
     # -- search ------------------------------------------------------------------------------------
     def search(self, fingerprint: str, grid, descriptors: torch.Tensor, tau: float, top_k: int,
