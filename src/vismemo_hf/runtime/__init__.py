@@ -1,3 +1,3 @@
-"""The data path of one request: lookup (``lookup``, ``features``) -> plan (``plan``, with ``policies/``) ->
+"""The data path of one request: lookup (``lookup``, ``features``, ``thresholds``) -> plan (``plan``, with ``policies/``) ->
 execution (``runner``, ``context``, ``cache``, ``attention``, ``rope``, ``compress``), wired into a model by
 ``hooks``."""

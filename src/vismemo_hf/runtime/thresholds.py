@@ -167,13 +167,10 @@ def model_reference(adapter, get_image_features) -> ModelReference:
     return ModelReference(descriptors.mean((0, 1)), token_mean, max(unrelated))
 
 
-def centred_descriptors(descriptors: torch.Tensor, mean: torch.Tensor) -> torch.Tensor:
-    return descriptors.float() - mean.to(descriptors.device).float()
-
-
 def regional_cosines(a: torch.Tensor, b: torch.Tensor, mean: torch.Tensor) -> torch.Tensor:
     """(4,) centred cosines of two images' region descriptors (the coarse rule, exactly)."""
-    return F.cosine_similarity(centred_descriptors(a, mean), centred_descriptors(b, mean), dim=-1)
+    m = mean.float().cpu()
+    return F.cosine_similarity(a.float().cpu() - m, b.float().cpu() - m, dim=-1)
 
 
 def token_cosines(a: torch.Tensor, b: torch.Tensor, token_mean: torch.Tensor) -> torch.Tensor:

@@ -1,5 +1,5 @@
 """Where entries live: ``VisMemoStore`` over its tiers (``tiers``: device, host, disk; ``remote``: Redis), the
-entry (``entry``) and its byte layout (``blob``)."""
+entry (``entry``), its byte layout (``blob``) and the coarse lookup index over every tier (``index``)."""
 
 from vismemo_hf.store.entry import Entry
 from vismemo_hf.store.store import VisMemoStore, default_store, store_call
