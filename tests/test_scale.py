@@ -253,3 +253,23 @@ def test_a_reopened_store_indexes_its_entries_once_the_model_reference_is_known(
     assert len(again) == 5 and again.candidates("fp", (1, 4, 4), entries[2].descriptors, 0.9, 3) == []
     again.set_reference("fp", ModelReference(torch.zeros(8), torch.zeros(8), 0.0))
     assert again.candidates("fp", (1, 4, 4), entries[2].descriptors, 0.9, 3)[0][0] == "k2"
+
+
+def test_a_corrupt_lookup_section_is_never_scored(tmp_path):
+    """A flipped byte in a candidate's descriptors or sketches: the fine stage reads nothing, the entry is removed."""
+    for options in ({"device_bytes": 0, "host_bytes": None}, {"device_bytes": 0, "host_bytes": 0, "disk_dir": tmp_path}):
+        store = vismemo_hf.VisMemoStore(**options)
+        e = _entry("a", n=6)
+        store.put(e)
+        store.flush()
+        assert store.sketch("a", "fp") is not None and store.stats()["bytes_read_lookup"] > 0
+        header = blob.parse_header(blob.encode(e)[: blob.HEADER_SIZE])
+        where = header.meta_start + header.lookup_bytes - 3  # inside the sketches
+        if "disk_dir" in options:
+            path = next(p for p in tmp_path.rglob("*.val"))
+            data = bytearray(path.read_bytes())
+            data[where] ^= 0x40
+            path.write_bytes(bytes(data))
+        else:
+            store.host.lru["a"][1][where] ^= 0x40
+        assert store.sketch("a", "fp") is None and "a" not in store and store.stats()["corrupt"] == 1
