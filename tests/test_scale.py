@@ -273,3 +273,11 @@ def test_a_corrupt_lookup_section_is_never_scored(tmp_path):
         else:
             store.host.lru["a"][1][where] ^= 0x40
         assert store.sketch("a", "fp") is None and "a" not in store and store.stats()["corrupt"] == 1
+
+
+def test_the_packaged_readers_calibration_is_its_own():
+    from vismemo_hf.testing import docqa_model
+
+    model, _ = docqa_model()
+    preset = LookupThresholds.load("vismemo-docqa-tiny")
+    assert preset.fingerprint == model_fingerprint(model) and not preset.adaptive
