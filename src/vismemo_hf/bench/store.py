@@ -282,7 +282,8 @@ def main(args) -> int:
                   f"tokens (beta = {args.beta}) at layers >= {args.warmup}: one GETRANGE for the header, then one "
                   "pipelined round trip of one GETRANGE per token. Bytes the server sent: growth of "
                   "`total_net_output_bytes` in Redis `INFO stats` (includes RESP framing and the INFO reply that "
-                  "reads it). Full reads include the checksum checks and the decode."]
+                  "reads it). Full reads (the header, then 8 MiB GETRANGEs, four per pipelined round trip, into one buffer) "
+                  "include the checksum checks and the decode."]
     lines += ["", "Trace: `synthetic_trace` in `vismemo_hf/bench/store.py` (repeats by Zipf recency rank, "
               "near-duplicate variants of Pareto-popular families, new images)."]
     (out / "store.md").write_text("\n".join(lines) + "\n")

@@ -3,8 +3,9 @@
 Layout under ``prefix`` (default ``vismemo``):
 
 * ``{prefix}:blob:{key}`` — the entry's blob, the same headed, checksummed, patch-first bytes as
-  the host and disk tiers (never pickle). An exact hit reads it whole (``GET``); an approximate hit
-  reads one ``GETRANGE`` per reused token, pipelined in one round trip. Blobs carry a TTL
+  the host and disk tiers (never pickle). An exact hit reads it whole: the header, then 8 MiB
+  ``GETRANGE``s, four per pipelined round trip, into one buffer; an approximate hit reads one
+  ``GETRANGE`` per reused token, pipelined in one round trip. Blobs carry a TTL
   (``ttl_s``) so that a ``maxmemory-policy volatile-lru`` (or ``volatile-ttl``) server evicts
   blobs and never the index.
 * ``{prefix}:index`` — hash ``key -> record`` (blob header + the four region descriptors): what a
