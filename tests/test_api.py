@@ -99,7 +99,7 @@ def test_exact_hits_skip_the_vision_tower(qwen2, pages):
     try:
         inputs = build_inputs(processor, [pages["base"]])
         generate(model, inputs, vismemo_hf.VisMemoCache(store=store), 1)
-        assert len(calls) == 2  # the image, and once per model the reference images that centre its lookup
+        assert len(calls) in (1, 2)  # the image, and once per process and model the lookup's reference images
         assert store.reference(model_fingerprint(model)) is not None
         calls.clear()
         cache = vismemo_hf.VisMemoCache(store=store)

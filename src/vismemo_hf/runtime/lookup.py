@@ -291,11 +291,20 @@ def lookup_request(adapter, cache, input_ids, pixel_values, grids, get_image_fea
     return PrefillRequest(images), outputs
 
 
+#: model references computed in this process, by fingerprint (a new store of a known model reuses them)
+_REFERENCES: dict = {}
+
+
 def _reference(adapter, store, get_image_features):
-    """The model's reference, computed with its tower on first use and kept by the store."""
-    if store.reference(adapter.fingerprint) is None:
-        store.set_reference(adapter.fingerprint, model_reference(adapter, get_image_features))
-    return store.reference(adapter.fingerprint)
+    """The model's reference: computed with its tower once per process, kept by every store that serves it."""
+    fp = adapter.fingerprint
+    if store.reference(fp) is None:
+        if fp not in _REFERENCES:
+            if len(_REFERENCES) >= 16:
+                _REFERENCES.pop(next(iter(_REFERENCES)))
+            _REFERENCES[fp] = model_reference(adapter, get_image_features)
+        store.set_reference(fp, _REFERENCES[fp])
+    return store.reference(fp)
 
 
 def _approximate(adapter, state: ImageState, cache, fp: str, get_image_features) -> None:
