@@ -281,3 +281,17 @@ def test_the_packaged_readers_calibration_is_its_own():
     model, _ = docqa_model()
     preset = LookupThresholds.load("vismemo-docqa-tiny")
     assert preset.fingerprint == model_fingerprint(model) and not preset.adaptive
+
+
+def test_the_model_reference_is_computed_once_per_process(qwen2, pages):
+    model, processor = qwen2
+    calls = []
+    hook = model.model.visual.register_forward_hook(lambda *a: calls.append(1))
+    try:
+        for _ in range(2):
+            store = vismemo_hf.VisMemoStore()
+            generate(model, build_inputs(processor, [pages["base"]]), vismemo_hf.VisMemoCache(store=store), 1)
+            assert store.reference(model_fingerprint(model)) is not None
+        assert len(calls) <= 3  # two images, and the reference images at most once
+    finally:
+        hook.remove()
