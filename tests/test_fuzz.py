@@ -16,12 +16,20 @@ from conftest import build_inputs
 from test_store import _entry
 
 
-def test_every_byte_of_a_blob_is_checked():
-    """Decoding a blob with any one byte flipped raises BlobError, or (never, today) gives the same entry."""
+@pytest.mark.parametrize("variant", ["plain", "int8", "fp8", "compressed", "int8-compressed"])
+def test_every_byte_of_a_blob_is_checked(variant):
+    """Decoding a blob with any one byte flipped raises BlobError, or (never, today) gives the same entry; for
+    plain, 8-bit and compressed blobs alike. Reading the lookup section alone checks its bytes too."""
     entry = _entry("k", n=3, layers=2)
     entry.patch_hashes = torch.arange(3)
     entry.prefix = "ab" * 16
-    data = blob.encode(entry)
+    if "compressed" in variant:
+        entry = entry.compressed(torch.tensor([0, 2]))
+    kv_format = variant.split("-")[0] if variant.startswith(("int8", "fp8")) else None
+    data = blob.encode(entry, kv_format)
+    reference = blob.decode_entry(blob.parse_header(data[: blob.HEADER_SIZE]),
+                                  torch.frombuffer(bytearray(data), dtype=torch.uint8))
+    entry.kv = reference.kv  # what the format gives back
     for pos in range(len(data)):
         bad = bytearray(data)
         bad[pos] ^= 0x5A
@@ -35,6 +43,13 @@ def test_every_byte_of_a_blob_is_checked():
         assert torch.equal(got.kv, entry.kv) and torch.equal(got.embeds, entry.embeds), pos
         assert (got.key, got.fingerprint, got.grid, got.offset, got.prefix) == (
             entry.key, entry.fingerprint, entry.grid, entry.offset, entry.prefix), pos
+    header = blob.parse_header(data[: blob.HEADER_SIZE])
+    start = header.meta_start
+    for pos in range(start, start + header.lookup_bytes):
+        bad = bytearray(data[start : start + header.lookup_bytes])
+        bad[pos - start] ^= 0x5A
+        with pytest.raises(blob.BlobError):
+            blob.decode_lookup(header, bytes(bad))
 
 
 def _logits(model, inputs, cache):

@@ -295,3 +295,16 @@ def test_the_model_reference_is_computed_once_per_process(qwen2, pages):
         assert len(calls) <= 3  # two images, and the reference images at most once
     finally:
         hook.remove()
+
+
+@pytest.mark.parametrize("bad, match", [({"tau": 0.7}, "lack"), ({"tau": "high", "tau_fine": 0.9}, "cosine"),
+                                        ({"tau": 0.7, "tau_fine": 1.5}, "cosine"),
+                                        ({"tau": 0.7, "tau_fine": 0.9, "fingerprint": 12}, "string"),
+                                        (["tau", 0.7], "mapping")])
+def test_malformed_threshold_presets_are_clear_errors(tmp_path, bad, match):
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(bad))
+    with pytest.raises(ValueError, match=match):
+        LookupThresholds.load(str(path))
+    with pytest.raises(ValueError, match="unknown lookup thresholds preset"):
+        LookupThresholds.load("no-such-model")

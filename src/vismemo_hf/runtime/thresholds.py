@@ -61,7 +61,7 @@ class LookupThresholds:
     def __post_init__(self) -> None:
         for name in ("tau", "tau_fine"):
             value = getattr(self, name)
-            if not isinstance(value, (int, float)) or not -1.0 <= value <= 1.0:
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not -1.0 <= value <= 1.0:
                 raise ValueError(f"{name} must be a cosine in [-1, 1], got {value!r}")
 
     @classmethod
@@ -70,10 +70,17 @@ class LookupThresholds:
         from vismemo_hf.presets import find, load
 
         cfg = load("lookup", name_or_path)
+        where = find("lookup", name_or_path)
         unknown = set(cfg) - {"tau", "tau_fine", "fingerprint", "calibration"}
         if unknown:
-            raise ValueError(f"unknown lookup option(s) {sorted(unknown)} in {find('lookup', name_or_path)}")
-        return cls(float(cfg["tau"]), float(cfg["tau_fine"]), cfg.get("fingerprint"), adaptive=False)
+            raise ValueError(f"unknown lookup option(s) {sorted(unknown)} in {where}")
+        missing = {"tau", "tau_fine"} - set(cfg)
+        if missing:
+            raise ValueError(f"lookup thresholds {where} lack {sorted(missing)}")
+        fingerprint = cfg.get("fingerprint")
+        if fingerprint is not None and not isinstance(fingerprint, str):
+            raise ValueError(f"fingerprint in {where} must be a string, got {fingerprint!r}")
+        return cls(cfg["tau"], cfg["tau_fine"], fingerprint, adaptive=False)
 
     def as_dict(self) -> dict:
         return asdict(self)
