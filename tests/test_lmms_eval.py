@@ -96,3 +96,13 @@ def test_real_page_streams_from_published_schemas_run_end_to_end(tmp_path):
         assert r["anls,none"] >= 0.9 and r["anls_approximate,none"] >= 0.9 and r["anls_exact,none"] >= 0.9, r
         # misses include the perturbed copies the lookup declined: the reader's own full-prefill accuracy on them
         assert r["anls_miss,none"] >= 0.75, r
+
+
+def test_backend_model_args_reach_the_store_and_the_cache():
+    pytest.importorskip("lmms_eval")
+    from vismemo_hf.eval.lmms import VisMemoLMM
+
+    lmm = VisMemoLMM(pretrained="vismemo-docqa-tiny", kv_format="int8", keep_ratio="0.5",
+                     thresholds="vismemo-docqa-tiny", missing="recompute")
+    assert (lmm.store.kv_format, lmm.store.keep_ratio) == ("int8", 0.5)
+    assert lmm.options == {"thresholds": "vismemo-docqa-tiny", "missing": "recompute"}

@@ -4,8 +4,11 @@
         --tasks vismemo_synthdoc --include_path eval_tasks
 
 One store lives for the whole run and requests are answered in document order, so hits happen
-as in the stream. The hit kind of every answer is kept in ``HIT_KINDS`` (doc id -> kind) for
-the tasks' ``process_results`` (same process), which report ANLS per hit kind.
+as in the stream. ``store`` names a store preset, and ``kv_format`` / ``keep_ratio`` model_args
+set those store options (8-bit or compressed entries); every other model_arg goes to
+``VisMemoCache`` (policy options, ``thresholds`` = a calibrated lookup preset, ``tau``, ...). The
+hit kind of every answer is kept in ``HIT_KINDS`` (doc id -> kind) for the tasks'
+``process_results`` (same process), which report ANLS per hit kind.
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ from vismemo_hf.loading import load_model
 from vismemo_hf.runtime.cache import DEFAULT_POLICY
 
 HIT_KINDS: dict[str, str] = {}
+#: model_args that configure the store rather than the cache
+STORE_OPTIONS = ("kv_format", "keep_ratio")
 
 
 def _number(value):
@@ -42,7 +47,8 @@ class VisMemoLMM(lmms):
         self.model, self.processor = load_model(pretrained, dtype=getattr(torch, dtype))
         self.model.to(device)
         enable(self.model)
-        self.store = VisMemoStore.from_config(store)
+        store_options = {k: _number(method_args.pop(k)) for k in STORE_OPTIONS if k in method_args}
+        self.store = VisMemoStore.from_config(store, **store_options)
         self.policy = policy
         self.options = {k: _number(v) for k, v in method_args.items() if k not in ("batch_size",)}
         self.max_new_tokens = int(max_new_tokens)

@@ -132,13 +132,14 @@ class VisMemoStore:
 
     # -- construction ------------------------------------------------------------------------------
     @classmethod
-    def from_config(cls, path: str | None = None) -> VisMemoStore:
+    def from_config(cls, path: str | None = None, **overrides) -> VisMemoStore:
         """A store from a YAML preset: a path, or the name of a file in ``configs/store/``
-        (default ``default``: small RAM tiers and a disk tier under the user's cache home)."""
+        (default ``default``: small RAM tiers and a disk tier under the user's cache home); ``overrides`` replace
+        the preset's options (``kv_format="int8"``, ...)."""
         from vismemo_hf.presets import find, load
 
         name = path or "default"
-        file, cfg = find("store", name), load("store", name)
+        file, cfg = find("store", name), {**load("store", name), **overrides}
         if cfg.get("disk_dir"):
             cfg["disk_dir"] = os.path.expandvars(str(cfg["disk_dir"]).replace("{cache_home}", str(user_cache_dir())))
         if cfg.get("remote_url"):
