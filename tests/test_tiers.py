@@ -320,3 +320,15 @@ def test_every_tier_offers_the_tier_interface(tmp_path):
         stats = tier.stats()
         assert {"bytes", "budget", "entries"} <= set(stats) and stats["entries"] == len(tier.lru)
     store.close()
+
+
+def test_an_entry_moving_down_is_not_forgotten_when_its_disk_copy_is_evicted(tmp_path):
+    """Device -> host demotion that pushes another entry to disk, which evicts the moving entry's write-through copy:
+    the moving entry stays indexed (found by hypothesis: ops put 0, put 3, put 4)."""
+    a, b, c = (make_entry(k) for k in ("key0", "key3", "key4"))
+    store = VisMemoStore(device_bytes=c.nbytes, host_bytes=len(blob.encode(a)), disk_dir=tmp_path,
+                         disk_bytes=len(blob.encode(a)))
+    for e in (a, b, c):
+        store.put(e)
+        check_invariants(store)
+    assert store.tier_of("key3") == "host" and store.get("key3", "fp") is not None

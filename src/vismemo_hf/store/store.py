@@ -25,6 +25,7 @@ import os
 import re
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 
@@ -115,6 +116,7 @@ class VisMemoStore:
         self._where: dict[str, tuple[str, tuple]] = {}  # key -> (fingerprint, grid) for the index
         self._index = DescriptorIndex()
         self._references: dict = {}  # fingerprint -> thresholds.ModelReference
+        self._moving: set[str] = set()  # keys between two tiers during a demotion
         self._lock = threading.RLock()
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vismemo-disk") if self.disk else None
         self._pending_writes: list = []
@@ -252,14 +254,19 @@ class VisMemoStore:
         if tier is self.device:
             entry = tier.pop(key)
             data = self._encode(entry)
-            if self._place(self.host, key, data, len(data)):
+            with self._in_transit(key):  # making room below may evict its write-through copy: not a reason to forget it
+                placed = self._place(self.host, key, data, len(data))
+            if placed:
                 self._stats["demotions"] += 1
                 return
             return self._to_disk_or_drop(key, data)
         if tier is self.host:
             data = tier.pop(key)
-            if self.victim.budget and self._admit_victim(key, len(data)):
-                self.victim.put(key, data)
+            with self._in_transit(key):
+                admitted = bool(self.victim.budget) and self._admit_victim(key, len(data))
+                if admitted:
+                    self.victim.put(key, data)
+            if admitted:
                 self._stats["demotions"] += 1
                 return
             return self._to_disk_or_drop(key, data)
@@ -337,8 +344,17 @@ class VisMemoStore:
                 return tier
         return None
 
+    @contextmanager
+    def _in_transit(self, key: str):
+        """While ``key`` moves between tiers it is in none; it must not be forgotten meanwhile."""
+        self._moving.add(key)
+        try:
+            yield
+        finally:
+            self._moving.discard(key)
+
     def _forget_if_gone(self, key: str) -> None:
-        if self._tier_of(key) is None and key in self._where:
+        if key not in self._moving and self._tier_of(key) is None and key in self._where:
             fingerprint, grid = self._where.pop(key)
             self._index.remove(fingerprint, grid, key)
             self._protect.pop(key, None)
