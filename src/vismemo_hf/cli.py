@@ -28,7 +28,7 @@ def _demo_requests():
         ("base page", base, *ask(base, 0)),
         ("same page, other question", base, *ask(base, 4)),
         ("edited copy, edited value", edited, *ask(edited, 2)),
-        ("shifted copy", synthdoc.shift(base, 3, 1), *ask(base, 1)),
+        ("shifted copy", synthdoc.shift(base, 2, 1), *ask(base, 1)),
         ("unrelated page", other, *ask(other, 3)),
     ]
 

@@ -4,7 +4,7 @@ Hidden states are anisotropic, and how much depends on the model: on a random-we
 two pages share most of their embedding, so raw cosines of unrelated pages pass any fixed
 threshold. The lookup therefore compares embeddings *centred* by the model's reference means:
 the mean L2-normalised token and the mean region descriptor of a fixed set of synthetic
-images (documents, screens, photos, textures) that the model's own tower encodes once per
+images (text pages, forms of one template, screens, photos, textures) that the model's own tower encodes once per
 process (``model_reference``). ``LookupThresholds`` are ``tau`` (every centred regional cosine)
 and ``tau_fine`` (mean centred token cosine); by default ``tau_fine`` also stays above the
 model's most similar unrelated reference images. ``vismemo calibrate`` measures both for one
@@ -87,12 +87,12 @@ class LookupThresholds:
 
 
 #: the kinds of ``synthetic_image``
-IMAGE_KINDS = ("text", "screen", "photo", "texture")
+IMAGE_KINDS = ("text", "form", "screen", "photo", "texture")
 
 
 def synthetic_image(kind: str, seed: int, size: tuple[int, int] = REFERENCE_SIZE) -> Image.Image:
-    """A deterministic synthetic image of ``kind``: a text page or table, a screen (bars, buttons, labels), a photo
-    (colour gradient with shapes) or a texture."""
+    """A deterministic synthetic image of ``kind``: a text page or table, a form (one template, other labels and
+    values), a screen (bars, buttons, labels), a photo (colour gradient with shapes) or a texture."""
     rng = random.Random(seed)
     font = ImageFont.load_default()
     w, h = size
@@ -106,6 +106,18 @@ def synthetic_image(kind: str, seed: int, size: tuple[int, int] = REFERENCE_SIZE
             draw.text((8, y), words, fill="black", font=font)
             if ruled:
                 draw.line((4, y + 12, w - 4, y + 12), fill=(150, 150, 150))
+        return img
+    if kind == "form":  # one template (a title bar, label: value rows) with seeded labels and values
+        img = Image.new("RGB", (w, h), "white")
+        draw = ImageDraw.Draw(img)
+        draw.rectangle((0, 0, w, 18), fill=(60, 90, 160))
+        draw.text((6, 4), "FORM " + "".join(rng.choice("ABCDEFGH") for _ in range(4)), fill="white", font=font)
+        for y in range(26, h - 14, 16):
+            label = "".join(rng.choice("abcdefghijklmnop") for _ in range(rng.randint(4, 8)))
+            value = "".join(rng.choice("0123456789") for _ in range(rng.randint(3, 6)))
+            draw.text((8, y), label + ":", fill="black", font=font)
+            draw.text((w // 2, y), value, fill="black", font=font)
+            draw.line((6, y + 13, w - 6, y + 13), fill=(200, 200, 200))
         return img
     if kind == "screen":
         img = Image.new("RGB", (w, h), tuple(rng.randint(200, 255) for _ in range(3)))
@@ -134,8 +146,9 @@ def synthetic_image(kind: str, seed: int, size: tuple[int, int] = REFERENCE_SIZE
 
 
 def reference_images() -> list[Image.Image]:
-    """The twelve fixed images whose embeddings define a model's reference means: three of each kind."""
-    return [synthetic_image(IMAGE_KINDS[i % 4], 20261130 + i) for i in range(12)]
+    """The fixed images whose embeddings define a model's reference: three of each kind (the forms share one
+    template, so the most similar unrelated pair is the closest two different pages of one layout get)."""
+    return [synthetic_image(IMAGE_KINDS[i % len(IMAGE_KINDS)], 20261130 + i) for i in range(3 * len(IMAGE_KINDS))]
 
 
 def image_processor(adapter):
