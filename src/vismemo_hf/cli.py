@@ -139,8 +139,8 @@ def calibrate(args) -> int:
                                                       "max_unrelated_fine": report["max_unrelated_fine"]}, indent=2))
     lines = header(f"Lookup thresholds for {args.model}" + (f" ({args.family})" if args.family else ""), command,
                    machine()) + [
-        f"Preset: `{out.name}` (tau {report['tau']}, tau_fine {report['tau_fine']}). Pairs: synthetic documents, "
-        "screens, photos, text pages and textures; near-duplicates are small changes of one image, unrelated pairs "
+        f"Preset: `{out.name}` (tau {report['tau']}, tau_fine {report['tau_fine']}). Pairs: synthetic documents "
+        "(five page styles), text pages, forms of one template, screens, photos and textures; near-duplicates are small changes of one image, unrelated pairs "
         "two images of the same kind and size. Calibration seed 1, held-out seed 2. Sketch agreement: the fine "
         f"decision from 32-d token sketches equals the full-width one on {report['sketch_agreement']:.3f} of pairs.",
         "", "| rule | pairs | recall | false-positive rate |", "| --- | --- | --- | --- |"]

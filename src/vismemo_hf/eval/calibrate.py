@@ -1,7 +1,7 @@
 """``vismemo calibrate``: lookup thresholds for one model, from near-duplicate and unrelated image pairs.
 
-Pairs are synthetic: document pages (``synthdoc``, five page styles) and screens, photos,
-text pages and textures (``thresholds.synthetic_image``). A near-duplicate is the same image
+Pairs are synthetic: document pages (``synthdoc``, five page styles) and text pages, forms of
+one template, screens, photos and textures (``thresholds.synthetic_image``). A near-duplicate is the same image
 with a small change (an edited value or key, swapped rows, a 1-3 px shift, JPEG, brightness,
 noise, a small pasted patch); an unrelated image is another one of the same kind and size.
 Each pair is scored exactly as the lookup scores it: the smallest centred regional cosine
