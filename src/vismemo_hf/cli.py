@@ -140,8 +140,9 @@ def calibrate(args) -> int:
     lines = header(f"Lookup thresholds for {args.model}" + (f" ({args.family})" if args.family else ""), command,
                    machine()) + [
         f"Preset: `{out.name}` (tau {report['tau']}, tau_fine {report['tau_fine']}). Pairs: synthetic documents "
-        "(five page styles), text pages, forms of one template, screens, photos and textures; near-duplicates are small changes of one image, unrelated pairs "
-        "two images of the same kind and size. Calibration seed 1, held-out seed 2. Sketch agreement: the fine "
+        "(five page styles), text pages, forms of one template, screens, photos and textures; near-duplicates are "
+        "small changes of one image, unrelated pairs two images of the same kind and size. Calibration seed 1, "
+        "held-out seed 2. Sketch agreement: the fine "
         f"decision from 32-d token sketches equals the full-width one on {report['sketch_agreement']:.3f} of pairs.",
         "", "| rule | pairs | recall | false-positive rate |", "| --- | --- | --- | --- |"]
     for label, key in (("calibrated, calibration pairs", "calibration"), ("calibrated, held-out pairs", "heldout"),
