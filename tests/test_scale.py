@@ -308,3 +308,20 @@ def test_malformed_threshold_presets_are_clear_errors(tmp_path, bad, match):
         LookupThresholds.load(str(path))
     with pytest.raises(ValueError, match="unknown lookup thresholds preset"):
         LookupThresholds.load("no-such-model")
+
+
+def test_fingerprints_name_the_weights_not_the_folder(tmp_path):
+    """The same checkpoint from two folders (two machines sharing a store) has one fingerprint; other weights not."""
+    import shutil
+
+    from transformers import AutoModelForImageTextToText
+
+    from vismemo_hf.eval.docqa import PACKAGED
+    from vismemo_hf.testing import tiny_model
+
+    shutil.copytree(PACKAGED, tmp_path / "copy")
+    here = AutoModelForImageTextToText.from_pretrained(PACKAGED)
+    there = AutoModelForImageTextToText.from_pretrained(tmp_path / "copy")
+    there.set_attn_implementation("eager")
+    assert model_fingerprint(here) == model_fingerprint(there)
+    assert model_fingerprint(tiny_model("qwen2_vl", seed=0)[0]) != model_fingerprint(tiny_model("qwen2_vl", seed=1)[0])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 from dataclasses import dataclass, field
 
 import torch
@@ -76,15 +77,31 @@ def model_family(model) -> str:
     return family
 
 
+#: config fields that say where or how a model was loaded, not what it computes
+_VOLATILE_CONFIG_KEYS = {"_name_or_path", "transformers_version", "_commit_hash", "_attn_implementation",
+                         "_attn_implementation_autoset", "attn_implementation", "_experts_implementation"}
+
+
+def _config_identity(value):
+    """The config as nested plain data without the fields that depend on the loading path or the library."""
+    if isinstance(value, dict):
+        return {k: _config_identity(v) for k, v in sorted(value.items()) if k not in _VOLATILE_CONFIG_KEYS}
+    if isinstance(value, (list, tuple)):
+        return [_config_identity(v) for v in value]
+    return value
+
+
 def model_fingerprint(model, samples_per_tensor: int = 64) -> str:
     """Hash of the architecture and a strided sample of every weight tensor.
 
     Cheap enough for 8B+ models (a few values per tensor) and different for any other
-    initialisation or fine-tune that touches the sampled tensors.
+    initialisation or fine-tune that touches the sampled tensors. The same weights loaded from
+    another folder, or with another attention implementation, have the same fingerprint, so
+    stores shared between machines and processes hit.
     """
     h = hashlib.sha256()
     h.update(type(model).__name__.encode())
-    h.update(model.config.to_json_string(use_diff=False).encode())
+    h.update(json.dumps(_config_identity(model.config.to_dict()), sort_keys=True, default=str).encode())
     with torch.no_grad():
         for name, p in model.named_parameters():
             h.update(f"{name}:{tuple(p.shape)}:{p.dtype}".encode())
