@@ -90,7 +90,11 @@ class PrefillRunner:
     def _read(self, img: ImageState, tokens: torch.Tensor, first_layer: int):
         """Alias K/V of ``tokens`` (sorted) at layers >= ``first_layer``, keys moved to this offset; and the ms it took."""
         t0 = time.perf_counter()
-        rows = img.alias.stored_rows(tokens)  # rows of the stored K/V (fewer than tokens in a compressed entry)
+        try:
+            rows = img.alias.stored_rows(tokens)  # rows of the stored K/V (fewer than tokens in a compressed entry)
+        except ValueError as err:  # a token the alias does not hold: nothing to reuse (a miss, never an error)
+            logger.warning("vismemo: %s", err)
+            return None, (time.perf_counter() - t0) * 1e3
         if img.kind is HitKind.EXACT:
             kv = token_rows(img.alias_entry.kv, rows)[:, first_layer:]
         else:
