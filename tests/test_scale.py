@@ -63,6 +63,9 @@ def test_index_waits_for_the_models_center_and_forgets_removed_keys():
     assert index.search("fp", (1, 4, 4), d[7], 0.8, 3)[0][0] == "k7"
     index.remove("fp", (1, 4, 4), "k7")
     assert "k7" not in [k for k, _ in index.search("fp", (1, 4, 4), d[7], -1.0, 100)] and len(index) == 99
+    index.add_many("fp", (1, 4, 4), ["dup", "dup"], d[:2])  # a key given twice is indexed once
+    index.remove("fp", (1, 4, 4), "dup")
+    assert "dup" not in [k for k, _ in index.search("fp", (1, 4, 4), d[0], -1.0, 200)] and len(index) == 99
 
 
 def test_lookup_bench_reports_recall_memory_and_latency():

@@ -70,7 +70,8 @@ class _Group:
         return len(self.ids)
 
     def add(self, keys: list[str], vectors: np.ndarray) -> None:
-        fresh = [i for i, k in enumerate(keys) if k not in self.ids]
+        first = {k: i for i, k in reversed(list(enumerate(keys)))}  # a key given twice counts once
+        fresh = [i for k, i in first.items() if k not in self.ids]
         if not fresh:
             return
         ids = np.arange(self._next, self._next + len(fresh), dtype=np.int64)
