@@ -172,12 +172,21 @@ def _bench(name: str):
 def train_docqa(args) -> int:
     import torch
 
-    from vismemo_hf.eval.docqa import PACKAGED, train
-
     torch.set_num_threads(args.threads)
-    out = args.out or PACKAGED
-    result = train(out, minutes=args.minutes, max_steps=args.max_steps, batch_size=args.batch_size, seed=args.seed,
-                   lr=args.lr, resume=args.resume, log=lambda line: print(line, flush=True))
+    out = args.out or f"checkpoints/docqa-{args.reader}"
+    log = lambda line: print(line, flush=True)
+    if args.reader == "base":
+        from vismemo_hf.eval.docqa_base import train
+
+        options = {k: v for k, v in (("batch_size", args.batch_size), ("lr", args.lr)) if v is not None}
+        result = train(out, minutes=args.minutes, max_steps=args.max_steps, seed=args.seed, log=log, **options)
+        print(f"step {result['step']}: latest state in {out}/state, best model in {out}/model "
+              f"(held-out exact {result['best']:.3f})")
+        return 0
+    from vismemo_hf.eval.docqa import train
+
+    result = train(out, minutes=args.minutes, max_steps=args.max_steps, batch_size=args.batch_size or 32,
+                   seed=args.seed, lr=args.lr or 2e-3, resume=args.resume, log=log)
     print(f"saved the best checkpoint to {out} after {result['steps']} steps")
     return 0
 
@@ -278,15 +287,18 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=None, help="output YAML (default configs/lookup/NAME.yaml)")
     p.add_argument("--report-dir", default="results/lookup")
     p.set_defaults(func=calibrate)
-    p = sub.add_parser("train-docqa", help="train the vismemo-docqa-tiny reading model on synthetic forms (CPU)")
-    p.add_argument("--minutes", type=float, default=55.0)
-    p.add_argument("--max-steps", type=int, default=20000)
-    p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--lr", type=float, default=2e-3)
-    p.add_argument("--resume", default=None, help="continue a saved checkpoint (all rows filled, fresh optimizer)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default=None, help="checkpoint folder (default: the packaged model's)")
+    p = sub.add_parser("train-docqa", help="train a reading model on synthetic pages (CPU): vismemo-docqa-tiny or -base")
+    p.add_argument("--reader", choices=["tiny", "base"], default="tiny",
+                   help="tiny: 4 layers on one-glyph-per-token forms; base: 8 layers on 256-token realistic pages")
+    p.add_argument("--minutes", type=float, default=55.0, help="wall-clock budget of this run")
+    p.add_argument("--max-steps", type=int, default=20000, help="stop at this step (counted over resumed runs for base)")
+    p.add_argument("--batch-size", type=int, default=None, help="default: 32 (tiny), 16 (base)")
+    p.add_argument("--threads", type=int, default=2, help="torch CPU threads")
+    p.add_argument("--lr", type=float, default=None, help="peak learning rate; default: 2e-3 (tiny), 1.5e-3 (base)")
+    p.add_argument("--resume", default=None,
+                   help="tiny: continue a saved checkpoint (all rows filled, fresh optimizer); base resumes from --out")
+    p.add_argument("--seed", type=int, default=0, help="weight and data seed")
+    p.add_argument("--out", default=None, help="checkpoint folder (default: ./checkpoints/docqa-READER)")
     p.set_defaults(func=train_docqa)
     p = sub.add_parser("build-stream", help="write a request stream as parquet for the lmms-eval tasks in eval_tasks/")
     p.add_argument("task", choices=["synthdoc", "docvqa", "infovqa"])
