@@ -19,7 +19,7 @@ import io
 import random
 import string
 from dataclasses import dataclass, field, replace
-from functools import lru_cache
+from functools import cache
 
 import numpy as np
 from PIL import Image, ImageDraw, ImageEnhance, ImageFont
@@ -35,7 +35,7 @@ GLYPHS = LETTERS + DIGITS
 SLOTS = 5  # horizontal glyph slots per token in the per-token reading targets
 
 
-@lru_cache(maxsize=None)
+@cache
 def font(name: str, size: int) -> ImageFont.ImageFont:
     """Two fonts shipped with Pillow, so every machine renders the same pages: a FreeType sans (``sans``, any
     size) and the fixed bitmap font (``pixel``, 11 px, ``size`` ignored)."""

@@ -272,8 +272,9 @@ def train(out: str | Path, minutes: float = 55.0, max_steps: int = 20000, batch_
         step += 1
         last = {k: round(float(v.detach()), 4) for k, v in parts.items()}
         if step % 25 == 0:
-            log(f"step {step} rows<={max_rows} full {full_share:.2f} lr {lr_now:.2e} " + " ".join(f"{k} {v:.3f}" for k, v in last.items())
-                + f" t {time.time() - start:.0f}s")
+            parts_text = " ".join(f"{k} {v:.3f}" for k, v in last.items())
+            log(f"step {step} rows<={max_rows} full {full_share:.2f} lr {lr_now:.2e} {parts_text} "
+                f"t {time.time() - start:.0f}s")
         if step % eval_every == 0:
             acc = teacher_forced_accuracy(model, processor, evaluation)
             model.train()
