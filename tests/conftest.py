@@ -1,5 +1,9 @@
 import functools
 import os
+import shutil
+import socket
+import subprocess
+import time
 
 os.environ.setdefault("VISMEMO_STORE", "memory")  # the process-wide default store never writes to disk in tests
 
@@ -14,6 +18,7 @@ from vismemo_hf.eval import synthetic
 from vismemo_hf.testing import tiny_model
 
 FAMILIES = list(vismemo_hf.families.FAMILIES)
+REDIS_SERVER = shutil.which("redis-server")
 
 
 @functools.cache
@@ -104,3 +109,49 @@ def page_set():
 @pytest.fixture
 def pages():
     return page_set()
+
+
+class RedisServer:
+    """A throwaway server on a free loopback port; ``kill`` and ``start`` keep the port."""
+
+    def __init__(self) -> None:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.proc = None
+        self.start()
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen([REDIS_SERVER, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+                                      "--appendonly", "no"], stdout=subprocess.DEVNULL)
+        import redis
+
+        client = redis.Redis(port=self.port)
+        for _ in range(100):
+            try:
+                client.ping()
+                return
+            except redis.ConnectionError:
+                time.sleep(0.05)
+        raise RuntimeError("redis-server did not start")
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+
+    def client(self):
+        import redis
+
+        return redis.Redis(port=self.port)
+
+
+@pytest.fixture
+def server():
+    """A redis-server of the test's own (skips without redis-server or the redis client)."""
+    pytest.importorskip("redis", reason="the redis client is not installed (pip install -e '.[test]')")
+    if REDIS_SERVER is None:
+        pytest.skip("redis-server not installed (apt-get install redis-server)")
+    srv = RedisServer()
+    yield srv
+    srv.kill()

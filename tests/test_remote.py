@@ -1,7 +1,6 @@
 """The shared Redis tier, against a real ``redis-server`` on 127.0.0.1 (``.ci/run`` installs it)."""
 
 import json
-import shutil
 import socket
 import subprocess
 import sys
@@ -17,50 +16,11 @@ from vismemo_hf import HitKind, VisMemoStore
 from vismemo_hf.runtime.thresholds import ModelReference
 from vismemo_hf.store import blob
 
-from conftest import build_inputs, generate
+from conftest import REDIS_SERVER, build_inputs, generate
 from test_store import _entry
 
 redis = pytest.importorskip("redis", reason="the redis client is not installed (pip install -e '.[test]')")
-REDIS_SERVER = shutil.which("redis-server")
 pytestmark = pytest.mark.skipif(REDIS_SERVER is None, reason="redis-server not installed (apt-get install redis-server)")
-
-
-class RedisServer:
-    """A throwaway server on a free loopback port; ``kill`` and ``start`` keep the port."""
-
-    def __init__(self) -> None:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.url = f"redis://127.0.0.1:{self.port}/0"
-        self.proc = None
-        self.start()
-
-    def start(self) -> None:
-        self.proc = subprocess.Popen([REDIS_SERVER, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-                                      "--appendonly", "no"], stdout=subprocess.DEVNULL)
-        client = redis.Redis(port=self.port)
-        for _ in range(100):
-            try:
-                client.ping()
-                return
-            except redis.ConnectionError:
-                time.sleep(0.05)
-        raise RuntimeError("redis-server did not start")
-
-    def kill(self) -> None:
-        self.proc.kill()
-        self.proc.wait()
-
-    def client(self):
-        return redis.Redis(port=self.port)
-
-
-@pytest.fixture
-def server():
-    srv = RedisServer()
-    yield srv
-    srv.kill()
 
 
 def _store(url, **options):

@@ -342,6 +342,11 @@ class RemoteTier:
             raise blob.BlobError("blob stored under another key or model")
         return header
 
+    def identity(self, key: str) -> tuple[str, str] | None:
+        """As its index record says (every read checks the blob's header against the record)."""
+        fingerprint = self.fingerprints.get(key)
+        return None if fingerprint is None else (key, fingerprint)
+
     def meta(self, key: str) -> Entry:
         header = self.header(key)
         return blob.decode_meta(header, self._range(key, header.meta_start, header.meta_bytes))

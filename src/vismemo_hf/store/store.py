@@ -390,13 +390,12 @@ class VisMemoStore:
         if tier is None or self._where.get(key, (fingerprint,))[0] != fingerprint:
             return None, None
         try:
-            if tier is self.disk:
-                header = tier.header(key)
-                if header.fingerprint != fingerprint:
-                    raise blob.BlobError("blob of another model")
+            named = tier.identity(key)  # what the bytes themselves say they are, before any of them is used
+            if named is not None and named != (key, fingerprint):
+                raise blob.BlobError("blob of another key or model")
             out = getattr(tier, how)(key, *args)
-            if how not in ("tokens", "lookup") and out.fingerprint != fingerprint:
-                raise blob.BlobError("blob of another model")
+            if isinstance(out, Entry) and (out.key, out.fingerprint) != (key, fingerprint):
+                raise blob.BlobError("blob of another key or model")
             return out, tier
         except KeyError:
             if tier is self.disk:  # another process deleted it

@@ -49,7 +49,9 @@ def read_buffer(size: int) -> torch.Tensor:
 class Tier(Protocol):
     """What the store asks of a tier. ``lru``: its keys, least recently used first (values are the tier's own);
     ``shared``: other processes see it too (a read never removes from it). ``put`` / ``pop`` take and give the
-    item in the tier's own form (a decoded ``Entry`` for the device tier, blob bytes for the others)."""
+    item in the tier's own form (a decoded ``Entry`` for the device tier, blob bytes for the others). ``identity``:
+    the (key, model fingerprint) the stored bytes name (None: only the read itself can tell), checked before a read
+    is used, so that bytes stored under another key or of another model are never served."""
 
     name: str
     budget: int | None
@@ -64,6 +66,7 @@ class Tier(Protocol):
     def pop(self, key: str): ...
     def discard(self, key: str) -> None: ...
     def touch(self, key: str) -> None: ...
+    def identity(self, key: str) -> tuple[str, str] | None: ...
     def full(self, key: str) -> Entry: ...
     def meta(self, key: str) -> Entry: ...
     def lookup(self, key: str) -> tuple[torch.Tensor, torch.Tensor, int]: ...
@@ -115,6 +118,10 @@ class DeviceTier(_Local):
         self.bytes -= entry.nbytes
         return entry
 
+    def identity(self, key: str) -> tuple[str, str]:
+        entry = self.lru[key]
+        return entry.key, entry.fingerprint
+
     def full(self, key: str) -> Entry:
         return self.lru[key]
 
@@ -155,6 +162,10 @@ class HostTier(_Local):
         _, tensor = self.lru.pop(key)
         self.bytes -= tensor.numel()
         return tensor.numpy().tobytes()
+
+    def identity(self, key: str) -> tuple[str, str]:
+        header = self.lru[key][0]
+        return header.key, header.fingerprint
 
     def full(self, key: str) -> Entry:
         header, data = self.lru[key]
@@ -314,6 +325,10 @@ class DiskTier:
         if header.key != key:
             raise blob.BlobError("blob stored under another key")
         return header
+
+    def identity(self, key: str) -> tuple[str, str]:
+        header = self.header(key)
+        return header.key, header.fingerprint
 
     def meta(self, key: str) -> Entry:
         with self._open(key) as handle:
