@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 # torch/torchvision pinned to releases that install together (torchvision is needed by the Qwen-VL processors)
 TORCH_SPEC ?= torch==2.14.1 torchvision==0.29.1
 
-.PHONY: demo test clean
+.PHONY: demo test clean compat
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
@@ -22,3 +22,10 @@ test: $(VENV)/.installed
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis
+
+# transformers' own tests for the four families with VisMemo in the loop (TESTS: a tree such as
+# ../shared/compat/transformers-tests); MODE=enable (every model enabled) or cache (every generate a VisMemoCache)
+TESTS ?= ../shared/compat/transformers-tests
+MODE ?= enable
+compat: $(VENV)/.installed
+	$(PY) tests/compat/run.py $(TESTS) --mode $(MODE)

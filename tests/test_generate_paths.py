@@ -55,11 +55,22 @@ def test_use_cache_false_is_a_clear_error(qwen2, pages):
         model.generate(**inputs, past_key_values=vismemo_hf.VisMemoCache(), use_cache=False, max_new_tokens=2)
 
 
-def test_reusing_a_cache_says_to_pass_a_new_one(qwen2, pages):
+@pytest.mark.parametrize("hit", ["miss", "exact"])
+def test_continuing_from_a_returned_cache_equals_one_generate(qwen2, pages, hit):
+    """A second turn continues the first's cache (text only; the image is in the cache already), as with a
+    DynamicCache: 3 + 2 new tokens equal 5 in one call."""
     model, processor = qwen2
     inputs = build_inputs(processor, [pages["base"]])
-    cache = vismemo_hf.VisMemoCache()
+    store = stored(model, processor, pages["base"]) if hit == "exact" else vismemo_hf.VisMemoStore()
+    options = dict(do_sample=False, return_dict_in_generate=True, output_scores=True)
     with torch.no_grad():
-        model.generate(**inputs, past_key_values=cache, max_new_tokens=2)
-        with pytest.raises(NotImplementedError, match="new VisMemoCache"):
-            model.generate(**inputs, past_key_values=cache, max_new_tokens=2)
+        whole = model.generate(**inputs, max_new_tokens=5, **options)
+        first = model.generate(**inputs, cache=vismemo_hf.VisMemoCache(store=store), max_new_tokens=3, **options)
+        cache = first.past_key_values
+        assert isinstance(cache, vismemo_hf.VisMemoCache) and cache.events[0].kind is HitKind(hit)
+        follow = {k: v for k, v in inputs.items() if "pixel" not in k}
+        follow["input_ids"] = first.sequences
+        follow["attention_mask"] = torch.ones_like(first.sequences)
+        second = model.generate(**follow, cache=cache, max_new_tokens=2, **options)
+    assert torch.equal(second.sequences, whole.sequences)
+    assert (torch.stack(first.scores + second.scores) - torch.stack(whole.scores)).abs().max() <= 1e-4

@@ -165,20 +165,22 @@ def test_each_row_of_a_left_padded_batch_of_cold_misses_equals_that_request_alon
 def test_after_crop_the_cache_is_shorter_and_prompt_lookup_decoding_equals_greedy(qwen2, pages):
     model, processor = qwen2
     store = VisMemoStore()
-    inputs = build_inputs(processor, [pages["base"]], "row 1 row 1 row 1 row 1")
-    generate(model, inputs, vismemo_hf.VisMemoCache(store=store), 1)
-    cache = vismemo_hf.VisMemoCache(store=store)
+    generate(model, build_inputs(processor, [pages["base"]]), vismemo_hf.VisMemoCache(store=store), 1)
+    inputs = build_inputs(processor, [pages["edit"]], "row 1 row 1 row 1 row 1")
+    options = dict(store=store, policy="vismemo", store_misses=False)  # masks tokens for decoding too
+    cache = vismemo_hf.VisMemoCache(**options)
     generate(model, inputs, cache, 4)
-    assert cache.events[0].kind is HitKind.EXACT and cache.layers[0].mapped  # slots not in sequence order
+    assert cache.events[0].kind is HitKind.APPROXIMATE and cache.events[0].masked
+    assert cache.layers[-1].mapped  # a layer whose slots are not the plain sequence
     length = cache.get_seq_length()
     slots = [layer.keys.shape[-2] for layer in cache.layers]
     cache.crop(-3)
     assert cache.get_seq_length() == length - 3
     assert [layer.keys.shape[-2] for layer in cache.layers] == [s - 3 for s in slots]
-    assert all(layer.columns.shape[-1] == layer.keys.shape[-2] for layer in cache.layers)
-    greedy, _ = generate(model, inputs, vismemo_hf.VisMemoCache(store=store), 8)
+    assert all(layer.columns.shape[-1] == layer.keys.shape[-2] for layer in cache.layers if layer.mapped)
+    greedy, _ = generate(model, inputs, vismemo_hf.VisMemoCache(**options), 8)
     with torch.no_grad():
-        out = model.generate(**inputs, past_key_values=vismemo_hf.VisMemoCache(store=store), max_new_tokens=8,
+        out = model.generate(**inputs, past_key_values=vismemo_hf.VisMemoCache(**options), max_new_tokens=8,
                              do_sample=False, prompt_lookup_num_tokens=3)
     assert torch.equal(out[:, inputs["input_ids"].shape[1]:], greedy)
 

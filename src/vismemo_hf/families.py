@@ -67,12 +67,18 @@ FAMILIES: dict[str, FamilySpec] = {
 }
 
 
+def base_model(model):
+    """The ``*Model`` (vision tower + language model) of a ``*ForConditionalGeneration``, or ``model`` itself."""
+    return model if hasattr(model, "language_model") and hasattr(model, "visual") else getattr(model, "model", None)
+
+
 def model_family(model) -> str:
     family = getattr(getattr(model, "config", None), "model_type", None)
-    if family not in FAMILIES or not hasattr(getattr(model, "model", None), "language_model"):
+    base = base_model(model)
+    if family not in FAMILIES or not hasattr(base, "language_model") or not hasattr(base, "visual"):
         raise ValueError(
             f"vismemo supports Qwen2-VL, Qwen2.5-VL, Qwen3-VL and Qwen3-VL-MoE (model_type {', '.join(FAMILIES)}) "
-            f"loaded as *ForConditionalGeneration; got {type(model).__name__} (model_type={family!r})"
+            f"as *ForConditionalGeneration or *Model; got {type(model).__name__} (model_type={family!r})"
         )
     return family
 
@@ -113,36 +119,46 @@ def model_fingerprint(model, samples_per_tensor: int = 64) -> str:
     return h.hexdigest()[:32]
 
 
+def _weights_signature(model) -> tuple:
+    """Where every parameter lives and how often it was written in place: changes whenever weights do."""
+    return tuple((p.data_ptr(), p._version) for p in model.parameters())
+
+
 @dataclass
 class ModelAdapter:
     """Handles on one enabled model: its parts, geometry and identity."""
 
     model: torch.nn.Module
     family: str
-    fingerprint: str
     image_mean: tuple = field(default=_CLIP_MEAN)
     image_std: tuple = field(default=_CLIP_STD)
+    _fingerprint: str | None = field(default=None, repr=False)
+    _signature: tuple | None = field(default=None, repr=False)
 
     @classmethod
     def for_model(cls, model, image_mean=None, image_std=None) -> ModelAdapter:
         family = model_family(model)
         spec = FAMILIES[family]
-        return cls(
-            model=model,
-            family=family,
-            fingerprint=model_fingerprint(model),
-            image_mean=tuple(image_mean or spec.image_mean),
-            image_std=tuple(image_std or spec.image_std),
-        )
+        return cls(model=model, family=family, image_mean=tuple(image_mean or spec.image_mean),
+                   image_std=tuple(image_std or spec.image_std))
+
+    @property
+    def fingerprint(self) -> str:
+        """``model_fingerprint`` of the weights as they are now: recomputed after any weight changes (loading, an
+        in-place edit, a copy's own tensors), so that entries of other weights are never served."""
+        signature = _weights_signature(self.model)
+        if signature != self._signature:
+            self._fingerprint, self._signature = model_fingerprint(self.model), signature
+        return self._fingerprint
 
     # -- parts -----------------------------------------------------------------------------
     @property
     def base(self):
-        return self.model.model
+        return base_model(self.model)
 
     @property
     def text(self):
-        return self.model.model.language_model
+        return self.base.language_model
 
     @property
     def spec(self) -> FamilySpec:
@@ -164,6 +180,10 @@ class ModelAdapter:
     @property
     def image_token_id(self) -> int:
         return self.model.config.image_token_id
+
+    @property
+    def video_token_id(self) -> int:
+        return self.model.config.video_token_id
 
     @property
     def num_layers(self) -> int:

@@ -303,10 +303,9 @@ def _save_model(model, processor, path: Path, info: dict) -> None:
 def _save_state(model, processor, probes, opt, path: Path, info: dict) -> None:
     """The latest weights, probes and optimizer (moments in bfloat16, to keep checkpoints small)."""
     _save_model(model, processor, path, info)
-    state = opt.state_dict()
-    for s in state["state"].values():
-        for name in ("exp_avg", "exp_avg_sq"):
-            s[name] = s[name].to(torch.bfloat16)
+    state = opt.state_dict()  # its per-parameter dicts are the optimizer's own: copy before converting
+    state["state"] = {i: {name: (v.to(torch.bfloat16) if name in ("exp_avg", "exp_avg_sq") else v)
+                          for name, v in s.items()} for i, s in state["state"].items()}
     tmp = path / "training_state.pt.tmp"
     torch.save({"probes": probes.state_dict(), "optimizer": state}, tmp)
     tmp.replace(path / "training_state.pt")

@@ -1,26 +1,85 @@
-"""The attention function ``enable()`` installs ("vismemo"): SDPA plus two duties.
+"""The ``"vismemo"`` attention function: the model's own attention plus two duties, for the forwards that need them.
 
-1. On a layer whose slots are not the plain sequence (reused / masked tokens), build the
-   mask from the slots' request columns instead of the model's positional mask, and run the
-   prefill's queries in blocks that each see only the key slots up to their last visible one
-   (a dense mask makes SDPA pay for every masked future pair; blocks skip most of them).
-2. During warmup, record the observation window's attention probabilities (SDPA does not
-   return them) for the policy.
+The text model runs its own attention implementation (sdpa, eager, flash) in every forward that has a plain
+layout. A forward with a slot layout (reused, masked or left-out tokens) switches it to this function for its
+duration (``slot_attention``), which
 
-With any other cache (or none) it is exactly SDPA, so an enabled model still serves
-ordinary requests unchanged.
+1. on a layer whose slots are not the plain sequence, builds the mask from the slots' request columns instead of
+   the model's positional mask, and runs the prefill's queries in blocks that each see only the key slots up to
+   their last visible one (a dense mask makes SDPA pay for every masked future pair; blocks skip most of them).
+   Eager models compute it with their eager attention, the others with SDPA (flash kernels take no slot masks);
+2. during warmup, records the observation window's attention probabilities for the policy.
+
+Any other call (another thread's plain forward of the same model, the vision tower) goes to the model's own
+implementation unchanged.
 """
 
 from __future__ import annotations
+
+import sys
+import threading
+from contextlib import contextmanager
 
 import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from vismemo_hf.runtime import context
 
 ATTENTION_NAME = "vismemo"
+
+_LOCK = threading.Lock()
+_SWITCHED: dict[int, list] = {}  # id(text config) -> [forwards using slot attention, the model's implementation]
+
+
+def own_implementation(config) -> str | None:
+    """The attention implementation the model runs (also while a slot-layout forward has switched it)."""
+    state = _SWITCHED.get(id(config))
+    return state[1] if state is not None else config._attn_implementation
+
+
+@contextmanager
+def slot_attention(config):
+    """Route the text model's attention through ``"vismemo"`` while a forward with a slot layout runs (nested and
+    concurrent forwards share one switch; the model's implementation is back when the last one ends)."""
+    with _LOCK:
+        state = _SWITCHED.get(id(config))
+        if state is None:
+            state = _SWITCHED[id(config)] = [0, config._attn_implementation]
+            config._attn_implementation_internal = ATTENTION_NAME
+        state[0] += 1
+    try:
+        yield
+    finally:
+        with _LOCK:
+            state[0] -= 1
+            if state[0] == 0:
+                config._attn_implementation_internal = state[1]
+                del _SWITCHED[id(config)]
+
+
+def _eager_of(module):
+    """The modeling file's own eager attention (each family defines one)."""
+    return sys.modules[type(module).__module__].eager_attention_forward
+
+
+def native_attention(module, query, key, value, attention_mask, scaling=None, **kwargs):
+    """What the model's own implementation computes."""
+    name = own_implementation(module.config)
+    return ALL_ATTENTION_FUNCTIONS.get_interface(name, _eager_of(module))(
+        module, query, key, value, attention_mask, scaling=scaling, **kwargs)
+
+
+def masked_attention(module, query, key, value, mask, blocks=None, scaling=None, **kwargs):
+    """Attention under a boolean slot mask (B, 1, q, S): the model's eager attention for eager models (an additive
+    mask), else SDPA over query blocks (``blocked_sdpa``)."""
+    if own_implementation(module.config) == "eager":
+        additive = torch.zeros(mask.shape, dtype=query.dtype, device=query.device)
+        additive.masked_fill_(~mask, torch.finfo(query.dtype).min)
+        return _eager_of(module)(module, query, key, value, additive, scaling=scaling, **kwargs)
+    return blocked_sdpa(module, query, key, value, mask, blocks or [], scaling=scaling, **kwargs)
 
 
 def window_probabilities(module, query, key, mask, rows, scaling) -> torch.Tensor:
@@ -79,8 +138,9 @@ def blocked_sdpa(module, query, key, value, mask, blocks, scaling=None, **kwargs
 def vismemo_attention_forward(module, query, key, value, attention_mask, scaling=None, **kwargs):
     ctx = context.current()
     layer_idx = getattr(module, "layer_idx", None)
-    if ctx is None or layer_idx is None or layer_idx >= len(ctx.cache.layers):
-        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
+    if ctx is None or layer_idx is None or layer_idx >= len(ctx.cache.layers) or \
+            getattr(module, "config", None) is not ctx.adapter.text.config:
+        return native_attention(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
     layer = ctx.cache.layers[layer_idx]
     order = None
     if layer.query_columns is not None and ctx.slot_mask is not None:  # a prefill layout: its mask and blocks
@@ -88,11 +148,12 @@ def vismemo_attention_forward(module, query, key, value, attention_mask, scaling
         if order is not None:  # keys in request-column order: each query block sees a prefix of them
             idx = order[:, None, :, None].expand(-1, key.shape[1], -1, key.shape[-1])
             key, value = key.gather(2, idx), value.gather(2, idx)
-        out = blocked_sdpa(module, query, key, value, attention_mask, ctx.slot_blocks, scaling=scaling, **kwargs)
+        out = masked_attention(module, query, key, value, attention_mask, ctx.slot_blocks, scaling=scaling, **kwargs)
+    elif layer.query_columns is not None:  # a later forward over a layer with left-out slots
+        attention_mask = layer.attention_mask(ctx.valid)
+        out = masked_attention(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
     else:
-        if layer.query_columns is not None:
-            attention_mask = layer.attention_mask(ctx.valid)
-        out = sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
+        out = native_attention(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
     capture = ctx.capture
     if capture is not None and capture.layer == layer_idx:
         probs = window_probabilities(module, query, key, attention_mask, capture.rows, scaling)

@@ -96,6 +96,20 @@ class VisMemoLayer(DynamicLayer):
         self.keys, self.values = self.keys.gather(2, idx), self.values.gather(2, idx)
         self.columns = cols.gather(1, order).masked_fill(~kept, -1)
 
+    def settle(self, length: int) -> None:
+        """End of a prefill: slots in request-column order (left-out slots last), and the plain layout again when
+        every row holds every column once, so that later forwards and readers see a DynamicCache's layout."""
+        if not self.mapped or not self.is_initialized:
+            return
+        cols = self.columns
+        order = torch.sort(torch.where(cols >= 0, cols, torch.iinfo(cols.dtype).max), dim=1, stable=True).indices
+        if not bool((order == torch.arange(order.shape[1], device=order.device)).all()):
+            idx = order[:, None, :, None].expand(-1, self.keys.shape[1], -1, self.keys.shape[-1])
+            self.keys, self.values = self.keys.gather(2, idx), self.values.gather(2, idx)
+            cols = cols.gather(1, order)
+        plain = cols.shape[1] == length and bool((cols == torch.arange(length, device=cols.device)).all())
+        self.columns = None if plain else cols
+
     def slot_of(self, columns: torch.Tensor, row: int) -> torch.Tensor:
         """Slot index of each request column in ``row`` (the columns must be stored)."""
         if not self.mapped:
@@ -231,6 +245,11 @@ class VisMemoCache(DynamicCache):
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self._length
+
+    @property
+    def mapped(self) -> bool:
+        """Some layer's slots are not the plain sequence (tokens left out): forwards need slot masks."""
+        return any(layer.mapped for layer in self.layers)
 
     def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
         return self._length + query_length, 0

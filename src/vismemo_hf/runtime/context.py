@@ -45,6 +45,7 @@ class ForwardContext:
     """
 
     cache: object
+    adapter: object = None  # the enabled model's ModelAdapter
     valid: torch.Tensor | None = None
     request: object | None = None
     incoming: torch.Tensor | None = None
@@ -73,11 +74,11 @@ def current(cache=None) -> ForwardContext | None:
     return ctx
 
 
-def open_forward(cache, attention_mask: torch.Tensor | None) -> ForwardContext:
+def open_forward(cache, attention_mask: torch.Tensor | None, adapter=None) -> ForwardContext:
     valid = None
     if attention_mask is not None and attention_mask.ndim == 2 and not bool(attention_mask.all()):
         valid = attention_mask.bool()
-    ctx = ForwardContext(cache, valid=valid, first_event=len(cache.events))
+    ctx = ForwardContext(cache, adapter=adapter, valid=valid, first_event=len(cache.events))
     ctx.token = _CURRENT.set(ctx)
     return ctx
 

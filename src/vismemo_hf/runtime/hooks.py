@@ -1,18 +1,34 @@
-"""``enable(model)`` / ``disable(model)`` / ``with enabled(model)``: install and remove the lookup hooks, the
-prefill runner and the attention function. Nothing is copied from the modeling code; ``disable`` puts back
-exactly what ``enable`` replaced."""
+"""``enable(model)`` / ``disable(model)`` / ``with enabled(model)``: install and remove what routes a model's
+forwards through VisMemo. Nothing is copied from the modeling code, and the model keeps its own attention
+implementation: only a forward that runs a slot layout (reused or masked tokens) switches the text model to the
+``"vismemo"`` attention function for its duration.
+
+Installed on the model (every piece is a module-level function bound to the module it serves, so a
+``copy.deepcopy`` of an enabled model runs with its own modules, and ``disable`` finds the pieces by identity):
+
+* a forward pre-hook and hook on the base model: open and close the forward's ``ForwardContext``, run the lookup
+  of a prefill with images;
+* the text model's ``forward``: the prefill runner when the lookup asks for it, else the model's own forward;
+* the base model's ``get_image_features``: inside ``generate`` with a ``VisMemoCache`` the images are encoded on
+  first use (so exact hits skip the vision tower); everywhere else it is the model's own;
+* the generation model's ``_prepare_multimodal_encoder_kwargs_for_generation``: marks that deferral.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import types
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 
 from vismemo_hf.families import ModelAdapter
 from vismemo_hf.runtime import attention, context
 from vismemo_hf.runtime.cache import VisMemoCache
 from vismemo_hf.runtime.lookup import DeferredImageFeatures, lookup_request
-from vismemo_hf.runtime.runner import run_prefill
+
+#: set while ``generate`` pre-encodes the images of a request that has a VisMemoCache
+_DEFER_IMAGES: ContextVar[bool] = ContextVar("vismemo_defer_images", default=False)
+_PREPARE = "_prepare_multimodal_encoder_kwargs_for_generation"
 
 
 def _cache_of(kwargs) -> VisMemoCache | None:
@@ -20,124 +36,185 @@ def _cache_of(kwargs) -> VisMemoCache | None:
     return cache if isinstance(cache, VisMemoCache) else None
 
 
-def enable(model, *, image_mean=None, image_std=None):
-    """Prepare a Qwen2-VL / Qwen2.5-VL / Qwen3-VL model for ``VisMemoCache``; returns the model.
+def _own(module, name: str):
+    """The callable ``enable`` replaced: the instance attribute it found (accelerate's wrapper, say) or the class's."""
+    saved = module._vismemo_installation.replaced.get(name)
+    return saved if saved is not None else getattr(type(module), name).__get__(module)
 
-    Idempotent (a second call refreshes the model fingerprint, e.g. after loading new
-    weights). Attention runs through SDPA. ``image_mean`` / ``image_std`` override the
-    family's processor normalisation (used to recover pixels for patch entropy).
+
+# -- the installed pieces ---------------------------------------------------------------------------------
+def _image_features(self, pixel_values, image_grid_thw=None, **kwargs):
+    if _DEFER_IMAGES.get():
+        kwargs.setdefault("return_dict", True)
+        return DeferredImageFeatures(_own(self, "get_image_features"), pixel_values, image_grid_thw, kwargs)
+    return _own(self, "get_image_features")(pixel_values, image_grid_thw, **kwargs)
+
+
+def _prepare_multimodal(self, model_kwargs, *args, **kwargs):
+    token = _DEFER_IMAGES.set(_cache_of(model_kwargs) is not None)
+    try:
+        return _own(self, _PREPARE)(model_kwargs, *args, **kwargs)
+    finally:
+        _DEFER_IMAGES.reset(token)
+
+
+def _before(module, args, kwargs):
+    cache = _cache_of(kwargs)
+    adapter = getattr(module, "_vismemo", None)
+    if cache is None or adapter is None:
+        return None
+    if kwargs.get("use_cache") is False:
+        raise ValueError(
+            "a VisMemoCache needs use_cache=True: with use_cache=False the model does not keep the reused K/V "
+            "and would compute wrong logits; drop use_cache=False, or pass no cache to run without VisMemo")
+    ctx = context.open_forward(cache, kwargs.get("attention_mask"), adapter)
+    try:
+        return args, _look_up(ctx, adapter, kwargs)
+    except BaseException:
+        context.close_forward(ctx, 0)
+        raise
+
+
+def _look_up(ctx, adapter, kwargs):
+    encoded = dict(kwargs.get("mm_encoder_outputs") or {})
+    deferred = encoded.get("image")
+    deferred = deferred if isinstance(deferred, DeferredImageFeatures) and not deferred.looked_up else None
+    expand, ran = 1, None
+    if kwargs.get("pixel_values") is not None:
+        pixels, grids = kwargs["pixel_values"], kwargs["image_grid_thw"]
+    elif deferred is not None:  # generate() asked for the encoder before the prefill (and maybe expanded it)
+        pixels, grids, expand, ran = deferred.pixel_values, deferred.image_grid_thw, deferred.expand_factor, \
+            deferred.encoded
+    else:
+        return kwargs
+    ids = kwargs.get("input_ids")
+    full_outputs = kwargs.get("output_attentions") or kwargs.get("output_hidden_states")
+    if ids is None or ctx.cache.get_seq_length() > 0 or full_outputs:
+        # no ids to find the images by, a continuation of a cache, or every layer's outputs asked for: the images
+        # are computed as the model computes them (nothing looked up, nothing stored)
+        if deferred is not None:
+            deferred.provide(deferred.resolve())
+        return kwargs
+    request, outputs = lookup_request(adapter, ctx.cache, ids, pixels, grids, _own(adapter.base, "get_image_features"),
+                                      ctx.valid, expand=expand, encoded=ran, videos=_videos(kwargs, encoded))
+    ctx.request = request
+    if deferred is not None:
+        deferred.provide(outputs)
+    encoded["image"] = outputs
+    return {**kwargs, "pixel_values": None, "mm_encoder_outputs": encoded}
+
+
+def _videos(kwargs, encoded):
+    """What identifies each video of the request (for the context hash of the images after it): its pixels when the
+    forward has them, else its encoder output (``generate`` encodes videos before the prefill)."""
+    if kwargs.get("pixel_values_videos") is not None:
+        return kwargs["pixel_values_videos"], kwargs.get("video_grid_thw")
+    video = encoded.get("video")
+    if video is not None and getattr(video, "pooler_output", None) is not None:
+        return tuple(video.pooler_output), kwargs.get("video_grid_thw")
+    return None
+
+
+def _after(module, args, kwargs, output):
+    cache = _cache_of(kwargs)
+    ctx = context.current(cache) if cache is not None else None
+    if ctx is None:
+        return None
+    ids = kwargs.get("input_ids")
+    context.close_forward(ctx, ids.shape[1] if ids is not None else kwargs["inputs_embeds"].shape[1])
+    return None
+
+
+def _text_forward(self, *args, **kwargs):
+    from vismemo_hf.runtime.runner import finish_native, run_prefill
+
+    own = _own(self, "forward")
+    cache = _cache_of(kwargs)
+    ctx = context.current(cache) if cache is not None else None
+    if ctx is None:
+        return own(*args, **kwargs)
+    request = ctx.take_request()
+    if request is not None and request.needs_runner:
+        kwargs = {k: v for k, v in kwargs.items() if k not in ("past_key_values", "cache")}
+        with attention.slot_attention(self.config):
+            return run_prefill(ctx.adapter, request, **{**kwargs, "ctx": ctx})
+    if cache.mapped:  # decoding over a layout with left-out slots: the slot masks
+        with attention.slot_attention(self.config):
+            return own(*args, **kwargs)
+    out = own(*args, **kwargs)
+    if request is not None:  # a prefill the model computed itself: its complete images become entries
+        finish_native(ctx.adapter, request, ctx, kwargs.get("position_ids"))
+    return out
+
+
+# -- installation -----------------------------------------------------------------------------------------
+@dataclass
+class _Installation:
+    """What ``enable`` changed on one module: the instance attributes it replaced (None: the class's own)."""
+
+    replaced: dict = field(default_factory=dict)
+
+
+def _replace(module, name: str, function) -> None:
+    own = module.__dict__.get(name)
+    module.__dict__.setdefault("_vismemo_installation", _Installation()).replaced[name] = own
+    setattr(module, name, types.MethodType(function, module))
+
+
+def _restore(module) -> None:
+    installation = module.__dict__.pop("_vismemo_installation", None)
+    if installation is None:
+        return
+    for name, own in installation.replaced.items():
+        if own is None:
+            module.__dict__.pop(name, None)
+        else:
+            setattr(module, name, own)
+
+
+def enable(model, *, image_mean=None, image_std=None):
+    """Prepare a Qwen2-VL / Qwen2.5-VL / Qwen3-VL (-MoE) model, its ``*ForConditionalGeneration`` or its base
+    ``*Model``, for ``VisMemoCache``; returns the model.
+
+    Idempotent (a second call refreshes the normalisation; the model fingerprint follows weight changes by
+    itself). ``image_mean`` / ``image_std`` override the family's processor normalisation (used to recover pixels
+    for patch entropy). The model keeps its attention implementation.
     """
-    adapter = ModelAdapter.for_model(model, image_mean=image_mean, image_std=image_std)
     previous = getattr(model, "_vismemo", None)
     if previous is not None:
-        previous.fingerprint, previous.image_mean, previous.image_std = (
-            adapter.fingerprint, adapter.image_mean, adapter.image_std)
+        refreshed = ModelAdapter.for_model(model, image_mean=image_mean, image_std=image_std)
+        previous.image_mean, previous.image_std = refreshed.image_mean, refreshed.image_std
         return model
+    adapter = ModelAdapter.for_model(model, image_mean=image_mean, image_std=image_std)
     attention.register()
     base, text = adapter.base, adapter.text
-    undo = _Installation(previous_attention=model.config.text_config._attn_implementation,
-                         own_attributes={(m, name): m.__dict__[name] for m, name in
-                                         ((base, "get_image_features"), (text, "forward")) if name in m.__dict__})
-    sub_config = next(name for name in model.config.sub_configs if getattr(model.config, name) is
-                      model.config.text_config)
-    model.set_attn_implementation({sub_config: attention.ATTENTION_NAME})
-    undo.sub_config = sub_config
-    get_image_features = base.get_image_features
-
-    def deferred_image_features(pixel_values, image_grid_thw=None, **kwargs):
-        kwargs.setdefault("return_dict", True)
-        return DeferredImageFeatures(get_image_features, pixel_values, image_grid_thw, kwargs)
-
-    text_forward = text.forward
-
-    def before(module, args, kwargs):
-        cache = _cache_of(kwargs)
-        if cache is None:
-            return None
-        if kwargs.get("use_cache") is False:
-            raise ValueError(
-                "a VisMemoCache needs use_cache=True: with use_cache=False the model does not keep the reused K/V "
-                "and would compute wrong logits; drop use_cache=False, or pass no past_key_values to run "
-                "without VisMemo")
-        ctx = context.open_forward(cache, kwargs.get("attention_mask"))
-        try:
-            return args, _look_up_images(ctx, kwargs)
-        except BaseException:
-            context.close_forward(ctx, 0)
-            raise
-
-    def _look_up_images(ctx, kwargs):
-        encoded = dict(kwargs.get("mm_encoder_outputs") or {})
-        deferred = encoded.get("image")
-        deferred = deferred if isinstance(deferred, DeferredImageFeatures) and not deferred.looked_up else None
-        expand, ran = 1, None
-        if kwargs.get("pixel_values") is not None:
-            pixels, grids = kwargs["pixel_values"], kwargs["image_grid_thw"]
-        elif deferred is not None:  # generate() asked for the encoder before the prefill (and maybe expanded it)
-            pixels, grids, expand, ran = (deferred.pixel_values, deferred.image_grid_thw, deferred.expand_factor,
-                                          deferred.encoded)
-        else:
-            return kwargs
-        request, outputs = lookup_request(adapter, ctx.cache, kwargs.get("input_ids"), pixels, grids,
-                                          get_image_features, ctx.valid, expand=expand, encoded=ran)
-        ctx.request = request
-        if deferred is not None:
-            deferred.provide(outputs)
-        encoded["image"] = outputs
-        return {**kwargs, "pixel_values": None, "mm_encoder_outputs": encoded}
-
-    def after(module, args, kwargs, output):
-        cache = _cache_of(kwargs)
-        ctx = context.current(cache) if cache is not None else None
-        if ctx is None:
-            return None
-        ids = kwargs.get("input_ids")
-        context.close_forward(ctx, ids.shape[1] if ids is not None else kwargs["inputs_embeds"].shape[1])
-        return None
-
-    def forward(self, *args, **kwargs):
-        cache = _cache_of(kwargs)
-        ctx = context.current(cache) if cache is not None else None
-        if ctx is not None and ctx.request is not None:
-            kwargs = {k: v for k, v in kwargs.items() if k != "past_key_values"}
-            return run_prefill(adapter, ctx.take_request(), **{**kwargs, "ctx": ctx})
-        return text_forward(*args, **kwargs)
-
-    base.get_image_features = deferred_image_features
-    undo.handles.append(base.register_forward_pre_hook(before, with_kwargs=True))
-    undo.handles.append(base.register_forward_hook(after, with_kwargs=True, always_call=True))
-    text.forward = types.MethodType(forward, text)
-    model._vismemo = adapter
-    model._vismemo_installation = undo
+    _replace(base, "get_image_features", _image_features)
+    _replace(text, "forward", _text_forward)
+    if hasattr(model, _PREPARE):
+        _replace(model, _PREPARE, _prepare_multimodal)
+    base.register_forward_pre_hook(_before, with_kwargs=True)
+    base.register_forward_hook(_after, with_kwargs=True, always_call=True)
+    for module in {id(m): m for m in (model, base, text)}.values():
+        module._vismemo = adapter
     return model
 
 
-@dataclass
-class _Installation:
-    """What ``enable`` changed on a model, to put back."""
-
-    previous_attention: str | None
-    own_attributes: dict  # (module, name) -> the instance attribute it had before (e.g. accelerate's forward)
-    sub_config: str = "text_config"
-    handles: list = field(default_factory=list)
-
-
 def disable(model):
-    """Undo ``enable``: hooks removed, ``forward`` / ``get_image_features`` and the text model's attention
-    implementation restored; the model then computes exactly as before ``enable``. Returns the model."""
-    undo = getattr(model, "_vismemo_installation", None)
-    if undo is None:
+    """Undo ``enable``: hooks removed, the replaced methods restored; the model then computes exactly as before
+    ``enable``. Returns the model."""
+    adapter = getattr(model, "_vismemo", None)
+    if adapter is None:
         return model
-    adapter = model._vismemo
-    for handle in undo.handles:
-        handle.remove()
-    for module, name in ((adapter.base, "get_image_features"), (adapter.text, "forward")):
-        if (module, name) in undo.own_attributes:
-            setattr(module, name, undo.own_attributes[(module, name)])
-        else:
-            module.__dict__.pop(name, None)
-    model.set_attn_implementation({undo.sub_config: undo.previous_attention})
-    del model._vismemo, model._vismemo_installation
+    base, text = adapter.base, adapter.text
+    for hooks, ours in ((base._forward_pre_hooks, _before), (base._forward_hooks, _after)):
+        for hook_id in [i for i, hook in hooks.items() if hook is ours]:
+            del hooks[hook_id]
+            base._forward_hooks_with_kwargs.pop(hook_id, None)
+            base._forward_pre_hooks_with_kwargs.pop(hook_id, None)
+            base._forward_hooks_always_called.pop(hook_id, None)
+    for module in {id(m): m for m in (model, base, text)}.values():
+        _restore(module)
+        module.__dict__.pop("_vismemo", None)
     return model
 
 

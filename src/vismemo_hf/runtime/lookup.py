@@ -152,7 +152,12 @@ class DeferredImageFeatures:
 
 @dataclass
 class PrefillRequest:
+    """The lookup's result for one prefill. ``needs_runner``: some image reuses K/V (or the cache compresses, or the
+    store keeps compressed entries): the prefill runner executes it; else the model's own forward does, and its
+    images are stored afterwards."""
+
     images: list[ImageState]
+    needs_runner: bool = True
 
 
 def image_spans(input_ids: torch.Tensor, image_token_id: int, counts: list[int]) -> list[tuple[int, int]]:
@@ -188,7 +193,8 @@ def _usable(adapter, cache, entry: Entry | None, key: str, grid) -> bool:
 
 def prefix_digest(input_ids: torch.Tensor, valid: torch.Tensor | None, start: int, earlier: list[str]) -> str:
     """Hash of what precedes an image in its row: the real (unpadded) token ids before column ``start``
-    and the keys of the row's earlier images (their placeholder tokens alone would not tell them apart)."""
+    and the identities of the row's earlier images and videos (their placeholder tokens alone would not tell them
+    apart): image keys, video content hashes."""
     ids = input_ids[:start]
     if valid is not None:
         ids = ids[valid[:start].to(ids.device)]
@@ -215,20 +221,50 @@ def _expanded_order(input_ids: torch.Tensor, image_token_id: int, n_images: int,
     return order
 
 
+def video_items(input_ids: torch.Tensor, video_token_id: int, merge: int, videos) -> dict[int, list[tuple[int, str]]]:
+    """{row: [(first column, content hash), ...]} of the request's videos. ``videos``: (pixel_values_videos,
+    video_grid_thw) or (per-video encoder outputs, video_grid_thw), or None. A video may span several placeholder
+    runs (Qwen3-VL puts a timestamp before each frame): runs are given to videos in order by token count."""
+    if videos is None:
+        return {}
+    content, grids = videos
+    if isinstance(content, torch.Tensor):  # pixels: one slice of patch rows per video
+        sizes = [int(t * h * w) for t, h, w in grids.tolist()] if grids is not None else [content.shape[0]]
+        content, tokens = torch.split(content, sizes), [n // merge**2 for n in sizes]
+    else:
+        tokens = [int(part.shape[0]) for part in content]
+    runs = []
+    for row in range(input_ids.shape[0]):
+        is_vid = (input_ids[row] == video_token_id).to(torch.int8)
+        edges = torch.diff(torch.cat([is_vid.new_zeros(1), is_vid, is_vid.new_zeros(1)]))
+        starts, ends = torch.nonzero(edges == 1).flatten().tolist(), torch.nonzero(edges == -1).flatten().tolist()
+        runs.extend((row, s, e - s) for s, e in zip(starts, ends))
+    out: dict[int, list[tuple[int, str]]] = {}
+    run = 0
+    for part, count in zip(content, tokens):
+        if run >= len(runs):
+            break
+        row, first, _ = runs[run]
+        taken = 0
+        while run < len(runs) and taken < count:
+            taken += runs[run][2]
+            run += 1
+        data = part.detach().to("cpu").contiguous()
+        digest = hashlib.blake2b(data.reshape(-1).view(torch.uint8).numpy(), digest_size=16).hexdigest()
+        out.setdefault(row, []).append((first, digest))
+    return out
+
+
 def lookup_request(adapter, cache, input_ids, pixel_values, grids, get_image_features,
-                   valid: torch.Tensor | None = None, expand: int = 1, encoded=None) -> tuple[PrefillRequest, object]:
+                   valid: torch.Tensor | None = None, expand: int = 1, encoded=None,
+                   videos=None) -> tuple[PrefillRequest, object]:
     """Look every image up; return the request state and the ``mm_encoder_outputs["image"]`` object.
 
     ``valid``: (B, columns) False at padding, so that a left-padded row hashes its prefix like an unpadded one.
     ``expand``: ``generate`` repeated every row that many times (beam search, ``num_return_sequences``): the
     images of ``pixel_values`` are looked up once per copy of their row. ``encoded``: the tower's output for
-    those images when it already ran (it is not run again)."""
-    if input_ids is None:
-        raise ValueError("VisMemoCache needs input_ids (not inputs_embeds) to locate the images of a request")
-    if cache.get_seq_length() > 0:
-        raise NotImplementedError(
-            "VisMemoCache looks images up in the first forward of a cache (the prefill) only: pass a new "
-            "VisMemoCache() to every generate() call")
+    those images when it already ran (it is not run again). ``videos``: what identifies the request's videos
+    (``video_items``), part of the context hash of every image after them."""
     store, fp, merge = cache.store, adapter.fingerprint, adapter.merge
     grid_list = [tuple(int(x) for x in g) for g in grids.tolist()]
     patch_rows = torch.tensor([t * h * w for t, h, w in grid_list]).cumsum(0).tolist()
@@ -264,11 +300,13 @@ def lookup_request(adapter, cache, input_ids, pixel_values, grids, get_image_fea
     encoded = {j: encoded_of[i] for j, i in enumerate(source) if i in encoded_of}
 
     images = []
-    earlier: dict[int, list[str]] = {}
+    earlier: dict[int, list[tuple[int, str]]] = {r: list(v) for r, v in
+                                                 video_items(input_ids, adapter.video_token_id, merge, videos).items()}
     for i, ((row, start), key, grid) in enumerate(zip(spans, keys, grid_list)):
         t0 = time.perf_counter()
-        prefix = prefix_digest(input_ids[row], None if valid is None else valid[row], start, earlier.get(row, []))
-        earlier.setdefault(row, []).append(key)
+        before = [ident for at, ident in sorted(earlier.get(row, [])) if at < start]
+        prefix = prefix_digest(input_ids[row], None if valid is None else valid[row], start, before)
+        earlier.setdefault(row, []).append((start, key))
         if exact[i]:
             entry = entries[i]
             feats = entry.features()
@@ -288,7 +326,9 @@ def lookup_request(adapter, cache, input_ids, pixel_values, grids, get_image_fea
         state.timings["encoder"] = encoder_ms
         images.append(state)
     outputs = adapter.encoder_outputs([(s.embeds, s.deepstack) for s in images])
-    return PrefillRequest(images), outputs
+    compressing = cache.compress is not None or (cache.store_misses and getattr(store, "keep_ratio", None) is not None)
+    needs_runner = compressing or any(s.kind is not HitKind.MISS for s in images)
+    return PrefillRequest(images, needs_runner), outputs
 
 
 #: model references computed in this process, by fingerprint (a new store of a known model reuses them)
@@ -312,6 +352,10 @@ def _approximate(adapter, state: ImageState, cache, fp: str, get_image_features)
     (descriptors and token sketches, never its encoder output); sets kind/alias on success. Both stages compare
     embeddings centred by the model's reference means (``thresholds.py``)."""
     if cache.top_k == 0:
+        return
+    if cache.policy.warmup_layers >= adapter.num_layers:  # no layer left to reuse: computed in full
+        logger.info("vismemo: warmup_layers=%d leaves no layer to reuse in a %d-layer model; no approximate lookup",
+                    cache.policy.warmup_layers, adapter.num_layers)
         return
     thresholds = cache.lookup_thresholds(fp)
     if thresholds.fingerprint not in (None, fp):

@@ -21,7 +21,7 @@ from vismemo_hf.runtime.attention import query_blocks
 from vismemo_hf.runtime.compress import window_stats
 from vismemo_hf.runtime.context import AttentionCapture, ForwardContext
 from vismemo_hf.runtime.lookup import ImageState, PrefillRequest
-from vismemo_hf.runtime.plan import HitKind, WarmupSignals, relative_deviation
+from vismemo_hf.runtime.plan import HitKind, ImagePlan, WarmupSignals, relative_deviation
 from vismemo_hf.runtime.rope import rerotate, rotate_half
 from vismemo_hf.store.entry import Entry
 from vismemo_hf.store.store import store_call
@@ -79,12 +79,6 @@ class PrefillRunner:
             self.valid = None
         self.rows = [[img for img in request.images if img.row == b] for b in range(self.batch)]
         self._active_signature, self._active_layout = None, None
-        if self.policy.warmup_layers >= adapter.num_layers and any(
-            i.kind is HitKind.APPROXIMATE for i in request.images
-        ):
-            raise ValueError(
-                f"warmup_layers={self.policy.warmup_layers} leaves no layer to reuse in a {adapter.num_layers}-layer model"
-            )
 
     # -- early stage: plans that need no warmup, and fetches ---------------------------------------
     def _read(self, img: ImageState, tokens: torch.Tensor, first_layer: int):
@@ -164,9 +158,8 @@ class PrefillRunner:
                 if img.plan is not None:
                     img.plan = img.plan.limited_to(img.alias, self.policy.missing)
                     self._bind(img)
-                elif self.policy.prefix_check_layer >= self.adapter.num_layers:
-                    raise ValueError(f"prefix_check_layer={self.policy.prefix_check_layer} leaves no layer to check "
-                                     f"in a {self.adapter.num_layers}-layer model")
+                elif self.policy.prefix_check_layer >= self.adapter.num_layers:  # no layer to check: compute it
+                    img.plan = ImagePlan.full(HitKind.EXACT, img.n_tokens, img.alias.key)
                 else:  # decided at the check layer: the whole entry is at hand
                     self._fetch(img, self._stored(img, torch.arange(img.n_tokens)), 0)
             elif img.kind is HitKind.MISS:
@@ -493,6 +486,8 @@ class PrefillRunner:
             keep = compress.keep(window_stats_per_layer, self._visual_columns())
             for layer, kept in zip(cache.layers, keep or []):
                 layer.keep_slots(kept)
+        for layer in cache.layers:
+            layer.settle(self.length)
         for img in self.request.images:
             img.timings["warmup"] = (t_warm_end - t_start) * 1e3 if img.kind is HitKind.APPROXIMATE else 0.0
             img.timings["recompute"] = (t_end - t_warm_end) * 1e3
@@ -572,36 +567,52 @@ class PrefillRunner:
 
     def _store_complete(self, window_stats_per_layer=()) -> None:
         """Store every image whose K/V were computed at every layer (misses, and hits under policies that recompute all)."""
-        cache = self.cache
-        if not cache.store_misses:
-            return
-        done = set()
-        for img in self.request.images:
-            key = img.features.key
-            if img.kind is HitKind.EXACT or not img.plan.complete or key in done:
-                continue
-            done.add(key)
-            cols = img.columns(torch.arange(img.n_tokens, device=self.device))
-            per_layer = []
-            for layer in cache.layers:
-                slots = layer.slot_of(cols, img.row)
-                per_layer.append(torch.stack([layer.keys[img.row][:, slots], layer.values[img.row][:, slots]]))
-            kv = torch.stack(per_layer).permute(3, 0, 1, 2, 4).contiguous()  # (N, L, 2, H, D)
-            entry = Entry(
-                key=key,
-                fingerprint=self.adapter.fingerprint,
-                grid=img.features.grid,
-                embeds=img.embeds.detach(),
-                deepstack=img.deepstack.detach() if img.deepstack is not None else None,
-                descriptors=img.descriptors,
-                entropy=img.features.entropy,
-                kv=kv.detach(),
-                offset=img.offset,
-                patch_hashes=img.features.patch_hashes,
-                prefix=img.prefix,
-            )
-            importance = self._token_importance(img, window_stats_per_layer)
-            store_call("write", lambda e=entry, i=importance: cache.store.put(e, importance=i), None)
+        write_entries(self.adapter, self.cache, self.request.images,
+                      lambda img: self._token_importance(img, window_stats_per_layer))
+
+
+def write_entries(adapter, cache, images, importance=lambda img: None) -> None:
+    """Store every image whose K/V were computed at every layer, read from the cache's layers (once per key)."""
+    if not cache.store_misses:
+        return
+    done = set()
+    fingerprint = adapter.fingerprint
+    for img in images:
+        key = img.features.key
+        if img.kind is HitKind.EXACT or not img.plan.complete or key in done:
+            continue
+        done.add(key)
+        cols = img.columns(torch.arange(img.n_tokens))
+        per_layer = []
+        for layer in cache.layers:
+            slots = layer.slot_of(cols, img.row).to(layer.keys.device)
+            per_layer.append(torch.stack([layer.keys[img.row][:, slots], layer.values[img.row][:, slots]]).cpu())
+        kv = torch.stack(per_layer).permute(3, 0, 1, 2, 4).contiguous()  # (N, L, 2, H, D)
+        if not bool(torch.isfinite(kv).all()):
+            logger.warning("vismemo: image %s has non-finite K/V; not stored", key[:12])
+            continue
+        entry = Entry(key=key, fingerprint=fingerprint, grid=img.features.grid, embeds=img.embeds.detach(),
+                      deepstack=img.deepstack.detach() if img.deepstack is not None else None,
+                      descriptors=img.descriptors, entropy=img.features.entropy, kv=kv.detach(), offset=img.offset,
+                      patch_hashes=img.features.patch_hashes, prefix=img.prefix)
+        weights = importance(img)
+        store_call("write", lambda e=entry, i=weights: cache.store.put(e, importance=i), None)
+
+
+def finish_native(adapter, request, ctx: ForwardContext, position_ids) -> None:
+    """After a prefill the model computed itself (every image a miss): store its images, record its events."""
+    cache = ctx.cache
+    positions = None
+    if position_ids is not None:
+        positions = (position_ids[None] if position_ids.ndim == 2 else position_ids)[-3:]
+    for img in request.images:
+        img.offset = int(positions[0, img.row, img.start]) if positions is not None else img.start
+        img.plan = cache.policy.miss_plan(img.features)
+        img.timings.update(warmup=0.0, recompute=0.0)
+    write_entries(adapter, cache, request.images)
+    for img in request.images:
+        cache.events.append(img.event())
+        store_call("stats", lambda i=img: cache.store.record(i.kind, prefix_changed=i.prefix_changed), None)
 
 
 def run_prefill(adapter, request, *, ctx: ForwardContext, inputs_embeds, attention_mask=None, position_ids=None,
