@@ -49,8 +49,8 @@ def _install() -> None:
         brings_cache = kwargs.get("past_key_values") is not None or kwargs.get("cache") is not None
         config = kwargs.get("generation_config")
         wants_no_cache = kwargs.get("use_cache") is False or (config is not None and config.use_cache is False)
-        picks_cache = kwargs.get("cache_implementation") is not None or (
-            config is not None and getattr(config, "cache_implementation", None) is not None)
+        picks_cache = kwargs.get("cache_implementation") is not None or any(
+            getattr(c, "cache_implementation", None) is not None for c in (config, getattr(self, "generation_config", None)))
         if _family_model(self) and getattr(self, "_vismemo", None) is not None and not (
                 brings_cache or wants_no_cache or picks_cache):
             if _STATE["store"] is None:

@@ -74,8 +74,8 @@ class VisMemoLayer(DynamicLayer):
         allowed = (kc[:, None, :] <= qc[:, :, None]) & (kc[:, None, :] >= 0)
         if valid_columns is not None:
             allowed &= valid_columns.gather(1, kc.clamp(min=0))[:, None, :]
-        # queries with nothing to see (padding, filler rows) attend everything: finite output, never used
-        allowed |= ~allowed.any(-1, keepdim=True)
+        # queries with nothing to see (padding, filler rows) stay fully masked, as in the model's own masks: SDPA
+        # gives them zeros, eager attention a uniform average (never read by a real token either way)
         return allowed[:, None]
 
     def slot_columns(self) -> torch.Tensor:

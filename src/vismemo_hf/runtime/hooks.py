@@ -91,9 +91,8 @@ def _look_up(ctx, adapter, kwargs):
     full_outputs = kwargs.get("output_attentions") or kwargs.get("output_hidden_states")
     if ids is None or ctx.cache.get_seq_length() > 0 or full_outputs:
         # no ids to find the images by, a continuation of a cache, or every layer's outputs asked for: the images
-        # are computed as the model computes them (nothing looked up, nothing stored)
-        if deferred is not None:
-            deferred.provide(deferred.resolve())
+        # are computed as the model computes them (nothing looked up, nothing stored; a deferred encoder output
+        # resolves on first use, generate's expansion of it included)
         return kwargs
     request, outputs = lookup_request(adapter, ctx.cache, ids, pixels, grids, _own(adapter.base, "get_image_features"),
                                       ctx.valid, expand=expand, encoded=ran, videos=_videos(kwargs, encoded))

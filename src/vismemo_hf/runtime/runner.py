@@ -396,7 +396,6 @@ class PrefillRunner:
         allowed = (cols[None, :] <= cols[:, None])[None].expand(self.batch, -1, -1).clone()
         if self.valid is not None:
             allowed &= self.valid[:, None, :]
-            allowed |= ~allowed.any(-1, keepdim=True)
         return allowed[:, None]
 
     # -- execution ------------------------------------------------------------------------------------
