@@ -84,7 +84,7 @@ def noise_image(seed=0, size=(224, 168)):
 
 def generate(model, inputs, cache, new_tokens=3):
     with torch.no_grad():
-        out = model.generate(**inputs, past_key_values=cache, max_new_tokens=new_tokens, do_sample=False,
+        out = model.generate(**inputs, cache=cache, max_new_tokens=new_tokens, do_sample=False,
                              output_scores=True, return_dict_in_generate=True)
     return out.sequences[:, inputs["input_ids"].shape[1]:], torch.stack(out.scores, 1)
 

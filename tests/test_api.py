@@ -86,8 +86,8 @@ def test_inputs_embeds_without_ids_compute_like_the_model(qwen2, pages):
     embeds = model.get_input_embeddings()(inputs["input_ids"])
     kwargs = {k: v for k, v in inputs.items() if k != "input_ids"}
     with torch.no_grad():
-        out = model(**kwargs, inputs_embeds=embeds, past_key_values=vismemo_hf.VisMemoCache(), use_cache=True)
-        ref = model(**kwargs, inputs_embeds=embeds, past_key_values=DynamicCache(), use_cache=True)
+        out = model(**kwargs, inputs_embeds=embeds, cache=vismemo_hf.VisMemoCache(), use_cache=True)
+        ref = model(**kwargs, inputs_embeds=embeds, cache=DynamicCache(), use_cache=True)
     assert current_forward() is None
     assert (out.logits - ref.logits).abs().max() <= 1e-5
 
@@ -107,7 +107,7 @@ def test_exact_hits_skip_the_vision_tower(qwen2, pages):
         generate(model, inputs, cache, 1)
         assert cache.events[0].kind is HitKind.EXACT and len(calls) == 0
         with torch.no_grad():  # a direct forward (no generate) takes the same path
-            model(**inputs, past_key_values=vismemo_hf.VisMemoCache(store=store), use_cache=True)
+            model(**inputs, cache=vismemo_hf.VisMemoCache(store=store), use_cache=True)
         assert len(calls) == 0
     finally:
         hook.remove()

@@ -75,3 +75,36 @@ def test_approximate_hits_record_fetch_and_remaining_wait(qwen2, pages, monkeypa
     timings = cache.events[0].timings
     assert cache.events[0].reused > 0 and timings["fetch"] >= 300
     assert 0 < timings["fetch_wait"] <= timings["fetch"] + 5 and timings["fetch_wait"] >= 300 - timings["warmup"] - 50
+
+
+def test_errors_are_one_line_with_exit_status_2(capsys):
+    assert main(["demo", "--model", "no-such-model"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("vismemo demo: error:") and "\n" not in err and "no-such-model" in err
+
+
+def test_version_tasks_path_and_help_on_every_option(capsys):
+    import argparse
+    from pathlib import Path
+
+    import pytest
+
+    from vismemo_hf.cli import parser
+
+    with pytest.raises(SystemExit):
+        main(["--version"])
+    assert capsys.readouterr().out.strip() == f"vismemo-hf {vismemo_hf.__version__}"
+    assert main(["tasks-path"]) == 0
+    tasks = Path(capsys.readouterr().out.strip())
+    assert {p.name for p in tasks.glob("*/*.yaml")} >= {"vismemo_synthdoc.yaml", "vismemo_docvqa.yaml"}
+
+    def actions(p):
+        for action in p._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for child in action.choices.values():
+                    yield from actions(child)
+            elif not isinstance(action, (argparse._HelpAction, argparse._VersionAction)):
+                yield p.prog, action
+
+    missing = [f"{prog} {a.dest}" for prog, a in actions(parser()) if not a.help]
+    assert not missing, missing

@@ -53,7 +53,7 @@ def test_every_byte_of_a_blob_is_checked(variant):
 
 def _logits(model, inputs, cache):
     with torch.no_grad():
-        return model(**inputs, past_key_values=cache, use_cache=True).logits[:, -1]
+        return model(**inputs, cache=cache, use_cache=True).logits[:, -1]
 
 
 def _positions(size: int, rng: random.Random, body_samples: int) -> list[list[int]]:

@@ -13,7 +13,7 @@ from conftest import build_inputs, stored
 
 def _beams(model, inputs, cache, **kw):
     with torch.no_grad():
-        out = model.generate(**inputs, past_key_values=cache, max_new_tokens=4, output_scores=True,
+        out = model.generate(**inputs, cache=cache, max_new_tokens=4, output_scores=True,
                              return_dict_in_generate=True, **kw)
     return out.sequences, torch.stack(out.scores, 1)
 
@@ -42,7 +42,7 @@ def test_several_sampled_sequences_look_up_every_copy(qwen2, pages):
     cache = vismemo_hf.VisMemoCache(store=store, recompute_ratio=1.0, mask_below=0.0)
     torch.manual_seed(0)
     with torch.no_grad():
-        out = model.generate(**inputs, past_key_values=cache, max_new_tokens=3, do_sample=True,
+        out = model.generate(**inputs, cache=cache, max_new_tokens=3, do_sample=True,
                              num_return_sequences=3)
     assert out.shape[0] == 3
     assert [e.kind for e in cache.events] == [HitKind.APPROXIMATE] * 3 and [e.row for e in cache.events] == [0, 1, 2]
@@ -52,7 +52,7 @@ def test_use_cache_false_is_a_clear_error(qwen2, pages):
     model, processor = qwen2
     inputs = build_inputs(processor, [pages["base"]])
     with pytest.raises(ValueError, match="use_cache=True"), torch.no_grad():
-        model.generate(**inputs, past_key_values=vismemo_hf.VisMemoCache(), use_cache=False, max_new_tokens=2)
+        model.generate(**inputs, cache=vismemo_hf.VisMemoCache(), use_cache=False, max_new_tokens=2)
 
 
 @pytest.mark.parametrize("hit", ["miss", "exact"])

@@ -17,9 +17,11 @@ def test_lmms_eval_offline_run_on_a_slice(tmp_path):
     vismemo = [sys.executable, "-m", "vismemo_hf.cli"]
     subprocess.run(vismemo + ["build-stream", "synthdoc", "--bases", "3"], cwd=tmp_path, env=env, check=True)
     out = tmp_path / "out"
+    tasks = subprocess.run(vismemo + ["tasks-path"], cwd=tmp_path, env=env, check=True, capture_output=True,
+                           text=True).stdout.strip()  # found without a clone: the tasks ship with the package
     cmd = [sys.executable, "-m", "lmms_eval", "--model", "vismemo",
-           "--model_args", "pretrained=vismemo-docqa-tiny,policy=vismemo,max_new_tokens=6",
-           "--tasks", "vismemo_synthdoc", "--include_path", str(REPO / "eval_tasks"), "--limit", "10",
+           "--model_args", "pretrained=vismemo-docqa-tiny,max_new_tokens=6",
+           "--tasks", "vismemo_synthdoc", "--include_path", tasks, "--limit", "10",
            "--batch_size", "1", "--output_path", str(out)]
     run = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
     files = list(out.rglob("*_results.json"))
@@ -32,6 +34,8 @@ def test_lmms_eval_offline_run_on_a_slice(tmp_path):
 
     kinds = [k for k in ("exact", "approximate", "miss") if measured(results.get(f"anls_{k},none"))]
     assert "miss" in kinds and len(kinds) >= 2, results
+    counts = {k: results[f"answers_{k},none"] for k in ("exact", "approximate", "miss")}  # realized, not intended
+    assert sum(counts.values()) == 10 and all((counts[k] > 0) == (k in kinds) for k in counts), counts
 
 
 def _schema_parquets(tmp_path):

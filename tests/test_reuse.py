@@ -13,7 +13,7 @@ from conftest import _enabled_tiny, build_inputs, generate, stored
 def _layer0_visual_keys(model, inputs):
     cache = DynamicCache()
     with torch.no_grad():
-        model(**inputs, past_key_values=cache, use_cache=True)
+        model(**inputs, cache=cache, use_cache=True)
     visual = (inputs["input_ids"][0] == model.config.image_token_id).nonzero().flatten()
     return cache.layers[0].keys[0][:, visual]  # (H, N, D)
 

@@ -180,7 +180,7 @@ def test_after_crop_the_cache_is_shorter_and_prompt_lookup_decoding_equals_greed
     assert all(layer.columns.shape[-1] == layer.keys.shape[-2] for layer in cache.layers if layer.mapped)
     greedy, _ = generate(model, inputs, vismemo_hf.VisMemoCache(**options), 8)
     with torch.no_grad():
-        out = model.generate(**inputs, past_key_values=vismemo_hf.VisMemoCache(**options), max_new_tokens=8,
+        out = model.generate(**inputs, cache=vismemo_hf.VisMemoCache(**options), max_new_tokens=8,
                              do_sample=False, prompt_lookup_num_tokens=3)
     assert torch.equal(out[:, inputs["input_ids"].shape[1]:], greedy)
 

@@ -32,7 +32,7 @@ def test_captured_window_attention_equals_eager_attention(tiny, pages, family):
     SEEN.clear()
     cache = vismemo_hf.VisMemoCache(store=store, policy="test-recording", warmup_layers=2)
     with torch.no_grad():
-        model(**inputs, past_key_values=cache, use_cache=True)
+        model(**inputs, cache=cache, use_cache=True)
     (signals,) = SEEN
     eager, _ = tiny_model(family)
     eager.model.language_model.config._attn_implementation = "eager"

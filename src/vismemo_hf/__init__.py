@@ -2,7 +2,7 @@
 
     import vismemo_hf
     vismemo_hf.enable(model)
-    out = model.generate(**inputs, past_key_values=vismemo_hf.VisMemoCache(), max_new_tokens=64)
+    out = model.generate(**inputs, cache=vismemo_hf.VisMemoCache(), max_new_tokens=64)
 
 Data path, one file per step: ``lookup`` -> ``policies`` (make an ``ImagePlan``) ->
 ``runner`` + ``cache`` + ``attention`` (execute) -> ``store``.

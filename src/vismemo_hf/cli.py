@@ -51,7 +51,7 @@ def demo(args) -> int:
         inputs = processor(text=[text], images=[synthdoc.render(page)], return_tensors="pt")
         cache = VisMemoCache(store=store, policy=args.policy)
         with torch.no_grad():
-            out = model.generate(**inputs, past_key_values=cache, max_new_tokens=args.new_tokens, do_sample=False)
+            out = model.generate(**inputs, cache=cache, max_new_tokens=args.new_tokens, do_sample=False)
         (event,) = cache.events
         answer = processor.tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True).strip()
         rows.append({
@@ -77,6 +77,13 @@ def demo(args) -> int:
     return 0
 
 
+def tasks_path(args) -> int:
+    from importlib.resources import files
+
+    print(files("vismemo_hf.eval_tasks"))
+    return 0
+
+
 def profile_vlcache(args) -> int:
     from pathlib import Path
 
@@ -84,12 +91,11 @@ def profile_vlcache(args) -> int:
 
     from vismemo_hf.eval.vlcache_profile import layer_sensitivity
     from vismemo_hf.loading import load_model
-    from vismemo_hf.presets import config_dir
 
     model, processor = load_model(args.model, args.family)
     sensitivity = layer_sensitivity(model, processor, pairs=args.pairs, seed=args.seed)
     name = args.name or f"{Path(args.model).name}-{model.config.model_type}"
-    out = Path(args.out) if args.out else config_dir() / "vlcache" / f"{name}.yaml"
+    out = Path(args.out) if args.out else Path("configs") / "vlcache" / f"{name}.yaml"
     out.parent.mkdir(parents=True, exist_ok=True)
     command = "vismemo profile-vlcache " + " ".join(sys.argv[2:]) if args.record_argv else None
     data = {
@@ -115,12 +121,11 @@ def calibrate(args) -> int:
     from vismemo_hf.bench.report import header, machine
     from vismemo_hf.eval.calibrate import calibrate as measure
     from vismemo_hf.loading import load_model
-    from vismemo_hf.presets import config_dir
 
     model, _ = load_model(args.model, args.family, seed=args.seed)
     report = measure(model, per_kind=args.pairs_per_kind)
     name = args.name or (Path(args.model).name if args.family is None else f"{Path(args.model).name}-{args.family}")
-    out = Path(args.out) if args.out else config_dir() / "lookup" / f"{name}.yaml"
+    out = Path(args.out) if args.out else Path("configs") / "lookup" / f"{name}.yaml"
     out.parent.mkdir(parents=True, exist_ok=True)
     command = (f"vismemo calibrate --model {args.model}" + (f" --family {args.family}" if args.family else "")
                + f" --pairs-per-kind {args.pairs_per_kind} --seed {args.seed}")
@@ -258,35 +263,63 @@ def _real_pages(args):
     return [page for group in by_document.values() for page in group]
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="vismemo", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
+# -- the parser: one builder per command, shared option groups ----------------------------------------------
+def _model_options(p, default="vismemo-docqa-tiny", family_choices=True) -> None:
+    p.add_argument("--model", default=default,
+                   help="vismemo-docqa-tiny / vismemo-docqa-base (packaged readers), a checkpoint folder, a cached hub "
+                        "id, or a preset of configs/models/ (random weights)")
+    p.add_argument("--family", default=None, choices=FAMILY_NAMES if family_choices else None,
+                   help="family of family-agnostic presets such as tiny (default qwen2_vl)")
+
+
+def _geometry_options(p) -> None:
+    p.add_argument("--tokens", type=int, default=1024, help="visual tokens per entry")
+    p.add_argument("--layers", type=int, default=36, help="decoder layers")
+    p.add_argument("--kv-heads", type=int, default=8, help="K/V heads per layer")
+    p.add_argument("--head-dim", type=int, default=128, help="head width")
+    p.add_argument("--embed-dim", type=int, default=4096, help="encoder output width")
+
+
+def _out_option(p, default: str, what: str = "reports") -> None:
+    p.add_argument("--out", default=default, help=f"folder for the {what} (default {default})")
+
+
+def _add_demo(sub) -> None:
     p = sub.add_parser("demo", help="five document requests through the packaged reading model (no downloads, no GPU)")
-    p.add_argument("--model", default="vismemo-docqa-tiny",
-                   help="vismemo-docqa-tiny (packaged, trained), a preset such as tiny (random weights) or a checkpoint")
-    p.add_argument("--family", default=None, choices=FAMILY_NAMES,
-                   help="family for family-agnostic presets")
-    p.add_argument("--policy", default=DEFAULT_POLICY)
-    p.add_argument("--new-tokens", type=int, default=6)
+    _model_options(p)
+    p.add_argument("--policy", default=DEFAULT_POLICY, help="routing policy name, preset or YAML path")
+    p.add_argument("--new-tokens", type=int, default=6, help="tokens generated per request")
     p.add_argument("--json", action="store_true", help="print the table as JSON")
     p.set_defaults(func=demo)
+
+
+def _add_tasks_path(sub) -> None:
+    p = sub.add_parser("tasks-path", help="print the folder of the lmms-eval tasks (for lmms-eval --include_path)")
+    p.set_defaults(func=tasks_path)
+
+
+def _add_profile(sub, argv) -> None:
     p = sub.add_parser("profile-vlcache", help="compute VL-Cache's per-layer sensitivity profile on calibration pairs")
-    p.add_argument("--model", default="tiny", help="a preset of configs/models/ (random weights) or a checkpoint folder")
-    p.add_argument("--family", default=None, help="family for family-agnostic presets (default qwen2_vl)")
-    p.add_argument("--pairs", type=int, default=4)
-    p.add_argument("--seed", type=int, default=0)
+    _model_options(p, default="tiny", family_choices=False)
+    p.add_argument("--pairs", type=int, default=4, help="calibration image pairs")
+    p.add_argument("--seed", type=int, default=0, help="pair and weight seed")
     p.add_argument("--name", default=None, help="profile name (default MODEL-FAMILY)")
-    p.add_argument("--out", default=None, help="output YAML (default configs/vlcache/NAME.yaml)")
+    p.add_argument("--out", default=None, help="output YAML (default ./configs/vlcache/NAME.yaml)")
     p.set_defaults(func=profile_vlcache, record_argv=argv is None)
+
+
+def _add_calibrate(sub) -> None:
     p = sub.add_parser("calibrate", help="measure lookup thresholds for one model and write a lookup preset")
-    p.add_argument("--model", default="vismemo-docqa-tiny", help="packaged model name, preset or checkpoint folder")
-    p.add_argument("--family", default=None, choices=FAMILY_NAMES, help="family for family-agnostic presets")
+    _model_options(p)
     p.add_argument("--seed", type=int, default=0, help="weight seed of random-weight presets")
-    p.add_argument("--pairs-per-kind", type=int, default=10)
+    p.add_argument("--pairs-per-kind", type=int, default=10, help="image pairs per kind of change")
     p.add_argument("--name", default=None, help="preset name (default: the model's)")
-    p.add_argument("--out", default=None, help="output YAML (default configs/lookup/NAME.yaml)")
-    p.add_argument("--report-dir", default="results/lookup")
+    p.add_argument("--out", default=None, help="output YAML (default ./configs/lookup/NAME.yaml)")
+    p.add_argument("--report-dir", default="results/lookup", help="folder for the calibration report")
     p.set_defaults(func=calibrate)
+
+
+def _add_train(sub) -> None:
     p = sub.add_parser("train-docqa", help="train a reading model on synthetic pages (CPU): vismemo-docqa-tiny or -base")
     p.add_argument("--reader", choices=["tiny", "base"], default="tiny",
                    help="tiny: 4 layers on one-glyph-per-token forms; base: 8 layers on 256-token realistic pages")
@@ -300,109 +333,134 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0, help="weight and data seed")
     p.add_argument("--out", default=None, help="checkpoint folder (default: ./checkpoints/docqa-READER)")
     p.set_defaults(func=train_docqa)
-    p = sub.add_parser("build-stream", help="write a request stream as parquet for the lmms-eval tasks in eval_tasks/")
-    p.add_argument("task", choices=["synthdoc", "docvqa", "infovqa"])
+
+
+def _add_build_stream(sub) -> None:
+    p = sub.add_parser("build-stream", help="write a request stream as parquet for the lmms-eval tasks")
+    p.add_argument("task", choices=["synthdoc", "docvqa", "infovqa"], help="which task's data to write")
     p.add_argument("--source", default=None, help="docvqa/infovqa: parquet glob or cached HF dataset name")
-    p.add_argument("--split", default="validation")
+    p.add_argument("--split", default="validation", help="docvqa/infovqa: dataset split")
     p.add_argument("--pages", type=int, default=100, help="docvqa/infovqa: pages to use")
-    p.add_argument("--seeds", default="0", help="synthdoc: stream seeds")
+    p.add_argument("--seeds", default="0", help="synthdoc: stream seeds, comma separated")
     p.add_argument("--bases", type=int, default=20, help="synthdoc: new pages per stream")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="docvqa/infovqa: seed of the near-duplicate copies")
     p.add_argument("--near-model", default=None,
                    help="docvqa/infovqa: a model (checkpoint, preset or vismemo-docqa-tiny) whose lookup descriptors "
                         "find natural near-duplicate pages, placed after the page they resemble")
     p.add_argument("--out", default=None, help="default .cache/vismemo-data/TASK/test.parquet (what the tasks read)")
     p.set_defaults(func=build_stream)
+
+
+def _add_bench(sub) -> None:
     bench = sub.add_parser("bench", help="benchmarks (reports under results/)")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
     p = bench_sub.add_parser("compression", help="decoding KV bytes and decode time vs VL-Cache ratio")
-    p.add_argument("--preset", default="medium")
-    p.add_argument("--family", default="qwen2_vl")
-    p.add_argument("--ratios", default="0.1,0.25,0.5,1.0")
-    p.add_argument("--new-tokens", type=int, default=24)
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--width", type=int, default=448)
-    p.add_argument("--height", type=int, default=336)
-    p.add_argument("--out", default="results/compression")
+    p.add_argument("--preset", default="medium", help="model preset (random weights)")
+    p.add_argument("--family", default="qwen2_vl", choices=FAMILY_NAMES, help="model family")
+    p.add_argument("--ratios", default="0.1,0.25,0.5,1.0", help="kept shares of the visual tokens")
+    p.add_argument("--new-tokens", type=int, default=24, help="decoded tokens per request")
+    p.add_argument("--repeats", type=int, default=3, help="timed rounds")
+    p.add_argument("--width", type=int, default=448, help="image width, px")
+    p.add_argument("--height", type=int, default=336, help="image height, px")
+    _out_option(p, "results/compression")
     p.set_defaults(func=_bench("compression"))
     p = bench_sub.add_parser("store", help="sparse vs full I/O, disk throughput, exact-priority vs plain LRU")
-    p.add_argument("--tokens", type=int, default=1024)
-    p.add_argument("--layers", type=int, default=36)
-    p.add_argument("--kv-heads", type=int, default=8)
-    p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--embed-dim", type=int, default=4096)
-    p.add_argument("--beta", type=float, default=0.1)
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--trace-requests", type=int, default=4000)
-    p.add_argument("--capacities", default="25,50,100,200")
-    p.add_argument("--seed", type=int, default=0)
+    _geometry_options(p)
+    p.add_argument("--beta", type=float, default=0.1, help="share of tokens a sparse read fetches")
+    p.add_argument("--warmup", type=int, default=3, help="warmup layers a sparse read skips")
+    p.add_argument("--repeats", type=int, default=5, help="timed rounds")
+    p.add_argument("--trace-requests", type=int, default=4000, help="requests of the eviction trace")
+    p.add_argument("--capacities", default="25,50,100,200", help="store capacities (entries) of the trace")
+    p.add_argument("--seed", type=int, default=0, help="trace seed")
     p.add_argument("--remote", default=None, metavar="URL",
                    help="also time the shared Redis tier (redis://host:port/db) against the local disk tier")
-    p.add_argument("--out", default="results/store")
+    _out_option(p, "results/store")
     p.set_defaults(func=_bench("store"))
     p = bench_sub.add_parser("latency", help="prefill time of miss / exact / approximate hits by visual length")
-    p.add_argument("--preset", default="qwen3-vl-8b-narrow")
-    p.add_argument("--family", default=None)
-    p.add_argument("--lengths", default="256,512,1024,2048,4096")
-    p.add_argument("--policies", default="attend-deviate,vismemo,cacheblend")
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--dtype", default="float32")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--out", default="results/perf")
+    p.add_argument("--preset", default="qwen3-vl-8b-narrow", help="model preset (random weights)")
+    p.add_argument("--family", default=None, choices=FAMILY_NAMES, help="family of family-agnostic presets")
+    p.add_argument("--lengths", default="256,512,1024,2048,4096", help="visual tokens per image")
+    p.add_argument("--policies", default="attend-deviate,vismemo,cacheblend", help="policies of the approximate hits")
+    p.add_argument("--repeats", type=int, default=3, help="timed rounds")
+    p.add_argument("--dtype", default="float32", help="model dtype")
+    p.add_argument("--device", default="cpu", help="torch device")
+    _out_option(p, "results/perf")
     p.set_defaults(func=_bench("latency"))
     p = bench_sub.add_parser("lookup", help="coarse-lookup latency, memory and recall vs number of cached entries")
     p.add_argument("--sizes", default="1000,10000,100000", help="entry counts (1e5 style accepted)")
-    p.add_argument("--dim", type=int, default=4096)
-    p.add_argument("--queries", type=int, default=200)
-    p.add_argument("--recall-queries", type=int, default=100)
-    p.add_argument("--tau", type=float, default=0.8)
-    p.add_argument("--top-k", type=int, default=5)
-    p.add_argument("--groups", type=int, default=4)
-    p.add_argument("--out", default="results/perf")
+    p.add_argument("--dim", type=int, default=4096, help="descriptor width")
+    p.add_argument("--queries", type=int, default=200, help="timed queries per size")
+    p.add_argument("--recall-queries", type=int, default=100, help="queries checked against the exact rule")
+    p.add_argument("--tau", type=float, default=0.8, help="coarse threshold")
+    p.add_argument("--top-k", type=int, default=5, help="candidates per query")
+    p.add_argument("--groups", type=int, default=4, help="model fingerprints sharing the index")
+    _out_option(p, "results/perf")
     p.set_defaults(func=_bench("lookup"))
     p = bench_sub.add_parser("capacity", help="entries per GiB and hit rate at a byte budget per stored K/V format")
-    p.add_argument("--tokens", type=int, default=1024)
-    p.add_argument("--layers", type=int, default=36)
-    p.add_argument("--kv-heads", type=int, default=8)
-    p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--embed-dim", type=int, default=4096)
-    p.add_argument("--budget-gib", type=float, default=8.0)
-    p.add_argument("--requests", type=int, default=3000)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default="results/store")
+    _geometry_options(p)
+    p.add_argument("--budget-gib", type=float, default=8.0, help="store budget, GiB")
+    p.add_argument("--requests", type=int, default=3000, help="requests of the trace")
+    p.add_argument("--seed", type=int, default=0, help="trace seed")
+    _out_option(p, "results/store")
     p.set_defaults(func=_bench("capacity"))
     p = bench_sub.add_parser("trace", help="synthetic trace through the tiered store at several capacities")
-    p.add_argument("--requests", type=int, default=3000)
-    p.add_argument("--capacities", default="20,50,100,200,400")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default="results/perf")
+    p.add_argument("--requests", type=int, default=3000, help="requests of the trace")
+    p.add_argument("--capacities", default="20,50,100,200,400", help="store capacities (entries)")
+    p.add_argument("--seed", type=int, default=0, help="trace seed")
+    _out_option(p, "results/perf")
     p.set_defaults(func=_bench("trace"))
+
+
+def _add_report(sub) -> None:
     report = sub.add_parser("report", help="reports (under results/)")
     report_sub = report.add_subparsers(dest="report", required=True)
     p = report_sub.add_parser("quality", help="Table 1: every policy on the same synthetic streams, ANLS and fidelity")
     p.add_argument("--model", default="vismemo-docqa-tiny", help="packaged model name, preset or checkpoint folder")
-    p.add_argument("--streams", type=int, default=2)
+    p.add_argument("--streams", type=int, default=2, help="request streams (seeds 0..N-1)")
     p.add_argument("--bases", type=int, default=20, help="new pages per stream (each with 4 follow-ups)")
-    p.add_argument("--policies", default="all")
-    p.add_argument("--sweep-rho", default="0.1,0.2,0.3,0.5,0.8")
-    p.add_argument("--sweep-beta", default="0,0.05,0.1,0.2,0.4")
-    p.add_argument("--max-new-tokens", type=int, default=6)
+    p.add_argument("--policies", default="all", help="comma-separated policies, or all")
+    p.add_argument("--sweep-rho", default="0.1,0.2,0.3,0.5,0.8", help="recompute ratios of the sweep")
+    p.add_argument("--sweep-beta", default="0,0.05,0.1,0.2,0.4", help="reuse ratios of the sweep")
+    p.add_argument("--max-new-tokens", type=int, default=6, help="tokens generated per answer")
     p.add_argument("--heldout", type=int, default=40, help="held-out pages per page type for the reader's own accuracy")
     p.add_argument("--heldout-bases", type=int, default=15,
                    help="new pages per held-out stream (seeds that informed no design choice); 0 skips them")
-    p.add_argument("--out", default="results/quality")
+    _out_option(p, "results/quality")
     p.set_defaults(func=_bench("table1"))
     p = report_sub.add_parser("prefix", help="exact hits after another text before the image vs a full prefill")
-    p.add_argument("--pages", type=int, default=20)
+    p.add_argument("--pages", type=int, default=20, help="pages per family")
     p.add_argument("--lengths", default="0,10,50,100,200,400", help="token counts of the changed text")
-    p.add_argument("--seed", type=int, default=4000)
-    p.add_argument("--out", default="results/quality")
+    p.add_argument("--seed", type=int, default=4000, help="page seed")
+    _out_option(p, "results/quality")
     p.set_defaults(func=_bench("prefix"))
-    args = parser.parse_args(argv)
+
+
+def parser(argv=None) -> argparse.ArgumentParser:
+    from vismemo_hf import __version__
+
+    top = argparse.ArgumentParser(prog="vismemo", description=__doc__)
+    top.add_argument("--version", action="version", version=f"vismemo-hf {__version__}")
+    sub = top.add_subparsers(dest="command", required=True)
+    for add in (_add_demo, _add_tasks_path, _add_calibrate, _add_train, _add_build_stream, _add_bench, _add_report):
+        add(sub)
+    _add_profile(sub, argv)
+    return top
+
+
+#: errors of a bad argument or input: one line and exit status 2, not a traceback
+USER_ERRORS = (ValueError, FileNotFoundError, PermissionError, NotADirectoryError, KeyError)
+
+
+def main(argv=None) -> int:
+    args = parser(argv).parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    warnings.filterwarnings("ignore", category=FutureWarning)  # transformers' past_key_values rename notice
-    return args.func(args)
+    warnings.filterwarnings("ignore", category=FutureWarning)  # transformers' deprecation notices
+    try:
+        return args.func(args)
+    except USER_ERRORS as err:
+        message = err.args[0] if isinstance(err, KeyError) and err.args else err
+        print(f"vismemo {args.command}: error: {message}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -119,6 +119,20 @@ def model_fingerprint(model, samples_per_tensor: int = 64) -> str:
     return h.hexdigest()[:32]
 
 
+def execution_device(module) -> torch.device:
+    """Where ``module`` computes: accelerate's hook decides for a dispatched module (its offloaded parameters sit on
+    ``meta``), else its parameters' device."""
+    hook = getattr(module, "_hf_hook", None)
+    for h in getattr(hook, "hooks", None) or [hook]:
+        device = getattr(h, "execution_device", None)
+        if device is not None:
+            return torch.device(device if not isinstance(device, int) else f"cuda:{device}")
+    for p in module.parameters():
+        if p.device.type != "meta":
+            return p.device
+    return torch.device("cpu")
+
+
 def _weights_signature(model) -> tuple:
     """Where every parameter lives and how often it was written in place: changes whenever weights do."""
     return tuple((p.data_ptr(), p._version) for p in model.parameters())
@@ -155,6 +169,10 @@ class ModelAdapter:
     @property
     def base(self):
         return base_model(self.model)
+
+    def layer_device(self, layer: int) -> torch.device:
+        """The device decoder layer ``layer`` computes on (device maps, offloaded layers)."""
+        return execution_device(self.text.layers[layer])
 
     @property
     def text(self):

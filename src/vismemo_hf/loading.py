@@ -1,4 +1,5 @@
-"""Load a model and its processor from a local checkpoint or a preset name (random weights)."""
+"""Load a model and its processor: a packaged reader, a local checkpoint, a model in the Hugging Face cache, or a
+preset name (random weights)."""
 
 from __future__ import annotations
 
@@ -7,23 +8,43 @@ from pathlib import Path
 import torch
 
 
-def load_model(spec: str, family: str | None = None, dtype=torch.float32, seed: int = 0, device: str = "cpu"):
-    """``(model, processor)``: ``spec`` is ``"vismemo-docqa-tiny"`` (the packaged reading model), a local
-    checkpoint folder (``from_pretrained``) or a preset
-    of ``configs/models/`` built with random weights and an offline processor (``family`` picks the
-    family of family-agnostic presets such as ``tiny``; default qwen2_vl)."""
-    from vismemo_hf.eval.docqa import MODEL_NAME, docqa_model
+def _from_pretrained(spec: str, dtype, device: str, **kwargs):
+    from transformers import AutoModelForImageTextToText, AutoProcessor
 
-    if spec == MODEL_NAME:
-        model, processor = docqa_model(dtype=dtype)
+    model = AutoModelForImageTextToText.from_pretrained(spec, dtype=dtype, **kwargs).eval().to(device)
+    return model, AutoProcessor.from_pretrained(spec, **kwargs)
+
+
+def load_model(spec: str, family: str | None = None, dtype=torch.float32, seed: int = 0, device: str = "cpu"):
+    """``(model, processor)``: ``spec`` is ``"vismemo-docqa-tiny"`` or ``"vismemo-docqa-base"`` (the packaged
+    reading models), a local checkpoint folder, a hub id already in the Hugging Face cache (nothing is downloaded),
+    or a preset of ``configs/models/`` built with random weights and an offline processor (``family`` picks the
+    family of family-agnostic presets such as ``tiny``; default qwen2_vl)."""
+    from vismemo_hf.eval import docqa, docqa_base
+    from vismemo_hf.presets import find, load_preset
+
+    if spec == docqa.MODEL_NAME:
+        model, processor = docqa.docqa_model(dtype=dtype)
+        return model.to(device), processor
+    if spec == docqa_base.MODEL_NAME:
+        model, processor = docqa_base.docqa_base_model(dtype=dtype)
         return model.to(device), processor
     if Path(spec).is_dir():
-        from transformers import AutoModelForImageTextToText, AutoProcessor
-
-        model = AutoModelForImageTextToText.from_pretrained(spec, dtype=dtype).eval().to(device)
-        return model, AutoProcessor.from_pretrained(spec)
+        if not (Path(spec) / "config.json").is_file():
+            raise ValueError(f"{spec} is a folder without config.json: not a model checkpoint")
+        return _from_pretrained(spec, dtype, device)
+    try:
+        find("models", spec)
+    except (FileNotFoundError, ValueError):
+        if "/" in spec and not Path(spec).exists():
+            try:
+                return _from_pretrained(spec, dtype, device, local_files_only=True)
+            except OSError as err:
+                raise ValueError(f"{spec!r} is not in the Hugging Face cache (nothing is downloaded here): download "
+                                 f"it first or pass a local folder") from err
+        raise ValueError(f"{spec!r} is neither a local checkpoint folder, a cached hub model, "
+                         f"{docqa.MODEL_NAME}, {docqa_base.MODEL_NAME} nor a model preset") from None
     from vismemo_hf.offline import offline_processor
-    from vismemo_hf.presets import load_preset
     from vismemo_hf.testing import build_model
 
     family = family or load_preset(spec).get("family") or "qwen2_vl"

@@ -61,11 +61,12 @@ def load_preset(name: str) -> dict:
     return load("models", name)
 
 
-def preset_config(name: str, family: str | None = None, tokenizer=None):
+def preset_config(name: str, family: str | None = None, tokenizer=None, **text_overrides):
     """A transformers config for preset ``name`` in ``family`` (default: the preset's own).
 
     With ``tokenizer``, vocabulary size and special token ids come from it (offline
-    tokenizers); otherwise the real models' ids apply.
+    tokenizers); otherwise the real models' ids apply. ``text_overrides`` replace text-config fields
+    (``num_hidden_layers=1``, ...).
     """
     preset = load_preset(name)
     family = family or preset.get("family")
@@ -74,7 +75,7 @@ def preset_config(name: str, family: str | None = None, tokenizer=None):
     if preset.get("family") not in (None, family):
         raise ValueError(f"preset {name!r} is a {preset['family']} geometry, not {family}")
     spec = FAMILIES[family]
-    text = dict(preset["text_config"])
+    text = {**preset["text_config"], **text_overrides}
     moe = text.pop("moe", None)
     if spec.moe:
         if moe is None:

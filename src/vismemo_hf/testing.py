@@ -17,11 +17,12 @@ __all__ = ["build_model", "byte_tokenizer", "docqa_model", "offline_processor", 
 
 
 def build_model(preset: str, family: str | None = None, seed: int = 0, dtype=torch.float32, tokenizer=None,
-                device: str = "cpu"):
-    """A random-weight model of ``preset`` (eval mode, SDPA attention), created directly on ``device``."""
+                device: str = "cpu", **text_overrides):
+    """A random-weight model of ``preset`` (eval mode, SDPA attention), created directly on ``device``;
+    ``text_overrides`` replace text-config fields."""
     from transformers import AutoModelForImageTextToText
 
-    config = preset_config(preset, family, tokenizer=tokenizer)
+    config = preset_config(preset, family, tokenizer=tokenizer, **text_overrides)
     config._attn_implementation = "sdpa"
     torch.manual_seed(seed)
     with torch.device(device):
@@ -29,10 +30,10 @@ def build_model(preset: str, family: str | None = None, seed: int = 0, dtype=tor
     return model.eval()
 
 
-def tiny_model(family: str = "qwen2_vl", seed: int = 0):
+def tiny_model(family: str = "qwen2_vl", seed: int = 0, **text_overrides):
     """``(model, processor)``: a tiny random ``family`` model in fp32 with an offline processor."""
     processor = offline_processor(family)
-    model = build_model("tiny", family, seed=seed, tokenizer=processor.tokenizer)
+    model = build_model("tiny", family, seed=seed, tokenizer=processor.tokenizer, **text_overrides)
     return model, processor
 
 

@@ -30,7 +30,8 @@ ALLOWED: dict[str, str] = {}
 
 def run_family(tree: Path, family: str, mode: str, timeout: int) -> dict:
     report = tree / f"report-{family}.xml"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tree), str(HERE)]), "HF_HUB_OFFLINE": "1",
+    path = [str(tree), str(HERE)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(path), "HF_HUB_OFFLINE": "1",
            "TRANSFORMERS_OFFLINE": "1", "OMP_NUM_THREADS": "1", "VISMEMO_STORE": "memory"}
     if mode != "plain":
         env["PYTEST_EXTRA_PLUGIN"], env["VISMEMO_COMPAT_MODE"] = "vismemo_compat", mode

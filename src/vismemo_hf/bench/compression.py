@@ -37,7 +37,7 @@ def run(preset: str, family: str, ratios: list[float], new_tokens: int, repeats:
             cache = VisMemoCache(store=VisMemoStore(), policy="full", compress=compress)
             t0 = time.perf_counter()
             with torch.no_grad():
-                model.generate(**inputs, past_key_values=cache, max_new_tokens=new_tokens, do_sample=False,
+                model.generate(**inputs, cache=cache, max_new_tokens=new_tokens, do_sample=False,
                                min_new_tokens=new_tokens)
             total = (time.perf_counter() - t0) * 1e3
             prefill = cache.events[0].timings["prefill"]

@@ -72,7 +72,7 @@ def request_inputs(processor, image, question="What is the value of the third ro
 
 @torch.no_grad()
 def timed_prefill(model, inputs, cache) -> dict:
-    model(**inputs.to(model.device), past_key_values=cache, use_cache=True)
+    model(**inputs.to(model.device), cache=cache, use_cache=True)
     if model.device.type == "cuda":
         torch.cuda.synchronize()
     (event,) = cache.events

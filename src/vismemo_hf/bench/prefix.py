@@ -46,7 +46,7 @@ def first_token(model, processor, page, question: str, prefix: str, cache) -> to
     """Log-probabilities of the first generated token (one forward of the whole request)."""
     text = processor.apply_chat_template(messages(question, prefix), add_generation_prompt=True)
     inputs = processor(text=[text], images=[synthdoc.render(page)], return_tensors="pt")
-    out = model(**inputs, past_key_values=cache, use_cache=True)
+    out = model(**inputs, cache=cache, use_cache=True)
     return torch.log_softmax(out.logits[0, -1].float(), -1)
 
 

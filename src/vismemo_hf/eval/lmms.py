@@ -1,7 +1,7 @@
 """lmms-eval backend ``vismemo`` (registered through the ``lmms_eval.models`` entry point).
 
-    lmms-eval --model vismemo --model_args pretrained=vismemo-docqa-tiny,policy=cacheblend \
-        --tasks vismemo_synthdoc --include_path eval_tasks
+    lmms-eval --model vismemo --model_args pretrained=vismemo-docqa-tiny \
+        --tasks vismemo_synthdoc --include_path "$(vismemo tasks-path)"
 
 One store lives for the whole run and requests are answered in document order, so hits happen
 as in the stream. ``store`` names a store preset, and ``kv_format`` / ``keep_ratio`` model_args
@@ -42,15 +42,18 @@ class VisMemoLMM(lmms):
     is_simple = True
 
     def __init__(self, pretrained: str = "vismemo-docqa-tiny", policy: str = DEFAULT_POLICY, store: str = "memory",
-                 max_new_tokens: int = 16, dtype: str = "float32", device: str = "cpu", **method_args):
+                 max_new_tokens: int = 16, dtype: str = "float32", device: str = "cpu", batch_size=1, **method_args):
         super().__init__()
+        if int(batch_size) != 1:
+            raise ValueError(f"the vismemo backend answers one request at a time, in stream order (a hit depends on "
+                             f"what came before it); run with --batch_size 1, not {batch_size}")
         self.model, self.processor = load_model(pretrained, dtype=getattr(torch, dtype))
         self.model.to(device)
         enable(self.model)
         store_options = {k: _number(method_args.pop(k)) for k in STORE_OPTIONS if k in method_args}
         self.store = VisMemoStore.from_config(store, **store_options)
         self.policy = policy
-        self.options = {k: _number(v) for k, v in method_args.items() if k not in ("batch_size",)}
+        self.options = {k: _number(v) for k, v in method_args.items()}
         self.max_new_tokens = int(max_new_tokens)
 
     def generate_until(self, requests) -> list[str]:
@@ -68,7 +71,7 @@ class VisMemoLMM(lmms):
             inputs = self.processor(text=[text], images=images, return_tensors="pt").to(self.model.device)
             cache = VisMemoCache(store=self.store, policy=self.policy, **self.options)
             with torch.no_grad():
-                out = self.model.generate(**inputs, past_key_values=cache, do_sample=False,
+                out = self.model.generate(**inputs, cache=cache, do_sample=False,
                                           max_new_tokens=int(gen_kwargs.get("max_new_tokens", self.max_new_tokens)))
             answers[i] = self.processor.tokenizer.decode(out[0, inputs["input_ids"].shape[1]:],
                                                          skip_special_tokens=True).strip()

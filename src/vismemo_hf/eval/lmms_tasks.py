@@ -26,6 +26,7 @@ def process_results(doc, results):
     out = {"anls": score, "anls_edited_value": score if doc.get("about_edit") else None}
     for k in KINDS:
         out[f"anls_{k}"] = score if kind == k else None
+        out[f"answers_{k}"] = int(kind == k)  # the realized hit kinds, counted
     return out
 
 
@@ -33,3 +34,8 @@ def mean_of(values):
     """Mean over the answers a metric applies to (``None`` entries are skipped)."""
     kept = [v for v in values if v is not None]
     return sum(kept) / len(kept) if kept else math.nan
+
+
+def count_of(values):
+    """How many answers had the hit kind (an aggregation: lmms-eval has no sum)."""
+    return int(sum(values))

@@ -66,7 +66,7 @@ def answer(model, processor, request: synthdoc.Request, cache, max_new_tokens: i
 
     text = processor.apply_chat_template(messages(request.question, request.prefix), add_generation_prompt=True)
     inputs = processor(text=[text], images=[synthdoc.render(request.page)], return_tensors="pt").to(model.device)
-    out = model.generate(**inputs, past_key_values=cache, max_new_tokens=max_new_tokens, do_sample=False,
+    out = model.generate(**inputs, cache=cache, max_new_tokens=max_new_tokens, do_sample=False,
                          output_scores=True, return_dict_in_generate=True)
     tokens = out.sequences[0, inputs["input_ids"].shape[1]:].tolist()
     prediction = processor.tokenizer.decode(tokens, skip_special_tokens=True).strip()

@@ -19,7 +19,7 @@ def _visual_kv(model, processor, image, question):
     text = processor.apply_chat_template(messages, add_generation_prompt=True)
     inputs = processor(text=[text], images=[image], return_tensors="pt").to(model.device)
     cache = DynamicCache()
-    model(**inputs, past_key_values=cache, use_cache=True)
+    model(**inputs, cache=cache, use_cache=True)
     visual = (inputs["input_ids"][0] == model.config.image_token_id).nonzero().flatten()
     return [(layer.keys[0][:, visual].float(), layer.values[0][:, visual].float()) for layer in cache.layers]
 

@@ -163,7 +163,7 @@ class VisMemoCache(DynamicCache):
     """Cache that looks every image of a request up in ``store`` and reuses what it may.
 
     Use it like a ``DynamicCache`` on a model passed to ``vismemo_hf.enable`` first:
-    ``model.generate(**inputs, past_key_values=VisMemoCache())``. ``events`` holds one
+    ``model.generate(**inputs, cache=VisMemoCache())``. ``events`` holds one
     ``CacheEvent`` per image seen. Extra keyword arguments are options of the policy.
 
     ``policy`` is a registered name (``vismemo_hf.available_policies()``), a preset in
@@ -197,6 +197,9 @@ class VisMemoCache(DynamicCache):
         **policy_options,
     ):
         Cache.__init__(self, layer_class_to_replicate=VisMemoLayer)
+        if store is not None and not isinstance(store, VisMemoStore):
+            raise TypeError(f"store must be a VisMemoStore (one shared by every cache, so that hits happen), got "
+                            f"{type(store).__name__}; for a preset build it once: VisMemoStore.from_config({store!r})")
         self.store = store if store is not None else default_store()
         shared = {"warmup_layers": warmup_layers, "recompute_ratio": recompute_ratio, "reuse_ratio": reuse_ratio}
         given = {k: v for k, v in shared.items() if not isinstance(v, _Unset)}

@@ -37,9 +37,10 @@ def _cache_of(kwargs) -> VisMemoCache | None:
 
 
 def _own(module, name: str):
-    """The callable ``enable`` replaced: the instance attribute it found (accelerate's wrapper, say) or the class's."""
-    saved = module._vismemo_installation.replaced.get(name)
-    return saved if saved is not None else getattr(type(module), name).__get__(module)
+    """The callable ``enable`` replaced: the instance attribute it found (accelerate's wrapper, say) or the class's
+    function bound to ``module`` (both recorded at ``enable``, so tracing by ``torch.compile`` resolves them too)."""
+    instance, function = module._vismemo_installation.replaced[name]
+    return instance if instance is not None else types.MethodType(function, module)
 
 
 # -- the installed pieces ---------------------------------------------------------------------------------
@@ -149,14 +150,16 @@ def _text_forward(self, *args, **kwargs):
 # -- installation -----------------------------------------------------------------------------------------
 @dataclass
 class _Installation:
-    """What ``enable`` changed on one module: the instance attributes it replaced (None: the class's own)."""
+    """What ``enable`` changed on one module: name -> (the instance attribute it replaced or None, the class's
+    function)."""
 
     replaced: dict = field(default_factory=dict)
 
 
 def _replace(module, name: str, function) -> None:
     own = module.__dict__.get(name)
-    module.__dict__.setdefault("_vismemo_installation", _Installation()).replaced[name] = own
+    record = module.__dict__.setdefault("_vismemo_installation", _Installation())
+    record.replaced[name] = (own, getattr(type(module), name))
     setattr(module, name, types.MethodType(function, module))
 
 
@@ -164,7 +167,7 @@ def _restore(module) -> None:
     installation = module.__dict__.pop("_vismemo_installation", None)
     if installation is None:
         return
-    for name, own in installation.replaced.items():
+    for name, (own, _) in installation.replaced.items():
         if own is None:
             module.__dict__.pop(name, None)
         else:

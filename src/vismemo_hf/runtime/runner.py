@@ -336,7 +336,7 @@ class PrefillRunner:
     def _alias_kv(self, layer: int, select, source=lambda img: img.fetched):
         """Alias K/V at ``layer`` of the tokens ``select(img)`` names ((tokens, positions in ``source(img)``), or
         None), on that layer's device (device maps): keys, values (B, H, T, D) and their columns (B, T), or None."""
-        device = next(self.text.layers[layer].parameters()).device
+        device = self.adapter.layer_device(layer)
         per_row = []
         for b in range(self.batch):
             parts = []

@@ -42,6 +42,19 @@ logger = logging.getLogger(__name__)
 TIERS = ("device", "host", "disk", "remote")
 
 
+def _checked_device(device) -> torch.device:
+    """``device`` as a torch device that exists on this machine (else a ValueError now, not at the first put)."""
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError) as err:
+        raise ValueError(f"not a torch device: {device!r}") from err
+    if device.type == "cuda" and (not torch.cuda.is_available() or (device.index or 0) >= torch.cuda.device_count()):
+        raise ValueError(f"device {device} does not exist here (CUDA devices: {torch.cuda.device_count()})")
+    if device.type == "meta":
+        raise ValueError("the device tier needs a device that holds data, not meta")
+    return device
+
+
 def parse_bytes(value) -> int | None:
     """``1073741824``, ``"1GiB"``, ``"512 MB"`` or ``None`` (unbounded)."""
     if value is None or isinstance(value, int):
@@ -82,6 +95,7 @@ class VisMemoStore:
                  remote_url: str | None = None, remote_options: dict | None = None, kv_format: str | None = None,
                  keep_ratio: float | None = None, thresholds=None):
         device_bytes, host_bytes, disk_bytes = (parse_bytes(v) for v in (device_bytes, host_bytes, disk_bytes))
+        device = _checked_device(device)
         for name, v in (("device_bytes", device_bytes), ("host_bytes", host_bytes), ("disk_bytes", disk_bytes)):
             if v is not None and v < 0:
                 raise ValueError(f"{name} must be >= 0 or None")
@@ -126,7 +140,7 @@ class VisMemoStore:
             "hits_by_tier": {t: 0 for t in TIERS},
             "puts": 0, "evictions": 0, "demotions": 0, "promotions": 0, "rejected": 0, "corrupt": 0,
             "write_failures": 0, "bytes_read_full": 0, "bytes_read_sparse": 0, "bytes_read_lookup": 0,
-            "exact_prefix_changed": 0,
+            "exact_prefix_changed": 0, "writes_read_only": 0,
         }
         if self.disk is not None:
             self._rebuild_from_disk()
@@ -298,6 +312,9 @@ class VisMemoStore:
     def _write_disk(self, key: str, data: bytes) -> bool:
         if key in self.disk:
             return True
+        if self.disk.read_only:
+            self._stats["writes_read_only"] += 1
+            return False
         if not self._fits(self.disk, len(data)) or self.disk.budget == 0:
             return False
         self._make_room(self.disk, len(data))

@@ -220,15 +220,61 @@ class SafeDisk(diskcache.Disk):
         return super().fetch(mode, filename, value, read)
 
 
+class ReadOnlyDirectory:
+    """A diskcache directory this process may read but not write (a shared, read-only mount): its index read
+    through SQLite in read-only mode, each blob opened from its own file. Writes and deletes are refused."""
+
+    def __init__(self, directory: str):
+        import sqlite3
+        from urllib.parse import quote
+
+        self.directory = directory
+        db = quote(os.path.join(directory, "cache.db"))
+        try:
+            self._db = sqlite3.connect(f"file:{db}?mode=ro", uri=True, check_same_thread=False)
+            self._db.execute("SELECT 1 FROM Cache LIMIT 1")
+        except sqlite3.Error:  # a WAL database needs its shared-memory file: read the snapshot as it is
+            self._db = sqlite3.connect(f"file:{db}?mode=ro&immutable=1", uri=True, check_same_thread=False)
+
+    def iterkeys(self):
+        for key, raw in self._db.execute("SELECT key, raw FROM Cache ORDER BY rowid").fetchall():
+            yield key if raw else FOREIGN_KEY
+
+    def get(self, key, default=None, read=True):
+        row = self._db.execute("SELECT filename, mode FROM Cache WHERE key = ? AND raw = 1", (key,)).fetchone()
+        if row is None or row[0] is None:
+            return default
+        if row[1] == MODE_PICKLE:
+            raise blob.BlobError("pickled value refused")
+        return open(os.path.join(self.directory, row[0]), "rb")  # noqa: SIM115 - the caller closes it
+
+    def set(self, *args, **kwargs):
+        raise PermissionError(f"{self.directory} is read-only")
+
+    def delete(self, key) -> bool:
+        return False
+
+    def close(self) -> None:
+        self._db.close()
+
+
 class DiskTier:
     name = "disk"
     shared = True
 
     def __init__(self, directory: str, budget: int | None):
         self.directory, self.budget = os.path.expanduser(directory), budget
-        os.makedirs(self.directory, exist_ok=True)
-        self.cache = diskcache.Cache(self.directory, disk=SafeDisk, size_limit=2**62, eviction_policy="none",
-                                     disk_min_file_size=0)
+        self.read_only = False
+        try:
+            os.makedirs(self.directory, exist_ok=True)
+            self.cache = diskcache.Cache(self.directory, disk=SafeDisk, size_limit=2**62, eviction_policy="none",
+                                         disk_min_file_size=0)
+        except Exception:  # noqa: BLE001 - not writable here: serve what it holds if it holds anything
+            if not os.path.isfile(os.path.join(self.directory, "cache.db")):
+                raise
+            self.cache, self.read_only = ReadOnlyDirectory(self.directory), True
+            logger.warning("vismemo: disk tier %s is read-only here: serving its entries, storing nothing new",
+                           self.directory)
         self.lru: OrderedDict[str, int] = OrderedDict()  # key -> blob size
         self.bytes = 0
         self.foreign = 0  # keys or values in the directory that are not vismemo blobs (skipped, left alone)
@@ -242,7 +288,7 @@ class DiskTier:
 
     def stats(self) -> dict:
         return {"bytes": self.bytes, "budget": self.budget, "entries": len(self.lru), "foreign": self.foreign,
-                "range_reads": self.range_reads}
+                "range_reads": self.range_reads, "read_only": self.read_only}
 
     @staticmethod
     def sizeof(data: bytes) -> int:
