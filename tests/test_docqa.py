@@ -80,8 +80,8 @@ def test_demo_hit_kinds_with_the_reading_model(capsys):
 def test_answer_cell_routing_counts_the_asked_cells():
     import torch
 
+    from vismemo_hf.core.plan import HitKind, ImagePlan
     from vismemo_hf.eval.quality import answer_cell_routing
-    from vismemo_hf.runtime.plan import HitKind, ImagePlan
 
     page = synthdoc.random_form(3)
     key = page.rows[2][0]

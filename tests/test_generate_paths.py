@@ -6,7 +6,7 @@ import torch
 from transformers import DynamicCache
 
 import vismemo_hf
-from vismemo_hf.runtime.plan import HitKind
+from vismemo_hf.core.plan import HitKind
 
 from conftest import build_inputs, stored
 

@@ -5,8 +5,8 @@ import torch
 
 import vismemo_hf
 from vismemo_hf import HitKind
+from vismemo_hf.core.features import patch_entropy, region_descriptors
 from vismemo_hf.eval import synthetic
-from vismemo_hf.runtime.features import patch_entropy, region_descriptors
 from vismemo_hf.store.index import DescriptorIndex
 
 from conftest import build_inputs, generate, noise_image

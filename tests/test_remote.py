@@ -13,7 +13,7 @@ from transformers import DynamicCache
 
 import vismemo_hf
 from vismemo_hf import HitKind, VisMemoStore
-from vismemo_hf.runtime.thresholds import ModelReference
+from vismemo_hf.core.thresholds import ModelReference
 from vismemo_hf.store import blob
 
 from conftest import REDIS_SERVER, build_inputs, generate

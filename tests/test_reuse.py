@@ -5,7 +5,7 @@ from transformers import DynamicCache
 
 import vismemo_hf
 from vismemo_hf import HitKind
-from vismemo_hf.runtime.rope import rerotate
+from vismemo_hf.core.rope import rerotate
 
 from conftest import _enabled_tiny, build_inputs, generate, stored
 

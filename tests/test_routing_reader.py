@@ -9,9 +9,9 @@ from transformers import DynamicCache
 
 import vismemo_hf
 from vismemo_hf.bench.prefix import first_token
+from vismemo_hf.core.plan import HitKind
 from vismemo_hf.eval import docqa, synthdoc
 from vismemo_hf.eval.quality import answer, evaluate, summarise
-from vismemo_hf.runtime.plan import HitKind
 
 from conftest import docqa_reader
 

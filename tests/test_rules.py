@@ -8,12 +8,12 @@ from transformers import DynamicCache
 
 import vismemo_hf
 from vismemo_hf import HitKind, VisMemoStore
+from vismemo_hf.core.features import exact_key, region_descriptors
+from vismemo_hf.core.plan import ImageFeatures, WarmupSignals
+from vismemo_hf.core.thresholds import regional_cosines
 from vismemo_hf.eval import synthetic
 from vismemo_hf.policies.attend_deviate import AttendDeviatePolicy
-from vismemo_hf.runtime.features import exact_key, region_descriptors
 from vismemo_hf.runtime.lookup import _REFERENCES
-from vismemo_hf.runtime.plan import ImageFeatures, WarmupSignals
-from vismemo_hf.runtime.thresholds import regional_cosines
 from vismemo_hf.store import blob
 from vismemo_hf.store.remote import _record
 from vismemo_hf.store.tiers import SafeDisk

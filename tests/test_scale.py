@@ -9,10 +9,11 @@ import vismemo_hf
 from vismemo_hf import HitKind, LookupThresholds
 from vismemo_hf.bench.lookup import ClusteredDescriptors, run_size
 from vismemo_hf.cli import main
+from vismemo_hf.core.features import sketch_cosine, token_sketch
+from vismemo_hf.core.images import synthetic_image
+from vismemo_hf.core.thresholds import ModelReference
 from vismemo_hf.eval import synthdoc
 from vismemo_hf.families import model_fingerprint
-from vismemo_hf.runtime.features import sketch_cosine, token_sketch
-from vismemo_hf.runtime.thresholds import ModelReference, synthetic_image
 from vismemo_hf.store import blob
 from vismemo_hf.store.index import DescriptorIndex
 

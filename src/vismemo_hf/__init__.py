@@ -8,12 +8,12 @@ Data path, one file per step: ``lookup`` -> ``policies`` (make an ``ImagePlan``)
 ``runner`` + ``cache`` + ``attention`` (execute) -> ``store``.
 """
 
+from vismemo_hf.core.plan import CacheEvent, HitKind, ImageFeatures, ImagePlan, WarmupSignals
+from vismemo_hf.core.thresholds import LookupThresholds
 from vismemo_hf.policies import RoutingPolicy, available_policies, get_policy, register_policy
 from vismemo_hf.runtime.cache import VisMemoCache, VisMemoLayer
 from vismemo_hf.runtime.compress import VLCacheCompression
 from vismemo_hf.runtime.hooks import disable, enable, enabled
-from vismemo_hf.runtime.plan import CacheEvent, HitKind, ImageFeatures, ImagePlan, WarmupSignals
-from vismemo_hf.runtime.thresholds import LookupThresholds
 from vismemo_hf.store.entry import Entry
 from vismemo_hf.store.store import VisMemoStore, default_store
 

@@ -272,3 +272,44 @@ class ModelAdapter:
         levels = per_image[0][1].shape[0]
         deepstack = [tuple(d[level] for _, d in per_image) for level in range(levels)]
         return BaseModelOutputWithDeepstackFeatures(pooler_output=embeds, deepstack_features=deepstack)
+
+
+# -- model presets (configs/models/) ------------------------------------------------------------------
+def preset_config(name: str, family: str | None = None, tokenizer=None, **text_overrides):
+    """A transformers config for preset ``name`` in ``family`` (default: the preset's own).
+
+    With ``tokenizer``, vocabulary size and special token ids come from it (offline
+    tokenizers); otherwise the real models' ids apply. ``text_overrides`` replace text-config fields
+    (``num_hidden_layers=1``, ...).
+    """
+    from vismemo_hf.presets import load_preset
+
+    preset = load_preset(name)
+    family = family or preset.get("family")
+    if family not in FAMILIES:
+        raise ValueError(f"preset {name!r} needs a family, one of {', '.join(FAMILIES)}")
+    if preset.get("family") not in (None, family):
+        raise ValueError(f"preset {name!r} is a {preset['family']} geometry, not {family}")
+    spec = FAMILIES[family]
+    text = {**preset["text_config"], **text_overrides}
+    moe = text.pop("moe", None)
+    if spec.moe:
+        if moe is None:
+            raise ValueError(f"preset {name!r} has no `moe` block in text_config for the {family} family")
+        text.update(moe)
+    vision = dict(preset["vision_config"].get(family, preset["vision_config"]))
+    if any(k in FAMILIES for k in vision):
+        raise ValueError(f"preset {name!r} has no vision tower for {family}")
+    rope = {"rope_type": "default", "rope_theta": float(text.pop("rope_theta")),
+            "mrope_section": list(text.pop("mrope_section"))}
+    if spec.mrope_interleaved:
+        rope["mrope_interleaved"] = True
+    text.update(rope_parameters=rope, vocab_size=len(tokenizer) if tokenizer is not None else preset["vocab_size"])
+    vision[spec.vision_out_key] = text["hidden_size"]
+    kwargs = {"text_config": text, "vision_config": vision}
+    if tokenizer is not None:
+        ids = tokenizer.convert_tokens_to_ids
+        kwargs.update(image_token_id=ids("<|image_pad|>"), video_token_id=ids("<|video_pad|>"),
+                      vision_start_token_id=ids("<|vision_start|>"), vision_end_token_id=ids("<|vision_end|>"))
+        text.update(bos_token_id=None, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    return spec.transformers_class(spec.config_class)(**kwargs)

@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 
 from vismemo_hf.eval.docqa import docqa_model as _load_docqa
+from vismemo_hf.families import preset_config
 from vismemo_hf.offline import byte_tokenizer, offline_processor
-from vismemo_hf.presets import preset_config
 
 __all__ = ["build_model", "byte_tokenizer", "docqa_model", "offline_processor", "tiny_model"]
 

@@ -20,18 +20,12 @@ import random
 import torch
 from PIL import Image, ImageDraw
 
+from vismemo_hf.core.features import region_descriptors, sketch_cosine, token_sketch
+from vismemo_hf.core.images import IMAGE_KINDS, synthetic_image
+from vismemo_hf.core.thresholds import LookupThresholds, regional_cosines, token_cosines
 from vismemo_hf.eval import synthdoc
 from vismemo_hf.families import ModelAdapter
-from vismemo_hf.runtime.features import region_descriptors, sketch_cosine, token_sketch
-from vismemo_hf.runtime.thresholds import (
-    IMAGE_KINDS,
-    LookupThresholds,
-    encode_images,
-    model_reference,
-    regional_cosines,
-    synthetic_image,
-    token_cosines,
-)
+from vismemo_hf.runtime.reference import encode_images, model_reference
 
 
 def _patch(image: Image.Image, rng: random.Random) -> Image.Image:

@@ -378,9 +378,10 @@ def near_duplicates(images: dict, model, processor, thresholds=None) -> dict:
     page (same grid, every centred regional cosine > tau, mean centred token cosine >= the model's tau_fine)."""
     import torch
 
+    from vismemo_hf.core.features import region_descriptors
+    from vismemo_hf.core.thresholds import LookupThresholds, regional_cosines, token_cosines
     from vismemo_hf.families import ModelAdapter
-    from vismemo_hf.runtime.features import region_descriptors
-    from vismemo_hf.runtime.thresholds import LookupThresholds, model_reference, regional_cosines, token_cosines
+    from vismemo_hf.runtime.reference import model_reference
 
     adapter = ModelAdapter.for_model(model)
     thresholds = thresholds or LookupThresholds()

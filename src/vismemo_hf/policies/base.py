@@ -8,7 +8,7 @@ from typing import ClassVar
 
 import torch
 
-from vismemo_hf.runtime.plan import HitKind, ImageFeatures, ImagePlan, WarmupSignals
+from vismemo_hf.core.plan import HitKind, ImageFeatures, ImagePlan, WarmupSignals
 
 _REGISTRY: dict[str, type[RoutingPolicy]] = {}
 

@@ -14,8 +14,8 @@ from typing import ClassVar
 
 import torch
 
+from vismemo_hf.core.plan import ImageFeatures, ImagePlan, WarmupSignals
 from vismemo_hf.policies.base import RoutingPolicy, approximate_plan, register_policy, split_by_score
-from vismemo_hf.runtime.plan import ImageFeatures, ImagePlan, WarmupSignals
 
 
 def kv_deviation(fresh: torch.Tensor, cached: torch.Tensor) -> torch.Tensor:

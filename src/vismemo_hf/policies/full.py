@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
+from vismemo_hf.core.plan import HitKind, ImageFeatures, ImagePlan, WarmupSignals
 from vismemo_hf.policies.base import RoutingPolicy, register_policy
-from vismemo_hf.runtime.plan import HitKind, ImageFeatures, ImagePlan, WarmupSignals
 
 
 @register_policy

@@ -7,8 +7,8 @@ from typing import ClassVar
 
 import torch
 
+from vismemo_hf.core.plan import ImageFeatures, ImagePlan, WarmupSignals
 from vismemo_hf.policies.base import RoutingPolicy, approximate_plan, register_policy
-from vismemo_hf.runtime.plan import ImageFeatures, ImagePlan, WarmupSignals
 
 
 @register_policy

@@ -7,9 +7,9 @@ from typing import ClassVar
 
 import torch
 
+from vismemo_hf.core.features import token_cosine
+from vismemo_hf.core.plan import ImageFeatures, ImagePlan, WarmupSignals
 from vismemo_hf.policies.base import RoutingPolicy, approximate_plan, register_policy, split_by_score
-from vismemo_hf.runtime.features import token_cosine
-from vismemo_hf.runtime.plan import ImageFeatures, ImagePlan, WarmupSignals
 
 
 def normalised_attention(attention: torch.Tensor) -> torch.Tensor:

@@ -14,11 +14,11 @@ from dataclasses import replace
 import torch
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
+from vismemo_hf.core.plan import CacheEvent
+from vismemo_hf.core.thresholds import LookupThresholds
 from vismemo_hf.policies import RoutingPolicy, get_policy
 from vismemo_hf.runtime import context
 from vismemo_hf.runtime.compress import VLCacheCompression
-from vismemo_hf.runtime.plan import CacheEvent
-from vismemo_hf.runtime.thresholds import LookupThresholds
 from vismemo_hf.store.store import VisMemoStore, default_store
 
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from vismemo_hf.runtime.features import (
+from vismemo_hf.core.features import (
     exact_key,
     patch_entropy,
     patch_hashes,
@@ -23,8 +23,9 @@ from vismemo_hf.runtime.features import (
     sketch_cosine,
     token_sketch,
 )
-from vismemo_hf.runtime.plan import CacheEvent, HitKind, ImageFeatures, ImagePlan
-from vismemo_hf.runtime.thresholds import model_reference, regional_cosines
+from vismemo_hf.core.plan import CacheEvent, HitKind, ImageFeatures, ImagePlan
+from vismemo_hf.core.thresholds import regional_cosines
+from vismemo_hf.runtime.reference import model_reference
 from vismemo_hf.store.entry import Entry
 from vismemo_hf.store.store import store_call
 

@@ -17,12 +17,12 @@ from dataclasses import dataclass
 import torch
 from transformers.modeling_outputs import BaseModelOutputWithPast
 
+from vismemo_hf.core.plan import HitKind, ImagePlan, WarmupSignals, relative_deviation
+from vismemo_hf.core.rope import rerotate, rotate_half
 from vismemo_hf.runtime.attention import query_blocks
 from vismemo_hf.runtime.compress import window_stats
 from vismemo_hf.runtime.context import AttentionCapture, ForwardContext
 from vismemo_hf.runtime.lookup import ImageState, PrefillRequest
-from vismemo_hf.runtime.plan import HitKind, ImagePlan, WarmupSignals, relative_deviation
-from vismemo_hf.runtime.rope import rerotate, rotate_half
 from vismemo_hf.store.entry import Entry
 from vismemo_hf.store.store import store_call
 from vismemo_hf.store.tiers import token_rows

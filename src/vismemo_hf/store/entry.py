@@ -6,8 +6,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from vismemo_hf.runtime.features import token_sketch
-from vismemo_hf.runtime.plan import ImageFeatures
+from vismemo_hf.core.features import token_sketch
+from vismemo_hf.core.plan import ImageFeatures
 
 
 @dataclass

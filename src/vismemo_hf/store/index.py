@@ -19,27 +19,17 @@ from __future__ import annotations
 
 import math
 import sys
-from functools import lru_cache
 
 import faiss
 import numpy as np
 import torch
 
+from vismemo_hf.core.features import projection
+
 #: projected width of one region descriptor
 REGION_DIM = 128
 #: inverted lists of the largest IVF
 MAX_LISTS = 1024
-
-
-@lru_cache(maxsize=16)
-def projection(dim: int, out: int, seed: int = 0) -> torch.Tensor:
-    """(dim, min(dim, out)) matrix with orthonormal columns (the identity when ``dim <= out``): fixed by its seed,
-    so every process projects alike."""
-    if dim <= out:
-        return torch.eye(dim)
-    g = torch.Generator().manual_seed(seed * 1_000_003 + dim)
-    q, _ = torch.linalg.qr(torch.randn(dim, out, generator=g, dtype=torch.float64))
-    return q.float().contiguous()
 
 
 def projection_margin(dim: int, region_dim: int, tau: float) -> float:

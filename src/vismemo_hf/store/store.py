@@ -492,7 +492,7 @@ class VisMemoStore:
 
     def add_thresholds(self, preset) -> None:
         """Register calibrated lookup thresholds (a ``LookupThresholds``, preset name or path) for their model."""
-        from vismemo_hf.runtime.thresholds import LookupThresholds
+        from vismemo_hf.core.thresholds import LookupThresholds
 
         loaded = preset if isinstance(preset, LookupThresholds) else LookupThresholds.load(preset)
         if loaded.fingerprint is None:

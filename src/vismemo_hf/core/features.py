@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import math
 import zlib
+from functools import lru_cache
 
 import torch
 import torch.nn.functional as F
@@ -17,6 +18,17 @@ import torch.nn.functional as F
 ENTROPY_BINS = 32
 #: width of a token sketch (the fine lookup stage's compact stand-in for a token's embedding)
 SKETCH_DIM = 32
+
+
+@lru_cache(maxsize=16)
+def projection(dim: int, out: int, seed: int = 0) -> torch.Tensor:
+    """(dim, min(dim, out)) matrix with orthonormal columns (the identity when ``dim <= out``): fixed by its seed,
+    so every process projects alike."""
+    if dim <= out:
+        return torch.eye(dim)
+    g = torch.Generator().manual_seed(seed * 1_000_003 + dim)
+    q, _ = torch.linalg.qr(torch.randn(dim, out, generator=g, dtype=torch.float64))
+    return q.float().contiguous()
 
 
 def token_grid(grid: tuple[int, int, int], merge: int) -> tuple[int, int, int]:
@@ -93,8 +105,6 @@ def token_sketch(embeds: torch.Tensor) -> torch.Tensor:
     """(N, d) embeddings -> (N, SKETCH_DIM) fp16 sketches: L2-normalised tokens under a fixed orthonormal projection.
     Projection is linear, so a sketch centred by the projected mean is the projection of the centred token, and
     sketch cosines estimate token cosines (METHOD §1 step 4) from 64 bytes per token."""
-    from vismemo_hf.store.index import projection
-
     e = F.normalize(embeds.detach().float().cpu(), dim=-1)
     return (e @ projection(e.shape[-1], SKETCH_DIM, seed=1)).to(torch.float16)
 
@@ -103,8 +113,6 @@ def sketch_cosine(a: torch.Tensor, b: torch.Tensor, token_mean: torch.Tensor | N
     """Per-token cosine of two sketches (N, s), both centred by the projected ``token_mean`` (d,) when given."""
     a, b = a.float(), b.float()
     if token_mean is not None:
-        from vismemo_hf.store.index import projection
-
         shift = token_mean.float().cpu() @ projection(token_mean.shape[0], SKETCH_DIM, seed=1)
         a, b = a - shift, b - shift
     return F.cosine_similarity(a, b, dim=-1)

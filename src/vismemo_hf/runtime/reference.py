@@ -1,0 +1,46 @@
+"""A model's lookup reference (``core.thresholds.ModelReference``), computed with the model's own vision tower."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from vismemo_hf.core.features import region_descriptors
+from vismemo_hf.core.images import IMAGE_KINDS, reference_images
+from vismemo_hf.core.thresholds import ModelReference, token_cosines
+
+
+def image_processor(adapter):
+    """A Qwen2-VL image processor with the model's patch geometry and normalisation (no hub access)."""
+    from transformers import Qwen2VLImageProcessor
+
+    vc = adapter.vision_config
+    token_px = vc.patch_size * adapter.merge
+    return Qwen2VLImageProcessor(
+        size={"shortest_edge": 4 * token_px**2, "longest_edge": 1024 * token_px**2}, patch_size=vc.patch_size,
+        temporal_patch_size=vc.temporal_patch_size, merge_size=adapter.merge, image_mean=list(adapter.image_mean),
+        image_std=list(adapter.image_std))
+
+
+def encode_images(adapter, get_image_features, images) -> list[tuple[torch.Tensor, tuple[int, int, int]]]:
+    """(embeds, grid) of each image through the model's own tower, in one batch."""
+    inputs = image_processor(adapter)(images=[im.convert("RGB") for im in images], return_tensors="pt")
+    dtype = next(adapter.model.parameters()).dtype
+    device = next(adapter.model.parameters()).device
+    with torch.no_grad():
+        encoded = adapter.encode(get_image_features, inputs["pixel_values"].to(device=device, dtype=dtype),
+                                 inputs["image_grid_thw"].to(device))
+    grids = [tuple(int(x) for x in g) for g in inputs["image_grid_thw"].tolist()]
+    return [(e.float().cpu(), g) for (e, _), g in zip(encoded, grids)]
+
+
+def model_reference(adapter, get_image_features) -> ModelReference:
+    """Encode the reference images with the model's tower: their mean region descriptor and mean L2-normalised
+    token centre the lookup; pairs of the same kind give the unrelated-pair fine score."""
+    encoded = encode_images(adapter, get_image_features, reference_images())
+    descriptors = torch.stack([region_descriptors(e, g, adapter.merge) for e, g in encoded])
+    token_mean = torch.cat([F.normalize(e, dim=-1) for e, _ in encoded]).mean(0)
+    unrelated = [float(token_cosines(encoded[i][0], encoded[j][0], token_mean).mean())
+                 for i in range(len(encoded)) for j in range(i + 1, len(encoded))
+                 if i % len(IMAGE_KINDS) == j % len(IMAGE_KINDS) and encoded[i][1] == encoded[j][1]]
+    return ModelReference(descriptors.mean((0, 1)), token_mean, max(unrelated))
