@@ -70,8 +70,7 @@ def test_blocked_attention_equals_one_dense_call(monkeypatch):
 
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    from vismemo_hf.runtime import attention
-    from vismemo_hf.runtime.cache import VisMemoLayer
+    from vismemo_hf.runtime import attention, schedule
 
     g = torch.Generator().manual_seed(0)
     module = SimpleNamespace(num_key_value_groups=2, is_causal=True, training=False)
@@ -79,21 +78,21 @@ def test_blocked_attention_equals_one_dense_call(monkeypatch):
     active = torch.tensor([[0, 1, 2, 4, 7, 8, 10, 11, 12, 22, 23, 24, 25, 26],
                            [0, 1, 3, 5, 6, 7, 8, 9, 10, 11, 12, -1, -1, -1]])
     slots = torch.cat([reused, active], 1)
-    mask = VisMemoLayer.mask_for(slots, active, None)
+    mask = schedule.slot_mask(slots, active, None)
     q = torch.randn(2, 4, active.shape[1], 8, generator=g)
     k, v = (torch.randn(2, 2, slots.shape[1], 8, generator=g) for _ in range(2))
     dense, _ = sdpa_attention_forward(module, q, k, v, mask)
-    monkeypatch.setattr(attention, "MIN_BLOCK_ROWS", 2)
+    monkeypatch.setattr(schedule, "MIN_BLOCK_ROWS", 2)
     for most in (2, 3, 5):
-        monkeypatch.setattr(attention, "MAX_BLOCKS", most)
-        blocks = attention.query_blocks(mask)
+        monkeypatch.setattr(schedule, "MAX_BLOCKS", most)
+        blocks = schedule.query_blocks(mask)
         assert len(blocks) == most and blocks[0][2] < slots.shape[1]  # the first block skips later slots
         out, _ = attention.blocked_sdpa(module, q, k, v, mask, blocks)
         assert out.shape == dense.shape and (out - dense).abs().max() <= 1e-6
 
 
 def test_blocked_attention_in_the_runner_changes_nothing(tiny, pages, monkeypatch):
-    from vismemo_hf.runtime import attention
+    from vismemo_hf.runtime import attention, schedule
 
     model, processor = tiny
     store = stored(model, processor, pages["base"])
@@ -102,7 +101,7 @@ def test_blocked_attention_in_the_runner_changes_nothing(tiny, pages, monkeypatc
     _, dense = generate(model, inputs, vismemo_hf.VisMemoCache(**opts), 3)
     calls = []
     real = attention.blocked_sdpa
-    monkeypatch.setattr(attention, "MIN_BLOCK_ROWS", 4)
+    monkeypatch.setattr(schedule, "MIN_BLOCK_ROWS", 4)
     monkeypatch.setattr(attention, "blocked_sdpa", lambda *a, **k: calls.append(len(a[5])) or real(*a, **k))
     _, blocked = generate(model, inputs, vismemo_hf.VisMemoCache(**opts), 3)
     assert max(calls) > 1  # the late layers' prefill ran in blocks

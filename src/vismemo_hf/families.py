@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 import torch
 from transformers.modeling_outputs import BaseModelOutputWithPooling
 
+from vismemo_hf.core.rope import rotate_half
+
 # Processor normalisation of each family (needed to recover pixels for patch entropy).
 _CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 _CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
@@ -173,6 +175,37 @@ class ModelAdapter:
     def layer_device(self, layer: int) -> torch.device:
         """The device decoder layer ``layer`` computes on (device maps, offloaded layers)."""
         return execution_device(self.text.layers[layer])
+
+    # -- the language model's computation (the only place that names its modules) -----------------------
+    @property
+    def inv_freq(self) -> torch.Tensor:
+        """RoPE inverse frequencies of the text model (what re-rotating a cached key needs)."""
+        return self.text.rotary_emb.inv_freq
+
+    def rope(self, hidden: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) of the M-RoPE ``positions`` (3, B, L)."""
+        return self.text.rotary_emb(hidden, positions)
+
+    def run_layer(self, layer: int, hidden, mask, cos, sin, cache):
+        """Decoder layer ``layer`` on ``hidden`` (B, q, d) at rotary (cos, sin), writing its K/V to ``cache``."""
+        return self.text.layers[layer](hidden, attention_mask=mask, position_ids=None, cache=cache, use_cache=True,
+                                       position_embeddings=(cos, sin))
+
+    def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.text.norm(hidden)
+
+    def fresh_kv(self, layer: int, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """(K, V), (KV heads, N, D) each, that ``layer`` computes for the hidden states (N, d) entering it at rotary
+        (cos, sin) (N, D): its input norm, k/v projections, key norm (Qwen3-VL) and RoPE."""
+        block = self.text.layers[layer]
+        attn = block.self_attn
+        x = block.input_layernorm(hidden)
+        keys = attn.k_proj(x).view(hidden.shape[0], -1, attn.head_dim)
+        values = attn.v_proj(x).view(hidden.shape[0], -1, attn.head_dim)
+        if getattr(attn, "k_norm", None) is not None:  # Qwen3-VL normalises keys before RoPE
+            keys = attn.k_norm(keys)
+        keys = keys * cos[:, None] + rotate_half(keys) * sin[:, None]
+        return keys.transpose(0, 1), values.transpose(0, 1)
 
     @property
     def text(self):

@@ -37,9 +37,11 @@ def run_family(tree: Path, family: str, mode: str, timeout: int) -> dict:
         env["PYTEST_EXTRA_PLUGIN"], env["VISMEMO_COMPAT_MODE"] = "vismemo_compat", mode
     cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", f"--timeout={timeout}",
            f"--junitxml={report}", f"tests/models/{family}/test_modeling_{family}.py"]
-    subprocess.run(cmd, cwd=tree, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    run = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True)
     counts = {"passed": 0, "failed": 0, "skipped": 0}
     failed = []
+    if not report.is_file():  # pytest could not even collect: every test of the family counts as failed
+        return {**counts, "failed": 1, "failures": [f"<collection: exit {run.returncode}> {run.stdout[-300:]}"]}
     for case in ET.parse(report).getroot().iter("testcase"):
         name = case.get("name")
         if case.find("failure") is not None or case.find("error") is not None:

@@ -57,6 +57,15 @@ def get_policy(policy: str | RoutingPolicy, **options) -> RoutingPolicy:
     return cls(**options)
 
 
+@dataclass(frozen=True)
+class SignalNeeds:
+    """The warmup signals a routing reads (``WarmupSignals``): the runner collects these and nothing else."""
+
+    attention: bool = False
+    deviation: bool = False
+    check_kv: bool = False
+
+
 @dataclass
 class RoutingPolicy:
     """Shared parameters and the exact-hit / miss plans; subclasses route approximate hits.
@@ -100,6 +109,51 @@ class RoutingPolicy:
             raise ValueError(f"prefix_routing must be 'reuse' or 'check', got {self.prefix_routing!r}")
         if self.prefix_check_layer < 0 or not 0.0 <= self.prefix_recompute_ratio <= 1.0 or self.prefix_tolerance < 0:
             raise ValueError("prefix_check_layer and prefix_tolerance must be >= 0, prefix_recompute_ratio in [0, 1]")
+
+    # -- what the prefill runner asks (it reads no field of a policy) ---------------------------------------
+    def signal_needs(self, kind: HitKind) -> SignalNeeds:
+        """The signals the plan of an image of ``kind`` is made from (an exact hit checked after another
+        context compares K/V at the check layer)."""
+        if kind is HitKind.EXACT:
+            return SignalNeeds(check_kv=True)
+        return SignalNeeds(self.needs_attention, self.needs_deviation, self.needs_check_kv)
+
+    def decision_layer(self, kind: HitKind) -> int:
+        """The layer before which the plan of an image of ``kind`` is made (the end of its warmup)."""
+        return self.prefix_check_layer if kind is HitKind.EXACT else self.warmup_layers
+
+    def early_plan(self, kind: HitKind, image: ImageFeatures, alias: ImageFeatures | None, prefix_changed: bool,
+                   n_layers: int) -> ImagePlan | None:
+        """The plan made before any layer runs, limited to what the alias holds; None: made at ``decision_layer``
+        from the warmup's signals (``route``). An exact hit that would be checked at a layer the model does not
+        have is computed in full."""
+        if kind is HitKind.MISS:
+            return self.miss_plan(image)
+        if kind is HitKind.APPROXIMATE:
+            return None
+        plan = self.exact_plan(image, alias.key, prefix_changed)
+        if plan is None:
+            return ImagePlan.full(HitKind.EXACT, image.n_tokens, alias.key) if self.prefix_check_layer >= n_layers \
+                else None
+        return plan.limited_to(alias, self.missing)
+
+    def prefetch(self, kind: HitKind, image: ImageFeatures, alias: ImageFeatures) -> tuple[torch.Tensor, int]:
+        """(tokens, first layer): the alias K/V to read before the warmup runs, only tokens the alias holds. Every
+        token from layer 0 when the plan compares fresh and cached K/V of the warmup layers."""
+        if kind is HitKind.EXACT or self.signal_needs(kind).deviation:
+            tokens, first = torch.arange(image.n_tokens), 0
+        else:
+            tokens, first = self.prefetch_tokens(image, alias).sort().values, self.warmup_layers
+        return (tokens if alias.kv_tokens is None else tokens[alias.stored(tokens)]), first
+
+    def route(self, kind: HitKind, image: ImageFeatures, alias: ImageFeatures, prefetched: torch.Tensor,
+              signals: WarmupSignals) -> ImagePlan:
+        """The plan made at ``decision_layer`` from the warmup's signals, limited to what the alias holds."""
+        if kind is HitKind.EXACT:
+            plan = self.prefix_plan(image, alias.key, signals)
+        else:
+            plan = self.plan(image, alias, prefetched, signals)
+        return plan.limited_to(alias, self.missing)
 
     @staticmethod
     def budget(ratio: float, n_tokens: int) -> int:

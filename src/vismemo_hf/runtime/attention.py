@@ -73,9 +73,12 @@ def native_attention(module, query, key, value, attention_mask, scaling=None, **
 
 
 def masked_attention(module, query, key, value, mask, blocks=None, scaling=None, **kwargs):
-    """Attention under a boolean slot mask (B, 1, q, S): the model's eager attention for eager models (an additive
-    mask), else SDPA over query blocks (``blocked_sdpa``)."""
+    """Attention under a boolean slot mask (B, 1, q, S), None meaning plain causal: the model's eager attention for
+    eager models (an additive mask), else SDPA over query blocks (``blocked_sdpa``)."""
     if own_implementation(module.config) == "eager":
+        if mask is None:
+            q, s = query.shape[-2], key.shape[-2]
+            mask = torch.ones(q, s, dtype=torch.bool, device=query.device).tril(s - q)[None, None]
         additive = torch.zeros(mask.shape, dtype=query.dtype, device=query.device)
         additive.masked_fill_(~mask, torch.finfo(query.dtype).min)
         return _eager_of(module)(module, query, key, value, additive, scaling=scaling, **kwargs)
@@ -102,28 +105,8 @@ def window_probabilities(module, query, key, mask, rows, scaling) -> torch.Tenso
     return torch.softmax(scores, dim=-1)
 
 
-#: query rows per block at least (smaller blocks cost more in call overhead than they save)
-MIN_BLOCK_ROWS = 32
-MAX_BLOCKS = 16
-
-
-def query_blocks(mask: torch.Tensor) -> list[tuple[int, int, int]]:
-    """(first row, end row, key end) of each query block of a boolean (B, 1, q, S) mask: the block's rows see
-    no key slot at or after ``key end``. One block (the whole mask) when the queries are few."""
-    q_len, s_len = mask.shape[-2:]
-    blocks = min(MAX_BLOCKS, q_len // MIN_BLOCK_ROWS)
-    if blocks <= 1:
-        return [(0, q_len, s_len)]
-    bounds = torch.linspace(0, q_len, blocks + 1).round().long().tolist()
-    out = []
-    for r0, r1 in zip(bounds[:-1], bounds[1:]):
-        seen = torch.nonzero(mask[:, :, r0:r1].any(dim=(0, 1, 2))).flatten()
-        out.append((r0, r1, int(seen[-1]) + 1 if seen.numel() else s_len))
-    return out
-
-
 def blocked_sdpa(module, query, key, value, mask, blocks, scaling=None, **kwargs):
-    """SDPA of each query block over the key prefix its rows can see (``query_blocks``): exactly SDPA, the
+    """SDPA of each query block over the key prefix its rows can see (``schedule.query_blocks``): exactly SDPA, the
     keys left out being masked for every row of the block."""
     if len(blocks) <= 1:
         return sdpa_attention_forward(module, query, key, value, mask, scaling=scaling, **kwargs)
@@ -138,19 +121,19 @@ def blocked_sdpa(module, query, key, value, mask, blocks, scaling=None, **kwargs
 def vismemo_attention_forward(module, query, key, value, attention_mask, scaling=None, **kwargs):
     ctx = context.current()
     layer_idx = getattr(module, "layer_idx", None)
-    if ctx is None or layer_idx is None or layer_idx >= len(ctx.cache.layers) or \
+    if ctx is None or ctx.adapter is None or layer_idx is None or layer_idx >= len(ctx.cache.layers) or \
             getattr(module, "config", None) is not ctx.adapter.text.config:
         return native_attention(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
     layer = ctx.cache.layers[layer_idx]
-    order = None
-    if layer.query_columns is not None and ctx.slot_mask is not None:  # a prefill layout: its mask and blocks
-        attention_mask, order = ctx.slot_mask, ctx.slot_order
+    layout, order = ctx.layout, None
+    if layout is not None:  # a layer the prefill runner runs: its layout's mask and query blocks
+        attention_mask, order = layout.mask, layout.order
         if order is not None:  # keys in request-column order: each query block sees a prefix of them
             idx = order[:, None, :, None].expand(-1, key.shape[1], -1, key.shape[-1])
             key, value = key.gather(2, idx), value.gather(2, idx)
-        out = masked_attention(module, query, key, value, attention_mask, ctx.slot_blocks, scaling=scaling, **kwargs)
-    elif layer.query_columns is not None:  # a later forward over a layer with left-out slots
-        attention_mask = layer.attention_mask(ctx.valid)
+        out = masked_attention(module, query, key, value, attention_mask, layout.blocks, scaling=scaling, **kwargs)
+    elif layer.mapped:  # a later forward over a layer with left-out slots
+        attention_mask = layer.attention_mask(query.shape[-2], ctx.valid)
         out = masked_attention(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
     else:
         out = native_attention(module, query, key, value, attention_mask, scaling=scaling, **kwargs)

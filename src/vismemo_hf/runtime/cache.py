@@ -19,6 +19,7 @@ from vismemo_hf.core.thresholds import LookupThresholds
 from vismemo_hf.policies import RoutingPolicy, get_policy
 from vismemo_hf.runtime import context
 from vismemo_hf.runtime.compress import VLCacheCompression
+from vismemo_hf.runtime.schedule import slot_mask
 from vismemo_hf.store.store import VisMemoStore, default_store
 
 
@@ -28,7 +29,6 @@ class VisMemoLayer(DynamicLayer):
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
         self.columns: torch.Tensor | None = None  # (B, S) long
-        self.query_columns: torch.Tensor | None = None  # (B, q) columns of the current forward's queries
 
     @property
     def mapped(self) -> bool:
@@ -52,7 +52,6 @@ class VisMemoLayer(DynamicLayer):
     def update(self, key_states, value_states, *args, columns: torch.Tensor, contiguous: bool, **kwargs):
         """Append computed K/V at request ``columns`` (B, q); ``contiguous``: they continue the sequence."""
         if contiguous and not self.mapped:
-            self.query_columns = None
             return super().update(key_states, value_states)
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
@@ -61,22 +60,11 @@ class VisMemoLayer(DynamicLayer):
         self.keys = torch.cat([self.keys, key_states], dim=-2) if self.keys.numel() else key_states
         self.values = torch.cat([self.values, value_states], dim=-2) if self.values.numel() else value_states
         self.columns = torch.cat([cols, columns], dim=1)
-        self.query_columns = columns
         return self.keys, self.values
 
-    def attention_mask(self, valid_columns: torch.Tensor | None) -> torch.Tensor:
-        """(B, 1, q, S) boolean mask of this layer's slots for the current queries."""
-        return self.mask_for(self.columns, self.query_columns, valid_columns)
-
-    @staticmethod
-    def mask_for(kc: torch.Tensor, qc: torch.Tensor, valid_columns: torch.Tensor | None) -> torch.Tensor:
-        """A query sees a slot whose column is not after its own and is not padding."""
-        allowed = (kc[:, None, :] <= qc[:, :, None]) & (kc[:, None, :] >= 0)
-        if valid_columns is not None:
-            allowed &= valid_columns.gather(1, kc.clamp(min=0))[:, None, :]
-        # queries with nothing to see (padding, filler rows) stay fully masked, as in the model's own masks: SDPA
-        # gives them zeros, eager attention a uniform average (never read by a real token either way)
-        return allowed[:, None]
+    def attention_mask(self, queries: int, valid_columns: torch.Tensor | None) -> torch.Tensor:
+        """(B, 1, q, S) boolean mask of this layer's slots for the ``queries`` slots appended last."""
+        return slot_mask(self.columns, self.columns[:, -queries:], valid_columns)
 
     def slot_columns(self) -> torch.Tensor:
         """(B, S) request column of every slot."""
@@ -238,13 +226,14 @@ class VisMemoCache(DynamicCache):
                 "VisMemoCache is used by a model that was not prepared: call vismemo_hf.enable(model) once "
                 "before generate() (without it every image would silently get a full prefill)"
             )
-        if ctx.incoming is None:  # a continuation: the next columns in order
+        incoming = ctx.layout.incoming if ctx.layout is not None else None
+        if incoming is None:  # a continuation: the next columns in order
             q = key_states.shape[-2]
             cols = torch.arange(self._length, self._length + q, device=key_states.device)
             return self.layer(layer_idx).update(
                 key_states, value_states, columns=cols.expand(key_states.shape[0], q), contiguous=True
             )
-        return self.layer(layer_idx).update(key_states, value_states, columns=ctx.incoming, contiguous=False)
+        return self.layer(layer_idx).update(key_states, value_states, columns=incoming, contiguous=False)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self._length
@@ -269,5 +258,3 @@ class VisMemoCache(DynamicCache):
     def advance(self, new_tokens: int) -> None:
         """Close a forward that added ``new_tokens`` request columns (called by ``context.close_forward``)."""
         self._length += new_tokens
-        for layer in self.layers:
-            layer.query_columns = None

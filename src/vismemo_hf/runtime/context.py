@@ -1,10 +1,10 @@
 """Per-forward state: one ``ForwardContext`` per model forward that uses a ``VisMemoCache``.
 
-The hooks that ``enable`` installs open it before the base model's forward and close it after;
-the lookup leaves its ``PrefillRequest`` on it, the prefill runner sets the columns, slot mask and
-attention capture of the layer it is running, and the attention function and ``VisMemoCache.update``
-read them. It travels in a context variable, so nothing per-forward is written on the cache, and
-nested or concurrent forwards (other threads, other caches) never see each other's state.
+The hooks that ``enable`` installs open it before the base model's forward and close it after; the lookup leaves
+its ``PrefillRequest`` on it, the prefill runner sets the ``Layout`` and attention capture of the layer it is
+running, and the attention function and ``VisMemoCache.update`` read them. It travels in a context variable, so
+nothing per-forward is written on the cache (which holds K/V and slot columns only), and nested or concurrent
+forwards (other threads, other caches) never see each other's state.
 """
 
 from __future__ import annotations
@@ -33,32 +33,23 @@ class AttentionCapture:
 class ForwardContext:
     """What one forward of ``cache`` needs beyond the cache's own K/V.
 
-    ``valid``: (B, columns) False at padding columns, None without padding.
-    ``request``: the lookup's result for the prefill runner (None: no image to look up).
-    ``incoming``: (B, q) request columns of the queries the current layer computes; None while the
-    forward is a plain continuation of the sequence (decoding, or a layer with every token).
-    ``slot_order``: (B, S) the permutation that sorts the current slot layout by request column (None
-    when it is sorted already): attention reads the keys in column order, so that each query block
-    sees a prefix of them. ``slot_mask`` / ``slot_blocks``: the prefill runner's boolean mask of the
-    layout in that order and its query blocks (``attention.query_blocks``), shared by every layer with
-    that layout.
+    ``valid``: (B, columns) False at padding columns, None without padding. ``request``: the lookup's result for
+    the prefill (None: no image to look up). ``layout``: the ``schedule.Layout`` of the layer the runner is running
+    (None outside the runner: the forward continues the sequence). ``capture``: the attention the runner asks for.
     """
 
     cache: object
     adapter: object = None  # the enabled model's ModelAdapter
     valid: torch.Tensor | None = None
     request: object | None = None
-    incoming: torch.Tensor | None = None
-    slot_order: torch.Tensor | None = None
-    slot_mask: torch.Tensor | None = None
-    slot_blocks: list | None = None
+    layout: object | None = None
     capture: AttentionCapture | None = None
     started: float = field(default_factory=time.perf_counter)
     first_event: int = 0
     token: Token | None = field(default=None, repr=False)
 
     def take_request(self):
-        """The lookup's request, once (the runner consumes it)."""
+        """The lookup's request, once (the forward that runs it consumes it)."""
         request, self.request = self.request, None
         return request
 

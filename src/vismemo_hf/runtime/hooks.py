@@ -17,6 +17,7 @@ Installed on the model (every piece is a module-level function bound to the modu
 from __future__ import annotations
 
 import contextlib
+import functools
 import types
 from contextvars import ContextVar
 from dataclasses import dataclass, field
@@ -25,6 +26,7 @@ from vismemo_hf.families import ModelAdapter
 from vismemo_hf.runtime import attention, context
 from vismemo_hf.runtime.cache import VisMemoCache
 from vismemo_hf.runtime.lookup import DeferredImageFeatures, lookup_request
+from vismemo_hf.runtime.runner import finish_native, run_prefill
 
 #: set while ``generate`` pre-encodes the images of a request that has a VisMemoCache
 _DEFER_IMAGES: ContextVar[bool] = ContextVar("vismemo_defer_images", default=False)
@@ -36,11 +38,18 @@ def _cache_of(kwargs) -> VisMemoCache | None:
     return cache if isinstance(cache, VisMemoCache) else None
 
 
-def _own(module, name: str):
-    """The callable ``enable`` replaced: the instance attribute it found (accelerate's wrapper, say) or the class's
-    function bound to ``module`` (both recorded at ``enable``, so tracing by ``torch.compile`` resolves them too)."""
+def _call_own(module, name: str, *args, **kwargs):
+    """Call what ``enable`` replaced: the instance attribute it found (accelerate's wrapper, say) or the class's
+    function (both recorded at ``enable``, so that ``torch.compile`` traces them as plain calls)."""
     instance, function = module._vismemo_installation.replaced[name]
-    return instance if instance is not None else types.MethodType(function, module)
+    if instance is not None:
+        return instance(*args, **kwargs)
+    return function(module, *args, **kwargs)
+
+
+def _own(module, name: str):
+    """What ``enable`` replaced, as a callable (for code that keeps it, like a deferred encoder)."""
+    return functools.partial(_call_own, module, name)
 
 
 # -- the installed pieces ---------------------------------------------------------------------------------
@@ -48,13 +57,13 @@ def _image_features(self, pixel_values, image_grid_thw=None, **kwargs):
     if _DEFER_IMAGES.get():
         kwargs.setdefault("return_dict", True)
         return DeferredImageFeatures(_own(self, "get_image_features"), pixel_values, image_grid_thw, kwargs)
-    return _own(self, "get_image_features")(pixel_values, image_grid_thw, **kwargs)
+    return _call_own(self, "get_image_features", pixel_values, image_grid_thw, **kwargs)
 
 
 def _prepare_multimodal(self, model_kwargs, *args, **kwargs):
     token = _DEFER_IMAGES.set(_cache_of(model_kwargs) is not None)
     try:
-        return _own(self, _PREPARE)(model_kwargs, *args, **kwargs)
+        return _call_own(self, _PREPARE, model_kwargs, *args, **kwargs)
     finally:
         _DEFER_IMAGES.reset(token)
 
@@ -126,13 +135,10 @@ def _after(module, args, kwargs, output):
 
 
 def _text_forward(self, *args, **kwargs):
-    from vismemo_hf.runtime.runner import finish_native, run_prefill
-
-    own = _own(self, "forward")
     cache = _cache_of(kwargs)
     ctx = context.current(cache) if cache is not None else None
     if ctx is None:
-        return own(*args, **kwargs)
+        return _call_own(self, "forward", *args, **kwargs)
     request = ctx.take_request()
     if request is not None and request.needs_runner:
         kwargs = {k: v for k, v in kwargs.items() if k not in ("past_key_values", "cache")}
@@ -140,8 +146,8 @@ def _text_forward(self, *args, **kwargs):
             return run_prefill(ctx.adapter, request, **{**kwargs, "ctx": ctx})
     if cache.mapped:  # decoding over a layout with left-out slots: the slot masks
         with attention.slot_attention(self.config):
-            return own(*args, **kwargs)
-    out = own(*args, **kwargs)
+            return _call_own(self, "forward", *args, **kwargs)
+    out = _call_own(self, "forward", *args, **kwargs)
     if request is not None:  # a prefill the model computed itself: its complete images become entries
         finish_native(ctx.adapter, request, ctx, kwargs.get("position_ids"))
     return out

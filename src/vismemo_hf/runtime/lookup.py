@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -23,7 +23,7 @@ from vismemo_hf.core.features import (
     sketch_cosine,
     token_sketch,
 )
-from vismemo_hf.core.plan import CacheEvent, HitKind, ImageFeatures, ImagePlan
+from vismemo_hf.core.plan import HitKind, ImageFeatures
 from vismemo_hf.core.thresholds import regional_cosines
 from vismemo_hf.runtime.reference import model_reference
 from vismemo_hf.store.entry import Entry
@@ -32,9 +32,11 @@ from vismemo_hf.store.store import store_call
 logger = logging.getLogger(__name__)
 
 
-@dataclass
-class ImageState:
-    """One image of the request on its way through lookup, planning and execution."""
+@dataclass(frozen=True)
+class ImageMatch:
+    """What the lookup found for one image of the request: where it sits, its features, and the entry it may reuse
+    (``alias``: the cached image's features; ``alias_entry``: the whole entry, exact hits only). Frozen: a runner
+    that cannot use the alias computes the image as ``as_miss()``."""
 
     row: int
     start: int  # first request column of its visual tokens
@@ -43,23 +45,15 @@ class ImageState:
     deepstack: torch.Tensor | None
     descriptors: torch.Tensor | None
     kind: HitKind
+    prefix: str = ""  # hash of the context before the image in its row
     alias: ImageFeatures | None = None
-    alias_entry: Entry | None = None  # the whole entry, exact hits only
+    alias_entry: Entry | None = None
     alias_offset: int = 0
     score: float | None = None
-    offset: int = 0  # M-RoPE start position in this request
-    plan: ImagePlan | None = None
-    prefetched: torch.Tensor | None = None  # approximate hits: tokens read before warmup
-    fetched: object | None = None  # runner.FetchedKV
-    fetch_index: torch.Tensor | None = None  # position of each plan.reuse token in fetched
-    fetch_future: object | None = None  # a background read started before warmup
-    attention: list[torch.Tensor] = field(default_factory=list)  # per warmup layer (H, rows, N)
-    timings: dict[str, float] = field(default_factory=dict)
-    prefix: str = ""  # hash of the text (and earlier images) before the image in its row
-    prefix_changed: bool = False  # exact hits: the stored entry was computed after another prefix
-    restored: tuple | None = None  # (FetchedKV, positions) of masked tokens given back for decoding
-    bytes_read: int = 0  # alias K/V bytes read for this image
+    prefix_changed: bool = False  # exact hits: the stored entry was computed after another context
     lookup_bytes: int = 0  # lookup-section bytes of the candidates the fine stage scored
+    lookup_ms: float = 0.0
+    encoder_ms: float = 0.0
 
     @property
     def n_tokens(self) -> int:
@@ -68,24 +62,9 @@ class ImageState:
     def columns(self, tokens: torch.Tensor) -> torch.Tensor:
         return tokens + self.start
 
-    def event(self) -> CacheEvent:
-        plan = self.plan
-        return CacheEvent(
-            kind=self.kind,
-            alias=self.alias.key if self.alias is not None else None,
-            key=self.features.key,
-            row=self.row,
-            n_tokens=self.n_tokens,
-            recomputed=plan.recompute.numel(),
-            reused=plan.reuse.numel(),
-            masked=plan.mask.numel(),
-            score=self.score,
-            timings=dict(self.timings),
-            plan=plan,
-            prefix_changed=self.prefix_changed,
-            bytes_read=self.bytes_read,
-            lookup_bytes=self.lookup_bytes,
-        )
+    def as_miss(self) -> ImageMatch:
+        return replace(self, kind=HitKind.MISS, alias=None, alias_entry=None, alias_offset=0, score=None,
+                       prefix_changed=False)
 
 
 class DeferredImageFeatures:
@@ -151,13 +130,13 @@ class DeferredImageFeatures:
         return self.resolve()[item]
 
 
-@dataclass
+@dataclass(frozen=True)
 class PrefillRequest:
     """The lookup's result for one prefill. ``needs_runner``: some image reuses K/V (or the cache compresses, or the
     store keeps compressed entries): the prefill runner executes it; else the model's own forward does, and its
     images are stored afterwards."""
 
-    images: list[ImageState]
+    images: tuple[ImageMatch, ...]
     needs_runner: bool = True
 
 
@@ -259,77 +238,85 @@ def video_items(input_ids: torch.Tensor, video_token_id: int, merge: int, videos
 def lookup_request(adapter, cache, input_ids, pixel_values, grids, get_image_features,
                    valid: torch.Tensor | None = None, expand: int = 1, encoded=None,
                    videos=None) -> tuple[PrefillRequest, object]:
-    """Look every image up; return the request state and the ``mm_encoder_outputs["image"]`` object.
+    """Look every image up; return the request's matches and the ``mm_encoder_outputs["image"]`` object.
 
     ``valid``: (B, columns) False at padding, so that a left-padded row hashes its prefix like an unpadded one.
     ``expand``: ``generate`` repeated every row that many times (beam search, ``num_return_sequences``): the
     images of ``pixel_values`` are looked up once per copy of their row. ``encoded``: the tower's output for
     those images when it already ran (it is not run again). ``videos``: what identifies the request's videos
     (``video_items``), part of the context hash of every image after them."""
-    store, fp, merge = cache.store, adapter.fingerprint, adapter.merge
+    merge = adapter.merge
     grid_list = [tuple(int(x) for x in g) for g in grids.tolist()]
     patch_rows = torch.tensor([t * h * w for t, h, w in grid_list]).cumsum(0).tolist()
     pixels = torch.tensor_split(pixel_values, patch_rows[:-1])
     source = _expanded_order(input_ids, adapter.image_token_id, len(grid_list), expand)
     grid_list, pixels = [grid_list[i] for i in source], [pixels[i] for i in source]
-    counts = [t * h * w // merge**2 for t, h, w in grid_list]
-    spans = image_spans(input_ids, adapter.image_token_id, counts)
-
+    spans = image_spans(input_ids, adapter.image_token_id, [t * h * w // merge**2 for t, h, w in grid_list])
     t0 = time.perf_counter()
-    originals = sorted(set(source))
-    key_of = {i: exact_key(fp, pixels[source.index(i)], grid_list[source.index(i)]) for i in originals}
-    entry_of = {i: store_call("read", lambda k=key_of[i]: store.get(k, fp), None) for i in originals}
-    hit_of = {i: _usable(adapter, cache, entry_of[i], key_of[i], grid_list[source.index(i)]) for i in originals}
-    keys = [key_of[i] for i in source]
-    entries = [entry_of[i] for i in source]
-    exact = [hit_of[i] for i in source]
-    t_exact = (time.perf_counter() - t0) * 1e3
-
-    todo = [i for i in originals if not hit_of[i]]
-    encoded_of: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
-    t_encoder = 0.0
-    if todo:
-        t0 = time.perf_counter()
-        if encoded is not None:
-            per_image = adapter.split_encoded(encoded)
-            encoded_of = {i: per_image[i] for i in todo}
-        else:
-            fresh = adapter.encode(get_image_features, torch.cat([pixels[source.index(i)] for i in todo]),
-                                   torch.tensor([grid_list[source.index(i)] for i in todo]))
-            encoded_of = dict(zip(todo, fresh))
-        t_encoder = (time.perf_counter() - t0) * 1e3
-    encoded = {j: encoded_of[i] for j, i in enumerate(source) if i in encoded_of}
-
+    originals = {i: source.index(i) for i in sorted(set(source))}  # original image -> its first copy
+    keys = {i: exact_key(adapter.fingerprint, pixels[j], grid_list[j]) for i, j in originals.items()}
+    entries = {i: _exact_entry(adapter, cache, keys[i], grid_list[j]) for i, j in originals.items()}
+    exact_ms = (time.perf_counter() - t0) * 1e3 / max(1, len(source))
+    t0 = time.perf_counter()
+    todo = [i for i in originals if entries[i] is None]
+    encodings = _encode(adapter, get_image_features, todo, encoded, [pixels[originals[i]] for i in todo],
+                        [grid_list[originals[i]] for i in todo])
+    encoder_ms = (time.perf_counter() - t0) * 1e3
+    contexts = _contexts(input_ids, valid, spans, [keys[i] for i in source],
+                         video_items(input_ids, adapter.video_token_id, merge, videos))
     images = []
-    earlier: dict[int, list[tuple[int, str]]] = {r: list(v) for r, v in
-                                                 video_items(input_ids, adapter.video_token_id, merge, videos).items()}
-    for i, ((row, start), key, grid) in enumerate(zip(spans, keys, grid_list)):
+    for j, i in enumerate(source):
         t0 = time.perf_counter()
-        before = [ident for at, ident in sorted(earlier.get(row, [])) if at < start]
-        prefix = prefix_digest(input_ids[row], None if valid is None else valid[row], start, before)
-        earlier.setdefault(row, []).append((start, key))
-        if exact[i]:
-            entry = entries[i]
-            feats = entry.features()
-            state = ImageState(row, start, feats, entry.embeds, entry.deepstack, entry.descriptors, HitKind.EXACT,
-                               alias=feats, alias_entry=entry, alias_offset=entry.offset, score=1.0,
-                               prefix=prefix, prefix_changed=entry.prefix != prefix)
-            encoder_ms = 0.0
+        (row, start), prefix, entry = spans[j], contexts[j], entries[i]
+        if entry is not None:
+            match = _exact_match(row, start, entry, prefix)
         else:
-            embeds, deepstack = encoded[i]
-            entropy = patch_entropy(pixels[i], **adapter.entropy_kwargs())
-            feats = ImageFeatures(key, grid, embeds, entropy, patch_hashes(pixels[i], merge))
-            desc = region_descriptors(embeds, grid, merge)
-            state = ImageState(row, start, feats, embeds, deepstack, desc, HitKind.MISS, prefix=prefix)
-            _approximate(adapter, state, cache, fp, get_image_features)
-            encoder_ms = t_encoder
-        state.timings["lookup"] = t_exact / len(keys) + (time.perf_counter() - t0) * 1e3
-        state.timings["encoder"] = encoder_ms
-        images.append(state)
-    outputs = adapter.encoder_outputs([(s.embeds, s.deepstack) for s in images])
-    compressing = cache.compress is not None or (cache.store_misses and getattr(store, "keep_ratio", None) is not None)
-    needs_runner = compressing or any(s.kind is not HitKind.MISS for s in images)
-    return PrefillRequest(images, needs_runner), outputs
+            embeds, deepstack = encodings[i]
+            feats = ImageFeatures(keys[i], grid_list[j], embeds, patch_entropy(pixels[j], **adapter.entropy_kwargs()),
+                                  patch_hashes(pixels[j], merge))
+            match = ImageMatch(row, start, feats, embeds, deepstack, region_descriptors(embeds, grid_list[j], merge),
+                               HitKind.MISS, prefix, encoder_ms=encoder_ms)
+            match = _approximate(adapter, match, cache, get_image_features)
+        images.append(replace(match, lookup_ms=exact_ms + (time.perf_counter() - t0) * 1e3))
+    outputs = adapter.encoder_outputs([(m.embeds, m.deepstack) for m in images])
+    compressing = cache.compress is not None or (cache.store_misses and cache.store.keep_ratio is not None)
+    needs_runner = compressing or any(m.kind is not HitKind.MISS for m in images)
+    return PrefillRequest(tuple(images), needs_runner), outputs
+
+
+def _exact_entry(adapter, cache, key: str, grid) -> Entry | None:
+    """The stored entry of ``key`` if it can serve this model, else None."""
+    entry = store_call("read", lambda: cache.store.get(key, adapter.fingerprint), None)
+    return entry if _usable(adapter, cache, entry, key, grid) else None
+
+
+def _exact_match(row: int, start: int, entry: Entry, prefix: str) -> ImageMatch:
+    feats = entry.features()
+    return ImageMatch(row, start, feats, entry.embeds, entry.deepstack, entry.descriptors, HitKind.EXACT, prefix,
+                      alias=feats, alias_entry=entry, alias_offset=entry.offset, score=1.0,
+                      prefix_changed=entry.prefix != prefix)
+
+
+def _encode(adapter, get_image_features, todo: list[int], encoded, pixels, grids) -> dict:
+    """Encoder output (embeds, deepstack) of the images without an exact hit: from the tower's earlier run when
+    there was one, else one batch through it now."""
+    if not todo:
+        return {}
+    if encoded is not None:
+        per_image = adapter.split_encoded(encoded)
+        return {i: per_image[i] for i in todo}
+    return dict(zip(todo, adapter.encode(get_image_features, torch.cat(pixels), torch.tensor(grids))))
+
+
+def _contexts(input_ids, valid, spans, keys, videos: dict) -> list[str]:
+    """The context hash of every image: the row's text before it and the images and videos before it."""
+    earlier = {row: list(items) for row, items in videos.items()}
+    out = []
+    for (row, start), key in zip(spans, keys):
+        before = [ident for at, ident in sorted(earlier.get(row, [])) if at < start]
+        out.append(prefix_digest(input_ids[row], None if valid is None else valid[row], start, before))
+        earlier.setdefault(row, []).append((start, key))
+    return out
 
 
 #: model references computed in this process, by fingerprint (a new store of a known model reuses them)
@@ -348,47 +335,47 @@ def _reference(adapter, store, get_image_features):
     return store.reference(fp)
 
 
-def _approximate(adapter, state: ImageState, cache, fp: str, get_image_features) -> None:
+def _approximate(adapter, match: ImageMatch, cache, get_image_features) -> ImageMatch:
     """Coarse stage (the store's descriptor index), then the fine stage from each candidate's lookup section
-    (descriptors and token sketches, never its encoder output); sets kind/alias on success. Both stages compare
-    embeddings centred by the model's reference means (``thresholds.py``)."""
+    (descriptors and token sketches, never its encoder output): the match as an approximate hit, or unchanged. Both
+    stages compare embeddings centred by the model's reference means (``core/thresholds.py``)."""
+    fp = adapter.fingerprint
     if cache.top_k == 0:
-        return
-    if cache.policy.warmup_layers >= adapter.num_layers:  # no layer left to reuse: computed in full
-        logger.info("vismemo: warmup_layers=%d leaves no layer to reuse in a %d-layer model; no approximate lookup",
-                    cache.policy.warmup_layers, adapter.num_layers)
-        return
+        return match
+    if cache.policy.decision_layer(HitKind.APPROXIMATE) >= adapter.num_layers:  # nothing left to reuse
+        logger.info("vismemo: the routing's warmup leaves no layer to reuse in a %d-layer model; no approximate "
+                    "lookup", adapter.num_layers)
+        return match
     thresholds = cache.lookup_thresholds(fp)
     if thresholds.fingerprint not in (None, fp):
         raise ValueError(f"lookup thresholds calibrated for model {thresholds.fingerprint[:12]} used with model "
                          f"{fp[:12]}: run `vismemo calibrate` for this model or pass thresholds=None")
     reference = store_call("index", lambda: _reference(adapter, cache.store, get_image_features), None)
     if reference is None:
-        return
-    tau_fine = thresholds.fine_for(reference)
-    feats = state.features
-    found = store_call("index", lambda: cache.store.candidates(fp, feats.grid, state.descriptors, thresholds.tau,
+        return match
+    feats = match.features
+    found = store_call("index", lambda: cache.store.candidates(fp, feats.grid, match.descriptors, thresholds.tau,
                                                                cache.top_k), [])
     sketch = token_sketch(feats.embeds) if found else None
-    best, best_score = None, float("-inf")
+    best, best_score, read = None, float("-inf"), 0
     for key, _ in found:
         section = store_call("read", lambda k=key: cache.store.sketch(k, fp), None)
         if section is None:
             continue
         descriptors, other = section
-        state.lookup_bytes += descriptors.numel() * 4 + other.numel() * 2
-        if descriptors.shape != state.descriptors.shape or other.shape != sketch.shape:
+        read += descriptors.numel() * 4 + other.numel() * 2
+        if descriptors.shape != match.descriptors.shape or other.shape != sketch.shape:
             continue
-        if not bool((regional_cosines(state.descriptors, descriptors, reference.descriptor_mean) > thresholds.tau).all()):
+        if not bool((regional_cosines(match.descriptors, descriptors, reference.descriptor_mean) > thresholds.tau).all()):
             continue  # the projected index let it through; the exact coarse rule does not
         score = float(sketch_cosine(sketch, other, reference.token_mean).mean())
         if score > best_score:
             best, best_score = key, score
-    if best is None or best_score < tau_fine:
-        return
+    match = replace(match, lookup_bytes=read)
+    if best is None or best_score < thresholds.fine_for(reference):
+        return match
     entry = store_call("read", lambda: cache.store.peek(best, fp), None)
-    if _usable(adapter, cache, entry, best, feats.grid):
-        state.kind = HitKind.APPROXIMATE
-        state.alias = entry.features()
-        state.alias_offset = entry.offset
-        state.score = best_score
+    if not _usable(adapter, cache, entry, best, feats.grid):
+        return match
+    return replace(match, kind=HitKind.APPROXIMATE, alias=entry.features(), alias_offset=entry.offset,
+                   score=best_score)

@@ -1,0 +1,249 @@
+"""Every read of cached K/V during a prefill: the prefetch before warmup, the reads a plan still needs, the
+per-layer gather of reused tokens and the masked tokens given back for decoding.
+
+Reads come from the exact hit's entry (already in memory) or from the store (sparse reads of an approximate hit's
+alias), keys re-rotated to this request's offset. A read that fails or comes back malformed leaves the image with
+nothing to reuse: the runner computes it as a miss. A compressed alias holds some tokens only; reads address
+its stored rows, and ``cached_at`` fills the tokens it lacks.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+
+from vismemo_hf.core.plan import HitKind
+from vismemo_hf.core.rope import rerotate
+from vismemo_hf.store.store import store_call
+from vismemo_hf.store.tiers import token_rows
+
+logger = logging.getLogger(__name__)
+
+_POOL = ThreadPoolExecutor(max_workers=2, thread_name_prefix="vismemo-fetch")
+
+
+@dataclass
+class FetchedKV:
+    """Alias K/V read for some tokens (sorted) from ``first_layer`` on; keys already at this request's offset."""
+
+    tokens: torch.Tensor
+    first_layer: int
+    keys: torch.Tensor  # (L - first_layer, H, T, D)
+    values: torch.Tensor
+
+    def covers(self, tokens: torch.Tensor) -> bool:
+        return bool(torch.isin(tokens, self.tokens).all())
+
+    def positions(self, tokens: torch.Tensor) -> torch.Tensor:
+        return torch.searchsorted(self.tokens, tokens)
+
+
+@dataclass
+class _Reads:
+    """What has been read for one image."""
+
+    fetched: FetchedKV | None = None
+    asked: bool = False  # a read was started
+    pending: object | None = None  # a background read
+    reuse_index: torch.Tensor | None = None  # position of each of the plan's reused tokens in ``fetched``
+    restored: tuple | None = None  # (FetchedKV, tokens, positions) of masked tokens given back for decoding
+    bytes: int = 0
+    timings: dict = field(default_factory=dict)
+
+
+def stored_tokens(alias, tokens: torch.Tensor) -> torch.Tensor:
+    """The ``tokens`` whose K/V the alias entry holds (all of them unless it is compressed)."""
+    return tokens if alias.kv_tokens is None else tokens[alias.stored(tokens)]
+
+
+class AliasReader:
+    """Reads of cached K/V for the images of one prefill (indexed as in the request)."""
+
+    def __init__(self, adapter, store, matches) -> None:
+        self.adapter, self.store, self.matches = adapter, store, matches
+        self._reads = {i: _Reads() for i in range(len(matches))}
+        self._inv_freq = adapter.inv_freq
+
+    # -- reading -----------------------------------------------------------------------------------------
+    def _read(self, i: int, tokens: torch.Tensor, first_layer: int, offset: int):
+        """(FetchedKV or None, ms): the alias K/V of ``tokens`` (sorted) at layers >= ``first_layer``."""
+        m = self.matches[i]
+        t0 = time.perf_counter()
+        try:
+            rows = m.alias.stored_rows(tokens)  # rows of the stored K/V (fewer than tokens in a compressed entry)
+        except ValueError as err:  # a token the alias does not hold: nothing to reuse (a miss, never an error)
+            logger.warning("vismemo: %s", err)
+            return None, (time.perf_counter() - t0) * 1e3
+        if m.kind is HitKind.EXACT:
+            kv = token_rows(m.alias_entry.kv, rows)[:, first_layer:]
+        else:
+            kv = store_call("read", lambda: self.store.get_tokens(m.alias.key, self.adapter.fingerprint, rows,
+                                                                  first_layer), None)
+        fetched = None
+        if kv is not None and kv.shape[:2] == (tokens.numel(), self.adapter.num_layers - first_layer):
+            self._reads[i].bytes += kv.numel() * kv.element_size()
+            keys = rerotate(kv[:, :, 0].permute(1, 2, 0, 3), offset - m.alias_offset, self._inv_freq)  # (L', H, T, D)
+            fetched = FetchedKV(tokens, first_layer, keys, kv[:, :, 1].permute(1, 2, 0, 3))
+        return fetched, (time.perf_counter() - t0) * 1e3
+
+    def _add_time(self, i: int, name: str, ms: float) -> None:
+        timings = self._reads[i].timings
+        timings[name] = timings.get(name, 0.0) + ms
+
+    def fetch(self, i: int, tokens: torch.Tensor, first_layer: int, offset: int, background: bool = False) -> bool:
+        """Read now, or (``background``) start reading on the fetch thread so that the read overlaps warmup."""
+        reads = self._reads[i]
+        reads.asked = True
+        if background:
+            reads.pending = _POOL.submit(self._read, i, tokens, first_layer, offset)
+            return True
+        reads.fetched, ms = self._read(i, tokens, first_layer, offset)
+        self._add_time(i, "fetch", ms)
+        self._add_time(i, "fetch_wait", ms)
+        return reads.fetched is not None
+
+    def wait(self, i: int) -> bool:
+        """Finish a background read (the time still spent waiting is ``fetch_wait``); False: a read was asked for
+        and gave nothing."""
+        reads = self._reads[i]
+        if reads.pending is not None:
+            t0 = time.perf_counter()
+            reads.fetched, ms = reads.pending.result()
+            reads.pending = None
+            self._add_time(i, "fetch", ms)
+            self._add_time(i, "fetch_wait", (time.perf_counter() - t0) * 1e3)
+        return reads.fetched is not None or not reads.asked
+
+    def bind(self, i: int, plan, offset: int) -> bool:
+        """Point the plan's reuse set at read K/V, reading again only if the prefetch does not cover it. False: the
+        alias K/V are unavailable (the image must be computed)."""
+        self.wait(i)
+        reads = self._reads[i]
+        if plan.reuse.numel() == 0:
+            return True
+        first = int(plan.reuse_from.min())
+        f = reads.fetched
+        if f is None or f.first_layer > first or not f.covers(plan.reuse):
+            if not self.fetch(i, plan.reuse, first, offset):
+                return False
+        reads.reuse_index = reads.fetched.positions(plan.reuse)
+        return True
+
+    def forget(self, i: int) -> None:
+        """The image will be computed: nothing of its alias is used."""
+        self._reads[i] = _Reads(bytes=self._reads[i].bytes, timings=self._reads[i].timings)
+
+    def cached_at(self, i: int, layer: int, fill=None) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The alias's (K, V) of every token of image ``i`` at ``layer``, (H, N, D) each, if they were read. A
+        compressed alias lacks some tokens: ``fill`` (K, V) stands in for them (without it: None)."""
+        m = self.matches[i]
+        stored = stored_tokens(m.alias, torch.arange(m.n_tokens))
+        f = self._reads[i].fetched
+        if f is None or f.first_layer > layer or not f.covers(stored):
+            return None
+        at = layer - f.first_layer
+        if stored.numel() < m.n_tokens:
+            if fill is None:
+                return None
+            pos = f.positions(stored)
+            out = tuple(x.clone() for x in fill)
+            out[0][:, stored.to(out[0].device)] = f.keys[at][:, pos].to(out[0].device, out[0].dtype)
+            out[1][:, stored.to(out[1].device)] = f.values[at][:, pos].to(out[1].device, out[1].dtype)
+            return out
+        if f.tokens.numel() == m.n_tokens:  # every token, in order: no gather
+            return f.keys[at], f.values[at]
+        pos = f.positions(stored)
+        return f.keys[at][:, pos], f.values[at][:, pos]
+
+    # -- per-layer gather ---------------------------------------------------------------------------------
+    def reused(self, layer: int, plans: dict, batch: int):
+        """Reused K/V at ``layer``: keys, values (B, H, R, D) and their columns (B, R), or None. ``plans``: image
+        index -> its plan (images being computed have none)."""
+
+        def select(i):
+            reads, plan = self._reads[i], plans.get(i)
+            if plan is None or reads.reuse_index is None:
+                return None
+            chosen = plan.reuse_selected_at(layer)
+            return reads.fetched, plan.reuse[chosen], reads.reuse_index[chosen]
+
+        return self._gather(layer, select, batch)
+
+    def restore(self, plans: dict, offsets: dict, batch: int):
+        """Plans with ``restore_masked``: the alias's K/V of their masked tokens for each late layer (for decoding),
+        as (layer, keys, values, columns); the tokens a compressed alias lacks stay out."""
+        wanted = [i for i, p in plans.items() if p.restore_masked and p.mask.numel()]
+        for i in wanted:
+            masked = stored_tokens(self.matches[i].alias, plans[i].mask)
+            if not masked.numel():
+                continue
+            f = self._reads[i].fetched
+            first = plans[i].warmup_layers
+            if f is None or f.first_layer > first or not f.covers(masked):
+                f, ms = self._read(i, masked, first, offsets[i])
+                self._add_time(i, "fetch", ms)
+                if f is None:
+                    logger.warning("vismemo: masked tokens of %s not restored (alias K/V unavailable)",
+                                   self.matches[i].features.key[:12])
+                    continue
+            self._reads[i].restored = (f, masked, f.positions(masked))
+        restoring = [i for i in wanted if self._reads[i].restored is not None]
+        if not restoring:
+            return
+        for layer in range(min(plans[i].warmup_layers for i in restoring), self.adapter.num_layers):
+
+            def select(i, layer=layer):
+                if i not in restoring or layer < plans[i].warmup_layers:
+                    return None
+                return self._reads[i].restored
+
+            gathered = self._gather(layer, select, batch)
+            if gathered is not None:
+                yield (layer, *gathered)
+
+    def _gather(self, layer: int, select, batch: int):
+        """The K/V at ``layer`` of the tokens ``select(i)`` names ((FetchedKV, tokens, positions in it), or None), on
+        the device that layer computes on: keys, values (B, H, T, D) and their columns (B, T), or None."""
+        device = self.adapter.layer_device(layer)
+        per_row = [[] for _ in range(batch)]
+        for i, m in enumerate(self.matches):
+            picked = select(i)
+            if picked is None or picked[1].numel() == 0:
+                continue
+            f, tokens, idx = picked
+            at = layer - f.first_layer
+            if idx.numel() == f.tokens.numel():  # every read token, in order: no gather
+                keys, values = f.keys[at], f.values[at]
+            else:
+                idx = idx.to(f.keys.device)
+                keys, values = f.keys[at][:, idx], f.values[at][:, idx]
+            per_row[m.row].append((keys.to(device, non_blocking=True), values.to(device, non_blocking=True),
+                                   m.columns(tokens).to(device)))
+        if not any(per_row):
+            return None
+        if batch == 1 and len(per_row[0]) == 1:  # the common case: one image, no padding to build
+            keys, values, cols = per_row[0][0]
+            return keys[None], values[None], cols[None]
+        width = max(sum(p[2].numel() for p in parts) for parts in per_row)
+        ref = next(p for parts in per_row for p in parts)[0]
+        keys = ref.new_zeros(batch, ref.shape[0], width, ref.shape[-1])
+        values = ref.new_zeros(batch, ref.shape[0], width, ref.shape[-1])
+        cols = torch.full((batch, width), -1, dtype=torch.long, device=device)
+        for b, parts in enumerate(per_row):
+            if parts:
+                n = sum(p[2].numel() for p in parts)
+                keys[b, :, :n] = torch.cat([p[0] for p in parts], dim=1)
+                values[b, :, :n] = torch.cat([p[1] for p in parts], dim=1)
+                cols[b, :n] = torch.cat([p[2] for p in parts])
+        return keys, values, cols
+
+    # -- accounting ---------------------------------------------------------------------------------------
+    def bytes_read(self, i: int) -> int:
+        return self._reads[i].bytes
+
+    def timings(self, i: int) -> dict:
+        return dict(self._reads[i].timings)

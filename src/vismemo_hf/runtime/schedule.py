@@ -1,0 +1,172 @@
+"""The schedule of a prefill: from the images' plans to each layer's layout. Pure tensor code, no model.
+
+At layer l a row's *active* columns are its text (and padding) plus the visual tokens its images' plans compute
+there; the layer's *slots* are the K/V it attends over: reused tokens preloaded from their alias, then the
+active ones. A ``Layout`` holds what attention needs for one layer: the queries' columns, the order that sorts
+the slots by column, the boolean mask in that order and its query blocks. Plans only shrink the computed set
+with depth, so a layout is rebuilt only at the layers where it changes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+#: query rows per block at least (smaller blocks cost more in call overhead than they save)
+MIN_BLOCK_ROWS = 32
+MAX_BLOCKS = 16
+
+
+def pad_rows(rows: list[torch.Tensor], fill: int, device) -> torch.Tensor:
+    """(B, max len) long tensor of ``rows``, short rows padded with ``fill``."""
+    width = max((r.numel() for r in rows), default=0)
+    out = torch.full((len(rows), width), fill, dtype=torch.long, device=device)
+    for i, r in enumerate(rows):
+        out[i, : r.numel()] = r
+    return out
+
+
+def positions_of(columns: torch.Tensor, length: int) -> torch.Tensor:
+    """(B, length) position of each request column inside ``columns`` (B, A) (-1 where it is absent): the
+    inverse of a padded column layout."""
+    where = torch.full((columns.shape[0], length), -1, dtype=torch.long, device=columns.device)
+    ok = columns >= 0
+    rows = torch.arange(columns.shape[0], device=columns.device)[:, None].expand_as(columns)
+    where[rows[ok], columns[ok]] = torch.nonzero(ok)[:, 1]
+    return where
+
+
+def slot_mask(key_columns: torch.Tensor, query_columns: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
+    """(B, 1, q, S) boolean: a query sees a slot whose column is not after its own and is not padding. A query with
+    nothing to see stays fully masked, as in the model's own masks (SDPA gives it zeros; never read)."""
+    allowed = (key_columns[:, None, :] <= query_columns[:, :, None]) & (key_columns[:, None, :] >= 0)
+    if valid is not None:
+        allowed &= valid.gather(1, key_columns.clamp(min=0))[:, None, :]
+    return allowed[:, None]
+
+
+def causal_mask(batch: int, length: int, valid: torch.Tensor | None, device) -> torch.Tensor | None:
+    """The plain layout's mask: None without padding (SDPA's causal mode is exact and faster)."""
+    if valid is None:
+        return None
+    cols = torch.arange(length, device=device)
+    return slot_mask(cols.expand(batch, -1), cols.expand(batch, -1), valid)
+
+
+def query_blocks(mask: torch.Tensor) -> list[tuple[int, int, int]]:
+    """(first row, end row, key end) of each query block of a boolean (B, 1, q, S) mask: the block's rows see
+    no key slot at or after ``key end``. One block (the whole mask) when the queries are few."""
+    q_len, s_len = mask.shape[-2:]
+    blocks = min(MAX_BLOCKS, q_len // MIN_BLOCK_ROWS)
+    if blocks <= 1:
+        return [(0, q_len, s_len)]
+    bounds = torch.linspace(0, q_len, blocks + 1).round().long().tolist()
+    out = []
+    for r0, r1 in zip(bounds[:-1], bounds[1:]):
+        seen = torch.nonzero(mask[:, :, r0:r1].any(dim=(0, 1, 2))).flatten()
+        out.append((r0, r1, int(seen[-1]) + 1 if seen.numel() else s_len))
+    return out
+
+
+@dataclass(frozen=True)
+class Layout:
+    """What one layer's attention needs. ``incoming``: (B, q) request columns of its queries; ``order``: (B, S) the
+    permutation that sorts its slots by column (None: sorted already); ``mask``: (B, 1, q, S) in that order;
+    ``blocks``: ``query_blocks`` of the mask."""
+
+    incoming: torch.Tensor
+    order: torch.Tensor | None
+    mask: torch.Tensor
+    blocks: list
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where one image sits and what its plan computes: ``plan`` None means undecided (every token computed)."""
+
+    row: int
+    start: int
+    n_tokens: int
+    plan: object | None
+
+
+class Schedule:
+    """Active columns and slot layouts of one prefill, each built once per change."""
+
+    def __init__(self, batch: int, length: int, valid: torch.Tensor | None, device) -> None:
+        self.batch, self.length, self.valid, self.device = batch, length, valid, device
+        self.all_columns = torch.arange(length, device=device).expand(batch, -1)
+        self._active_key, self._active = None, None
+        self._slots, self._layout = None, None
+
+    def active(self, layer: int, images: list[Placement]) -> torch.Tensor:
+        """(B, A) request columns computed at ``layer``; -1 pads short rows."""
+        key = tuple((id(p.plan), p.plan.computed_count_at(layer)) if p.plan is not None else None for p in images)
+        if key != self._active_key:
+            self._active_key, self._active = key, self._build_active(layer, images)
+        return self._active
+
+    def _build_active(self, layer: int, images: list[Placement]) -> torch.Tensor:
+        rows = []
+        for b in range(self.batch):
+            keep = torch.ones(self.length, dtype=torch.bool)
+            for p in images:
+                if p.row != b:
+                    continue
+                keep[p.start : p.start + p.n_tokens] = False
+                tokens = p.plan.computed_at(layer) if p.plan is not None else torch.arange(p.n_tokens)
+                keep[tokens + p.start] = True
+            rows.append(torch.nonzero(keep).flatten())
+        return pad_rows(rows, -1, self.device)
+
+    def is_plain(self, active: torch.Tensor, reused_columns: torch.Tensor | None) -> bool:
+        """Every column computed, nothing reused: the model's own masks apply."""
+        return reused_columns is None and active.shape == self.all_columns.shape and torch.equal(active,
+                                                                                                 self.all_columns)
+
+    def layout(self, active: torch.Tensor, reused_columns: torch.Tensor | None) -> Layout:
+        """The slot layout of a layer whose slots are ``reused_columns`` (B, R) then ``active`` (B, A)."""
+        slots = active if reused_columns is None else torch.cat([reused_columns, active], dim=1)
+        if self._slots is None or not torch.equal(self._slots, slots):  # same slots: same mask
+            order = slots.argsort(dim=1, stable=True)
+            ordered = bool((slots[:, 1:] >= slots[:, :-1]).all())
+            mask = slot_mask(slots if ordered else slots.gather(1, order), active, self.valid)
+            self._slots = slots
+            self._layout = Layout(active, None if ordered else order, mask, query_blocks(mask))
+        return self._layout
+
+
+class ActiveStates:
+    """The hidden states of the columns a layer computes, with their rotary embeddings; columns a later layer no
+    longer computes are parked, by column, in the output buffer."""
+
+    def __init__(self, columns: torch.Tensor, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+        self.columns, self.hidden, self.cos, self.sin = columns, hidden, cos, sin
+        self._cos_all, self._sin_all = cos, sin
+        self._out = hidden.clone()
+
+    def _park(self) -> None:
+        ok = self.columns >= 0
+        rows = torch.arange(self.columns.shape[0], device=ok.device)[:, None].expand_as(self.columns)
+        self._out[rows[ok], self.columns[ok]] = self.hidden[ok].to(self._out.dtype)
+
+    def narrow(self, columns: torch.Tensor) -> None:
+        """Keep the states of ``columns`` (B, A'), a subset of the current columns of every row."""
+        if torch.equal(columns, self.columns):
+            return
+        self._park()
+        where = positions_of(self.columns, self._out.shape[1])
+        idx = where.gather(1, columns.clamp(min=0))
+        if bool(((idx < 0) & (columns >= 0)).any()):
+            raise RuntimeError("a plan computes a token at a layer after one where it was not computed")
+        idx = idx.clamp(min=0)
+        self.hidden = self.hidden.gather(1, idx[..., None].expand(-1, -1, self.hidden.shape[-1]))
+        cols = columns.clamp(min=0)[..., None].expand(-1, -1, self._cos_all.shape[-1])
+        self.cos, self.sin = self._cos_all.gather(1, cols), self._sin_all.gather(1, cols)
+        self.columns = columns
+
+    def result(self) -> torch.Tensor:
+        """(B, L, d): every column's last computed state."""
+        self._park()
+        return self._out
