@@ -10,6 +10,8 @@ loss plus training-only probes that make reading learnable on a CPU budget:
 * at the input of the last layer each token of a record cell names the cell's text, its row's key (value cells),
   its row's first key letter and its column's name, and whether the instruction selected its column (so the
   image's K/V depend on the text before the image);
+* the positions that predict the answer name, in the same readout, what they look for: the asked row's first
+  key letter and column (key -> value, row and column -> cell), or the asked value (value -> key);
 * one head of the last layer is supervised to look, at every answer character, at the tokens of the value cell
   the question is about (value -> key reads the key from that cell's row tag).
 
@@ -151,6 +153,23 @@ def token_targets(page: docpage.DocPage, question: docpage.Question) -> tuple[to
     return ocr, word
 
 
+def query_target(page: docpage.DocPage, question: docpage.Question) -> torch.Tensor:
+    """(WORD_SLOTS,) what the answer positions name (-100: not asked of them): the slots of the value cell's
+    target that identify it for this question."""
+    target = torch.full((WORD_SLOTS,), -100, dtype=torch.long)
+    if question.kind == "key":
+        for i, ch in enumerate(page.values[question.row][question.column]):
+            target[i] = glyph_class(ch)
+        return target
+    target[8] = glyph_class(page.keys[question.row][0])
+    if len(page.columns) > 1:
+        name = page.columns[question.column]
+        target[9], target[10] = glyph_class(name[0]), glyph_class(name[1])
+        if question.kind == "value":
+            target[11] = glyph_class("1")
+    return target
+
+
 def _batch(processor, items):
     """Tokenised batch (left padded so every answer ends its row), labels on the answers, and the samples' targets."""
     processor.tokenizer.padding_side = "left"
@@ -178,8 +197,14 @@ def losses(model, probes, batch, labels, items) -> dict[str, torch.Tensor]:
     ocr = torch.nn.functional.cross_entropy(probes.ocr(mid).view(-1, CLASSES), ocr_t.view(-1))
     late = out.hidden_states[-2][visual]
     word = torch.nn.functional.cross_entropy(probes.word(late).view(-1, CLASSES), word_t.view(-1))
+    predicting = torch.zeros_like(labels, dtype=torch.bool)
+    predicting[:, :-1] = labels[:, 1:] != -100
+    counts = predicting.sum(1)
+    asked = torch.cat([query_target(p, q)[None].expand(int(n), -1) for (p, q), n in zip(items, counts)])
+    query = torch.nn.functional.cross_entropy(probes.word(out.hidden_states[-2][predicting]).view(-1, CLASSES),
+                                              asked.reshape(-1), ignore_index=-100)
     look = _look_loss(out.attentions[-1][:, 0], visual, items, labels)
-    return {"qa": qa, "ocr": ocr, "word": word, "look": look}
+    return {"qa": qa, "ocr": ocr, "word": word, "query": query, "look": look}
 
 
 def _look_loss(attention, visual, items, labels) -> torch.Tensor:
@@ -264,7 +289,7 @@ def train(out: str | Path, minutes: float = 55.0, max_steps: int = 20000, batch_
         items = [sample(rng, max_rows, full_share=full_share) for _ in range(batch_size)]
         batch, labels = _batch(processor, items)
         parts = losses(model, probes, batch, labels, items)
-        loss = parts["qa"] + parts["ocr"] + parts["word"] + 0.5 * parts["look"]
+        loss = parts["qa"] + parts["ocr"] + parts["word"] + parts["query"] + 0.5 * parts["look"]
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
