@@ -13,7 +13,7 @@ import time
 
 from vismemo_hf import VisMemoCache, VisMemoStore, enable
 from vismemo_hf.bench.latency import page_pair, request_inputs, timed_prefill
-from vismemo_hf.loading import load_model
+from vismemo_hf.eval.loading import load_model
 from vismemo_hf.runtime import attention
 
 

@@ -14,7 +14,7 @@ pytestmark = pytest.mark.skipif(not (docqa.PACKAGED / "config.json").is_file(), 
 def test_packaged_checkpoint_is_small_and_loads_by_name():
     size = sum(f.stat().st_size for f in docqa.PACKAGED.iterdir())
     assert size < 20 * 2**20
-    from vismemo_hf.loading import load_model
+    from vismemo_hf.eval.loading import load_model
 
     model, processor = load_model(docqa.MODEL_NAME)
     assert model.config.model_type == "qwen2_vl" and processor.tokenizer.eos_token == "<|im_end|>"

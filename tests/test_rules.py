@@ -49,7 +49,7 @@ def test_a_candidate_with_three_matching_regions_and_one_unrelated_region_is_not
     tau = (low + high) / 2  # three regions pass it, one does not
     # the index is not asked (every stored key is a candidate) and the fine stage accepts anything:
     # only the exact coarse rule can refuse the alias
-    monkeypatch.setattr(store, "candidates", lambda fp, grid, d, tau, k: [(key, 1.0) for key in store._where])
+    monkeypatch.setattr(store, "candidates", lambda fp, grid, d, tau, k: [(key, 1.0) for key in store.catalog.where])
     cache = vismemo_hf.VisMemoCache(store=store, tau=tau, tau_fine=-1.0, store_misses=False)
     generate(model, build_inputs(processor, [patched]), cache, 1)
     assert cache.events[0].kind is HitKind.MISS
@@ -72,7 +72,7 @@ def test_an_entry_whose_blob_names_another_model_is_a_miss_even_when_the_index_s
                          disk_dir=tmp_path / "d" if tier == "disk" else None)
     store.put(_entry("a", n=4, layers=3))
     store.flush()
-    assert store.tier_of("a") == tier and store._where["a"][0] == "fp"  # the index says: model "fp"
+    assert store.tier_of("a") == tier and store.catalog.where["a"][0] == "fp"  # the index says: model "fp"
     if tier == "device":
         foreign = _entry("a", n=4, layers=3)
         foreign.fingerprint = "other-model"
@@ -197,7 +197,7 @@ def _plant(store, tier, key, data):
         client = store.remote.client
         client.set(store.remote._blob_key(key), data)
         client.hset(f"{store.remote.prefix}:index", key, record)
-    store._where[key] = ("fp", (1, 4, 4))
+    store.catalog.where[key] = ("fp", (1, 4, 4))
 
 
 @pytest.mark.parametrize("tier", ["host", "disk", "remote"])

@@ -38,7 +38,7 @@ def check_invariants(store: VisMemoStore) -> None:
     in_tiers = set(store.device.lru) | set(store.host.lru) | set(store.victim.lru)
     if store.disk is not None:
         in_tiers |= set(store.disk.lru)
-    assert stats["entries"] == len(store) == len(in_tiers) == len(store._index)
+    assert stats["entries"] == len(store) == len(in_tiers) == len(store.catalog.index)
     assert not set(store.device.lru) & (set(store.host.lru) | set(store.victim.lru))
 
 
@@ -81,9 +81,8 @@ def test_sparse_reads_touch_exactly_the_expected_ranges(tmp_path, tier, dtype):
     before = store.stats()["bytes_read_sparse"]
     ranges = []
     if tier == "disk":  # record the positioned reads (offset, length) the sparse read makes
-        pread = store.disk._pread
-        store.disk._pread = lambda handle, offset, length: (ranges.append((offset, length)),
-                                                            pread(handle, offset, length))[1]
+        read = store.disk.ranges
+        store.disk.ranges = lambda key, spans: (ranges.extend((s, n) for s, n in spans), read(key, spans))[1]
     got = store.get_tokens("sparse", "fp", tokens, 2)
     full = store.get("sparse", "fp")
     assert torch.equal(got, entry.kv[tokens][:, 2:]) and torch.equal(got, full.kv.cpu()[tokens][:, 2:])

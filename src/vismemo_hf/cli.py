@@ -39,7 +39,7 @@ def demo(args) -> int:
     from vismemo_hf import VisMemoCache, VisMemoStore, enable
     from vismemo_hf.eval import synthdoc
     from vismemo_hf.eval.docqa import messages
-    from vismemo_hf.loading import load_model
+    from vismemo_hf.eval.loading import load_model
 
     torch.manual_seed(0)
     model, processor = load_model(args.model, args.family)
@@ -89,8 +89,8 @@ def profile_vlcache(args) -> int:
 
     import yaml
 
+    from vismemo_hf.eval.loading import load_model
     from vismemo_hf.eval.vlcache_profile import layer_sensitivity
-    from vismemo_hf.loading import load_model
 
     model, processor = load_model(args.model, args.family)
     sensitivity = layer_sensitivity(model, processor, pairs=args.pairs, seed=args.seed)
@@ -120,7 +120,7 @@ def calibrate(args) -> int:
 
     from vismemo_hf.bench.report import header, machine
     from vismemo_hf.eval.calibrate import calibrate as measure
-    from vismemo_hf.loading import load_model
+    from vismemo_hf.eval.loading import load_model
 
     model, _ = load_model(args.model, args.family, seed=args.seed)
     report = measure(model, per_kind=args.pairs_per_kind)
@@ -153,7 +153,7 @@ def calibrate(args) -> int:
     for label, key in (("calibrated, calibration pairs", "calibration"), ("calibrated, held-out pairs", "heldout"),
                        ("calibrated, held-out, from sketches", "heldout_from_sketches"),
                        ("defaults (centred, adaptive tau_fine), held-out", "defaults"),
-                       ("uncentred cosines at 0.8 / 0.8 (METHOD §1), held-out", "uncentred_rule")):
+                       ("uncentred cosines at 0.8 / 0.8 (docs/METHOD.md §1), held-out", "uncentred_rule")):
         r = summary[key]
         lines.append(f"| {label} | {r['near_pairs']} + {r['unrelated_pairs']} | {r['recall']:.3f} | {r['fpr']:.3f} |")
     lines += ["", "Held-out recall by kind of change (calibrated thresholds):", "",
@@ -209,7 +209,7 @@ def build_stream(args) -> int:
         pages = _real_pages(args)
         near = {}
         if args.near_model:
-            from vismemo_hf.loading import load_model
+            from vismemo_hf.eval.loading import load_model
 
             model, processor = load_model(args.near_model)
             near = synthdoc.near_duplicates({pid: image for pid, image, _ in pages}, model, processor)

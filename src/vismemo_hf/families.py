@@ -346,3 +346,17 @@ def preset_config(name: str, family: str | None = None, tokenizer=None, **text_o
                       vision_start_token_id=ids("<|vision_start|>"), vision_end_token_id=ids("<|vision_end|>"))
         text.update(bos_token_id=None, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
     return spec.transformers_class(spec.config_class)(**kwargs)
+
+
+def build_model(preset: str, family: str | None = None, seed: int = 0, dtype=torch.float32, tokenizer=None,
+                device: str = "cpu", **text_overrides):
+    """A random-weight model of ``preset`` (eval mode, SDPA attention), created directly on ``device``;
+    ``text_overrides`` replace text-config fields."""
+    from transformers import AutoModelForImageTextToText
+
+    config = preset_config(preset, family, tokenizer=tokenizer, **text_overrides)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = AutoModelForImageTextToText.from_config(config, dtype=dtype)
+    return model.eval()

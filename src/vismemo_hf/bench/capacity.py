@@ -2,7 +2,7 @@
 
 The bytes of one entry are measured by encoding a Qwen3-VL-8B-geometry entry in each format
 (the blob a host, disk or remote tier holds): bf16, 8-bit (int8, fp8) and compressed entries
-(METHOD §4: the K/V of a share of the tokens). At a byte budget a store holds budget // bytes
+(docs/METHOD.md §4: the K/V of a share of the tokens). At a byte budget a store holds budget // bytes
 entries, so the hit rate at that budget is the trace's hit rate through a store of that many
 entries (``bench.store.synthetic_trace`` replayed with exact-priority LRU). Quality of 8-bit
 entries is in Table 1 (``vismemo report quality``, policies ``NAME@int8`` / ``NAME@fp8``).

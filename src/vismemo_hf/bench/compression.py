@@ -13,7 +13,7 @@ from vismemo_hf import VisMemoCache, VisMemoStore, VLCacheCompression, enable
 from vismemo_hf.bench.report import command as report_command
 from vismemo_hf.bench.report import header, machine
 from vismemo_hf.eval import synthetic
-from vismemo_hf.loading import load_model
+from vismemo_hf.eval.loading import load_model
 
 
 def _kv_bytes(cache) -> int:

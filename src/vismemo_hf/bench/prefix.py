@@ -3,7 +3,7 @@
 An entry's K/V from layer 1 on carry the context of the text that preceded the image when it was
 computed. This report stores each page after one text, asks about it after another text of 0-400
 tokens, and compares the first generated token with a full prefill of the new request: agreement
-of the greedy token and KL(full || hit) of its distribution, for exact reuse (`reuse`, METHOD §2's
+of the greedy token and KL(full || hit) of its distribution, for exact reuse (`reuse`, docs/METHOD.md §2's
 exact hit) and for the check-layer routing (`check`, the default policy's), on the packaged reader
 and on tiny random models of the three families.
 """
@@ -78,7 +78,7 @@ def measure(model, processor, pages, lengths, prefix_pairs) -> dict:
 
 
 def main(args) -> int:
-    from vismemo_hf.loading import load_model
+    from vismemo_hf.eval.loading import load_model
 
     torch.manual_seed(0)
     lengths = [int(x) for x in args.lengths.split(",")]
@@ -117,7 +117,7 @@ def main(args) -> int:
     lines = header("Exact image hits after another text before the image", command, report["machine"]) + [
              "Each page is stored after one text and asked about after another (an exact image hit whose "
              "stored K/V carry the old text's context from layer 1 on). `reuse`: every visual token reused "
-             "(METHOD §2's exact hit); `check`: the default policy's routing of such hits (every token computed "
+             "(docs/METHOD.md §2's exact hit); `check`: the default policy's routing of such hits (every token computed "
              "at layer 0; from layer 1 on, the 15 % whose fresh K/V deviate most from the stored ones at layer 1 "
              "recomputed, and every token whose relative deviation there exceeds `prefix_tolerance` (0.005); the "
              "rest reused). Compared with a full prefill of the new request: agreement of the first greedy "

@@ -134,7 +134,7 @@ def _plot(sweep: dict, name: str, path: Path) -> None:
 
 
 def main(args) -> int:
-    from vismemo_hf.loading import load_model
+    from vismemo_hf.eval.loading import load_model
 
     torch.manual_seed(0)
     model, processor = load_model(args.model)
@@ -155,76 +155,107 @@ def main(args) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "quality.json").write_text(json.dumps(result, indent=2))
-    lines = [
+    lines = (_intro(result, args) + _policy_table(result) + _variant_table(result) + _cells_table(result)
+             + _reader_section(result, args) + _heldout_section(result, args) + _sweep_sections(result, out)
+             + _examples_section(result))
+    (out / "table1.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+def _intro(result, args) -> list[str]:
+    kinds = result["intended"]
+    return [
         "# Table 1: quality of each policy on synthetic document streams", "",
-        f"Command: `{command}`  ", f"Model: `{args.model}` (Qwen2-VL architecture, trained here to read synthetic "
-        f"pages), {result['machine']}; {len(requests)} requests in stream order ({kinds['miss']} new pages of the "
-        f"five page types, {kinds['exact']} same page with another question or another text before the image, "
-        f"{kinds['approximate']} near-duplicates: edited value, shift, JPEG / brightness, switched status light), "
-        "one store per policy, greedy answers. Reference for fidelity: `full`. Stream seeds "
+        f"Command: `{result['command']}`  ", f"Model: `{args.model}` (Qwen2-VL architecture, trained here to read "
+        f"synthetic pages), {result['machine']}; {result['requests']} requests in stream order ({kinds['miss']} new "
+        f"pages of the five page types, {kinds['exact']} same page with another question or another text before the "
+        f"image, {kinds['approximate']} near-duplicates: edited value, shift, JPEG / brightness, switched status "
+        "light), one store per policy, greedy answers. Reference for fidelity: `full`. Stream seeds "
         f"{STREAM_SEEDS}-{STREAM_SEEDS + args.streams - 1}; the default policy (`attend-deviate`) was designed on "
         f"these and its recompute ratio chosen on seeds {', '.join(map(str, STREAM_TUNING_SEEDS))}; the section "
         "\"Held-out streams\" uses seeds that informed nothing. Rows `NAME@int8` / `NAME@fp8`: the store keeps "
         "8-bit K/V (`VisMemoStore(kv_format=...)`), so every exact and approximate hit is served from 8-bit "
         "entries; `@keep0.5`: compressed entries holding the K/V of the half of each image's tokens VL-Cache ranks "
-        "first for the question that stored it, the others masked on hits (`+recompute`: recomputed).", "",
-        "| policy | ANLS | exact | approximate | edited value | stale answers | first-token agree | sequence match | "
-        "first-token KL |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
-    ]
+        "first for the question that stored it, the others masked on hits (`+recompute`: recomputed).", ""]
+
+
+def _policy_table(result) -> list[str]:
+    lines = ["| policy | ANLS | exact | approximate | edited value | stale answers | first-token agree | "
+             "sequence match | first-token KL |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for name, r in result["policies"].items():
         lines.append(f"| {name} | {_fmt(r['anls'])} | {_fmt(r['anls_exact'])} | {_fmt(r['anls_approximate'])} | "
                      f"{_fmt(r['anls_edited_value'])} | {_fmt(r['stale_rate'])} | {_fmt(r['first_token_agreement'])} | "
                      f"{_fmt(r['sequence_match'])} | {_fmt(r['first_token_kl'], 4)} |")
+    return lines
+
+
+def _variant_table(result) -> list[str]:
     variants = sorted({v for r in result["policies"].values() for v in r["anls_by_variant"]})
-    lines += ["", "ANLS by variant (the follow-ups' kind of change; `base-*`: the first request of a page):", "",
-              "| policy | " + " | ".join(variants) + " |", "| --- |" + " --- |" * len(variants)]
+    lines = ["", "ANLS by variant (the follow-ups' kind of change; `base-*`: the first request of a page):", "",
+             "| policy | " + " | ".join(variants) + " |", "| --- |" + " --- |" * len(variants)]
     for name, r in result["policies"].items():
         lines.append(f"| {name} | " + " | ".join(_fmt(r["anls_by_variant"].get(v)) for v in variants) + " |")
-    lines += ["", "Where each policy's plans put the tokens of the asked value on approximate hits (share of "
-              "those cells recomputed R / reused B / masked M; `quality.answer_cell_routing`):", "",
-              "| policy | R | B | M |", "| --- | --- | --- | --- |"]
+    return lines
+
+
+def _cells_table(result) -> list[str]:
+    lines = ["", "Where each policy's plans put the tokens of the asked value on approximate hits (share of "
+             "those cells recomputed R / reused B / masked M; `quality.answer_cell_routing`):", "",
+             "| policy | R | B | M |", "| --- | --- | --- | --- |"]
     for name, r in result["policies"].items():
         cells = r.get("answer_cells")
         if cells:
             lines.append(f"| {name} | {_fmt(cells['R'])} | {_fmt(cells['B'])} | {_fmt(cells['M'])} |")
     counts = result["policies"].get("vismemo") or next(iter(result["policies"].values()))
-    lines += ["", f"Hit kinds seen (vismemo run): exact {counts['n_exact']}, approximate {counts['n_approximate']}, "
-              f"miss {counts['n_miss']}. \"edited value\": questions about the value that changed; \"stale answers\": "
-              "share of those answered with the value before the edit.", ""]
-    if result["reader"]:
-        lines += ["## The reader: full prefill on held-out pages", "",
-                  f"`quality.heldout_pages`: {args.heldout} pages per type that no training step drew, one "
-                  "question each, answered with a plain `DynamicCache` (no VisMemo).", "",
-                  "| page type | ANLS | exact match | pages |", "| --- | --- | --- | --- |"]
-        for style, r in result["reader"].items():
-            lines.append(f"| {style} | {_fmt(r['anls'])} | {_fmt(r['exact_match'])} | {r['n']} |")
-        lines.append("")
-    if result["heldout"]:
-        lines += ["## Held-out streams", "",
-                  f"Seeds that no design choice looked at: `synthdoc.stream` seeds "
-                  f"{', '.join(map(str, HELDOUT_STREAM_SEEDS))} and `synthdoc.perturbation_stream` seeds "
-                  f"{', '.join(map(str, HELDOUT_PERTURBATION_SEEDS))} ({args.heldout_bases} new pages each). The "
-                  "perturbation stream's near-duplicates are of kinds Table 1's streams never make: two values "
-                  "edited, a renamed key, two rows swapped, an edited value on a page shifted by 1 px, pixel noise, "
-                  "a dimmed page, a 1-px shift.", "",
-                  "| stream | policy | ANLS | approximate | edited value | stale answers | first-token agree | "
-                  "requests (approximate) |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
-        for stream, data in result["heldout"].items():
-            for policy, r in data["policies"].items():
-                lines.append(f"| {stream} | {policy} | {_fmt(r['anls'])} | {_fmt(r['anls_approximate'])} | "
-                             f"{_fmt(r['anls_edited_value'])} | {_fmt(r['stale_rate'])} | "
-                             f"{_fmt(r['first_token_agreement'])} | {data['requests']} ({r['n_approximate']}) |")
-        lines.append("")
-        variants = sorted({v for d in result["heldout"].values() for r in d["policies"].values()
-                           for v in r["anls_by_variant"] if not v.startswith("base")})
-        lines += ["Approximate ANLS by variant on the held-out streams:", "",
-                  "| policy | " + " | ".join(variants) + " |", "| --- |" + " --- |" * len(variants)]
-        for policy in HELDOUT_POLICIES:
-            merged = {}
-            for d in result["heldout"].values():
-                merged.update(d["policies"][policy]["anls_by_variant"])
-            lines.append(f"| {policy} | " + " | ".join(_fmt(merged.get(v)) for v in variants) + " |")
-        lines.append("")
+    return lines + ["", f"Hit kinds seen (vismemo run): exact {counts['n_exact']}, approximate "
+                    f"{counts['n_approximate']}, miss {counts['n_miss']}. \"edited value\": questions about the value "
+                    "that changed; \"stale answers\": share of those answered with the value before the edit.", ""]
+
+
+def _reader_section(result, args) -> list[str]:
+    if not result["reader"]:
+        return []
+    lines = ["## The reader: full prefill on held-out pages", "",
+             f"`quality.heldout_pages`: {args.heldout} pages per type that no training step drew, one "
+             "question each, answered with a plain `DynamicCache` (no VisMemo).", "",
+             "| page type | ANLS | exact match | pages |", "| --- | --- | --- | --- |"]
+    for style, r in result["reader"].items():
+        lines.append(f"| {style} | {_fmt(r['anls'])} | {_fmt(r['exact_match'])} | {r['n']} |")
+    return lines + [""]
+
+
+def _heldout_section(result, args) -> list[str]:
+    if not result["heldout"]:
+        return []
+    lines = ["## Held-out streams", "",
+             f"Seeds that no design choice looked at: `synthdoc.stream` seeds "
+             f"{', '.join(map(str, HELDOUT_STREAM_SEEDS))} and `synthdoc.perturbation_stream` seeds "
+             f"{', '.join(map(str, HELDOUT_PERTURBATION_SEEDS))} ({args.heldout_bases} new pages each). The "
+             "perturbation stream's near-duplicates are of kinds Table 1's streams never make: two values "
+             "edited, a renamed key, two rows swapped, an edited value on a page shifted by 1 px, pixel noise, "
+             "a dimmed page, a 1-px shift.", "",
+             "| stream | policy | ANLS | approximate | edited value | stale answers | first-token agree | "
+             "requests (approximate) |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for stream, data in result["heldout"].items():
+        for policy, r in data["policies"].items():
+            lines.append(f"| {stream} | {policy} | {_fmt(r['anls'])} | {_fmt(r['anls_approximate'])} | "
+                         f"{_fmt(r['anls_edited_value'])} | {_fmt(r['stale_rate'])} | "
+                         f"{_fmt(r['first_token_agreement'])} | {data['requests']} ({r['n_approximate']}) |")
+    variants = sorted({v for d in result["heldout"].values() for r in d["policies"].values()
+                       for v in r["anls_by_variant"] if not v.startswith("base")})
+    lines += ["", "Approximate ANLS by variant on the held-out streams:", "",
+              "| policy | " + " | ".join(variants) + " |", "| --- |" + " --- |" * len(variants)]
+    for policy in HELDOUT_POLICIES:
+        merged = {}
+        for d in result["heldout"].values():
+            merged.update(d["policies"][policy]["anls_by_variant"])
+        lines.append(f"| {policy} | " + " | ".join(_fmt(merged.get(v)) for v in variants) + " |")
+    return lines + [""]
+
+
+def _sweep_sections(result, out: Path) -> list[str]:
+    lines = []
     for name, sweep in result["sweeps"].items():
         if not sweep:
             continue
@@ -237,13 +268,16 @@ def main(args) -> int:
             lines.append(f"| {x} | {_fmt(r['anls'])} | {_fmt(r['anls_approximate'])} | {_fmt(r['anls_edited_value'])} | "
                          f"{_fmt(r['stale_rate'])} |")
         lines.append("")
-    if result["edited_examples"]:
-        lines += ["## Examples of edited-value questions", "",
-                  "| id | question | answer | stale | full | naive | vismemo | attend-deviate |",
-                  "| --- | --- | --- | --- | --- | --- | --- | --- |"]
-        for e in result["edited_examples"]:
-            lines.append(f"| {e['id']} | {e['question']} | {e['answer']} | {e['stale']} | {e.get('full')} | "
-                         f"{e.get('naive')} | {e.get('vismemo')} | {e.get('attend-deviate')} |")
-    (out / "table1.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
-    return 0
+    return lines
+
+
+def _examples_section(result) -> list[str]:
+    if not result["edited_examples"]:
+        return []
+    lines = ["## Examples of edited-value questions", "",
+             "| id | question | answer | stale | full | naive | vismemo | attend-deviate |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for e in result["edited_examples"]:
+        lines.append(f"| {e['id']} | {e['question']} | {e['answer']} | {e['stale']} | {e.get('full')} | "
+                     f"{e.get('naive')} | {e.get('vismemo')} | {e.get('attend-deviate')} |")
+    return lines

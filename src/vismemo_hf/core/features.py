@@ -1,4 +1,4 @@
-"""Per-image features used by lookup and routing (METHOD §1, §2.1).
+"""Per-image features used by lookup and routing (docs/METHOD.md §1, §2 (patch entropy)).
 
 All functions take one image's slice of the processor output: ``pixels`` are its rows of
 ``pixel_values`` (one row per ViT patch, merge windows contiguous) and ``grid`` is its
@@ -104,7 +104,7 @@ def token_cosine(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 def token_sketch(embeds: torch.Tensor) -> torch.Tensor:
     """(N, d) embeddings -> (N, SKETCH_DIM) fp16 sketches: L2-normalised tokens under a fixed orthonormal projection.
     Projection is linear, so a sketch centred by the projected mean is the projection of the centred token, and
-    sketch cosines estimate token cosines (METHOD §1 step 4) from 64 bytes per token."""
+    sketch cosines estimate token cosines (docs/METHOD.md §1 step 4) from 64 bytes per token."""
     e = F.normalize(embeds.detach().float().cpu(), dim=-1)
     return (e @ projection(e.shape[-1], SKETCH_DIM, seed=1)).to(torch.float16)
 

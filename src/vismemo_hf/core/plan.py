@@ -1,7 +1,7 @@
 """Plans: what happens to each visual token of one image at each decoder layer.
 
 A plan is plain data made by a routing policy (``policies/``) and executed by the
-runner (``runner.py``). Token indices are positions inside the image (0..N-1), so a
+prefill runner (``runtime/runner.py``). Token indices are positions inside the image (0..N-1), so a
 plan does not depend on where the image sits in the request.
 """
 
@@ -97,7 +97,7 @@ class ImagePlan:
 
     def limited_to(self, features: ImageFeatures, missing: str) -> ImagePlan:
         """This plan with the reused tokens the alias entry holds no K/V for (a compressed entry) masked
-        (``missing="mask"``, METHOD §4) or recomputed (``"recompute"``)."""
+        (``missing="mask"``, docs/METHOD.md §4) or recomputed (``"recompute"``)."""
         gap = ~features.stored(self.reuse)
         if not bool(gap.any()):
             return self
@@ -135,7 +135,7 @@ class ImageFeatures:
     embeds: torch.Tensor
     entropy: torch.Tensor
     patch_hashes: torch.Tensor | None = None  # (N,) int64 hash of each token's pixels
-    #: tokens whose K/V the stored entry holds (a compressed entry, METHOD §4); None: every token
+    #: tokens whose K/V the stored entry holds (a compressed entry, docs/METHOD.md §4); None: every token
     kv_tokens: torch.Tensor | None = None
 
     @property

@@ -19,7 +19,7 @@ from lmms_eval.models.registry_v2 import ModelManifest
 from tqdm import tqdm
 
 from vismemo_hf import VisMemoCache, VisMemoStore, enable
-from vismemo_hf.loading import load_model
+from vismemo_hf.eval.loading import load_model
 from vismemo_hf.runtime.cache import DEFAULT_POLICY
 
 HIT_KINDS: dict[str, str] = {}

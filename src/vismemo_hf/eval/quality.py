@@ -1,4 +1,4 @@
-"""Quality of reuse on request streams: ANLS by hit kind and fidelity to a full prefill (METHOD §6).
+"""Quality of reuse on request streams: ANLS by hit kind and fidelity to a full prefill (docs/METHOD.md §6).
 
 ``evaluate(model, processor, requests, policy=...)`` runs a stream in order through one store
 (so hits happen as in serving) and scores every answer; ``vismemo report quality`` compares

@@ -84,7 +84,7 @@ class RoutingPolicy:
     warmup_layers: int = 3
     recompute_ratio: float = 0.3
     reuse_ratio: float = 0.1
-    #: an exact hit after another text before the image: ``"reuse"`` every token (METHOD §2, whose K/V
+    #: an exact hit after another text before the image: ``"reuse"`` every token (docs/METHOD.md §2, whose K/V
     #: then carry the old text's context from layer 1 on) or ``"check"``: compute every token up to
     #: ``prefix_check_layer``, then recompute the ``prefix_recompute_ratio`` whose fresh K/V deviate most
     #: from the stored ones there (CacheBlend's selection), and also every token whose relative K + V
@@ -94,7 +94,7 @@ class RoutingPolicy:
     prefix_check_layer: int = 1
     prefix_recompute_ratio: float = 0.15
     prefix_tolerance: float = 0.005
-    #: reused tokens a compressed alias entry holds no K/V for (METHOD §4): ``"mask"`` them (VL-Cache's choice;
+    #: reused tokens a compressed alias entry holds no K/V for (docs/METHOD.md §4): ``"mask"`` them (VL-Cache's choice;
     #: they are left out of attention) or ``"recompute"`` them (compute them at every layer)
     missing: str = "mask"
 

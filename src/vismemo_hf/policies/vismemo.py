@@ -1,4 +1,4 @@
-"""VisMemo: entropy decides what may be reused, normalised warmup attention what is recomputed (METHOD §2)."""
+"""VisMemo: entropy decides what may be reused, normalised warmup attention what is recomputed (docs/METHOD.md §2)."""
 
 from __future__ import annotations
 

@@ -157,7 +157,7 @@ class VisMemoCache(DynamicCache):
     ``policy`` is a registered name (``vismemo_hf.available_policies()``), a preset in
     ``configs/policies/`` or a YAML path, or a policy instance; the default, ``attend-deviate``,
     recomputes what changed or what the question attends to and reuses the rest (``vismemo`` is
-    the paper's routing, METHOD §2). ``warmup_layers``, ``recompute_ratio`` and ``reuse_ratio``
+    the paper's routing, docs/METHOD.md §2). ``warmup_layers``, ``recompute_ratio`` and ``reuse_ratio``
     show the default policy's values; a policy with other defaults (vismemo: 3, 30 %, 10 %;
     cacheblend: 1 check layer, 15 %) keeps its own unless they are passed.
     ``compress=VLCacheCompression(ratio)`` shrinks the K/V kept for decoding after prefill.

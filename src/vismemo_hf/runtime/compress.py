@@ -1,4 +1,4 @@
-"""VL-Cache compression (Tu et al., ICLR 2025; METHOD §4): a smaller decoding KV cache.
+"""VL-Cache compression (Tu et al., ICLR 2025; docs/METHOD.md §4): a smaller decoding KV cache.
 
 After prefill each layer keeps a budget b_l of visual tokens, b_l proportional to
 VDR(l) * H(l) -- the share of the observation window's attention that goes to visual

@@ -1,4 +1,4 @@
-"""Step 1 of the data path: find every image of a request in the store (METHOD §1).
+"""Step 1 of the data path: find every image of a request in the store (docs/METHOD.md §1).
 
 Runs before the model's forward (a pre-hook installed by ``enable``): exact lookup by key,
 the vision tower for the images that missed it (exact hits reuse the stored encoder

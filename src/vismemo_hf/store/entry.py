@@ -36,7 +36,7 @@ class Entry:
     n_layers: int = 0
     #: (N, SKETCH_DIM) fp16 token sketches for the fine lookup stage (computed from ``embeds`` when not given)
     sketch: torch.Tensor | None = None
-    #: a compressed entry (METHOD §4): the sorted tokens whose K/V ``kv`` holds, row by row; None: every token
+    #: a compressed entry (docs/METHOD.md §4): the sorted tokens whose K/V ``kv`` holds, row by row; None: every token
     kv_tokens: torch.Tensor | None = None
 
     def __post_init__(self) -> None:

@@ -1,4 +1,4 @@
-"""The coarse lookup index (METHOD §1, step 3) at the scale of a real store.
+"""The coarse lookup index (docs/METHOD.md §1, step 3) at the scale of a real store.
 
 Descriptors of real towers are wide (4,096-d for Qwen3-VL-8B) and anisotropic: every image's
 descriptors share a large model-specific component, so raw cosines of unrelated pages are high.

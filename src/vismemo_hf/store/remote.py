@@ -31,7 +31,7 @@ import torch
 
 from vismemo_hf.store import blob
 from vismemo_hf.store.entry import Entry
-from vismemo_hf.store.tiers import read_buffer
+from vismemo_hf.store.ranges import BlobReader
 
 #: bytes per GETRANGE of a full read, and ranges per pipelined round trip
 READ_CHUNK = 8 << 20
@@ -128,6 +128,7 @@ class RemoteTier:
         self._pending: list = []
         self._state = threading.RLock()
         self.needs_reload = True  # read the whole index on the next sync (start, reconnect)
+        self.reader = BlobReader(self)
 
     def _blob_key(self, key: str) -> str:
         return f"{self.prefix}:blob:{key}"
@@ -324,23 +325,42 @@ class RemoteTier:
             self._fault("read", err)
             raise RemoteUnavailable(scrub(str(err), self._secrets)) from None
 
-    def _range(self, key: str, start: int, length: int) -> bytes:
-        data = self._call(lambda: self.client.getrange(self._blob_key(key), start, start + length - 1))
-        self.counters["bytes_read"] += len(data)
-        if not data:
+    # -- ByteSource (ranges.py): pipelined GETRANGEs ------------------------------------------------------
+    def ranges(self, key: str, spans: list[tuple[int, int]]) -> list[bytes]:
+        def fetch():
+            pipe = self.client.pipeline(transaction=False)
+            for start, length in spans:
+                pipe.getrange(self._blob_key(key), start, start + length - 1)
+            return pipe.execute()
+
+        chunks = self._call(fetch)
+        self.counters["bytes_read"] += sum(len(c) for c in chunks)
+        if len(spans) == 1 and not chunks[0]:
             raise KeyError(key)
-        if len(data) != length:
-            raise blob.BlobError("truncated blob")
-        return data
+        return chunks
 
-    def header(self, key: str) -> blob.BlobHeader:
-        return self._checked(key, blob.parse_header(self._range(key, 0, blob.HEADER_SIZE)))
+    def read_into(self, key: str, view: memoryview) -> None:
+        """``READ_CHUNK`` ranges, ``READ_BATCH`` per pipelined round trip, copied into the buffer (no whole-blob
+        reply object, no second copy)."""
+        total = len(view)
+        spans = [(start, min(total, start + READ_CHUNK) - start) for start in range(0, total, READ_CHUNK)]
+        for first in range(0, len(spans), READ_BATCH):
+            batch = spans[first : first + READ_BATCH]
+            for (start, length), chunk in zip(batch, self.ranges(key, batch)):
+                if not chunk:
+                    raise KeyError(key)  # deleted since the header read
+                if len(chunk) != length:
+                    raise blob.BlobError("blob size does not match its header")
+                view[start : start + length] = chunk
 
-    def _checked(self, key: str, header: blob.BlobHeader) -> blob.BlobHeader:
-        """The blob is the one its index record announced: same key, same model."""
-        if header.key != key or header.fingerprint != self.fingerprints.get(key, header.fingerprint):
+    def check(self, key: str, header: blob.BlobHeader) -> None:
+        """The blob is the one its index record announced: same model."""
+        if header.fingerprint != self.fingerprints.get(key, header.fingerprint):
             raise blob.BlobError("blob stored under another key or model")
-        return header
+
+    # -- reads --------------------------------------------------------------------------------------------
+    def header(self, key: str) -> blob.BlobHeader:
+        return self.reader.header(key)
 
     def identity(self, key: str) -> tuple[str, str] | None:
         """As its index record says (every read checks the blob's header against the record)."""
@@ -348,61 +368,20 @@ class RemoteTier:
         return None if fingerprint is None else (key, fingerprint)
 
     def meta(self, key: str) -> Entry:
-        header = self.header(key)
-        return blob.decode_meta(header, self._range(key, header.meta_start, header.meta_bytes))
+        return self.reader.meta(key)
 
     def lookup(self, key: str) -> tuple[torch.Tensor, torch.Tensor, int]:
-        header = self.header(key)
-        section = self._range(key, header.meta_start, header.lookup_bytes)
-        return (*blob.decode_lookup(header, section), blob.HEADER_SIZE + header.lookup_bytes)
+        return self.reader.lookup(key)
 
     def full(self, key: str) -> Entry:
-        """The header, then the blob in ``READ_CHUNK`` ranges, ``READ_BATCH`` per pipelined round trip, copied
-        into one preallocated buffer (the entry's memory: no whole-blob reply object, no second copy)."""
-        header = self.header(key)
-        total = header.total_bytes
-        data = read_buffer(total)
-        view = memoryview(data.numpy())
-        ranges = [(start, min(total, start + READ_CHUNK)) for start in range(0, total, READ_CHUNK)]
-        for first in range(0, len(ranges), READ_BATCH):
-            batch = ranges[first : first + READ_BATCH]
-
-            def fetch(batch=batch):
-                pipe = self.client.pipeline(transaction=False)
-                for start, end in batch:
-                    pipe.getrange(self._blob_key(key), start, end - 1)
-                return pipe.execute()
-
-            for (start, end), chunk in zip(batch, self._call(fetch)):
-                if not chunk:
-                    raise KeyError(key)  # deleted since the header read
-                if len(chunk) != end - start:
-                    raise blob.BlobError("blob size does not match its header")
-                view[start:end] = chunk
-                self.counters["bytes_read"] += len(chunk)
-        if blob.parse_header(view[: blob.HEADER_SIZE]) != header:
-            raise blob.BlobError("blob replaced while it was read")
-        entry = blob.decode_entry(header, data)
+        header, entry = self.reader.read_full(key)
         self.track(key, header)  # known now, even if its index record has not been read yet
         return entry
 
     def tokens(self, key: str, tokens: torch.Tensor, first_layer: int) -> tuple[torch.Tensor, int]:
-        """One pipelined round trip: the header, then one ``GETRANGE`` per token."""
-        header = self.header(key)
-        ranges = [header.token_range(int(t), first_layer) for t in tokens.tolist()]
-
-        def fetch():
-            pipe = self.client.pipeline(transaction=False)
-            for start, length in ranges:
-                pipe.getrange(self._blob_key(key), start, start + length - 1)
-            return pipe.execute()
-
-        chunks = self._call(fetch) if ranges else []
-        self.counters["range_reads"] += len(ranges)
-        self.counters["bytes_read"] += sum(len(c) for c in chunks)
-        if ranges and not any(chunks):  # deleted between the header read and now
-            raise KeyError(key)
-        return blob.decode_ranges(header, chunks, first_layer)
+        """One pipelined round trip for the header, one for the token ranges."""
+        self.counters["range_reads"] += tokens.numel()
+        return self.reader.tokens(key, tokens, first_layer)
 
     def close(self) -> None:
         self.flush()

@@ -5,9 +5,9 @@ places, touches, evicts and reports on all of them alike; a new tier is one clas
 
 * ``DeviceTier`` (L1): decoded entries, K/V on the tier's device; reads are indexing.
 * ``HostTier`` (L2): blobs as uint8 tensors (pinned when CUDA exists); sparse reads gather.
-  Full reads of the lower tiers land in pinned buffers too (``read_buffer``).
-* ``DiskTier`` (L3): blobs as raw-byte files of a ``diskcache`` directory; sparse reads are
-  positioned reads of the ranges they need. Pickled values are refused, never loaded.
+  Full reads of the lower tiers land in pinned buffers too (``ranges.read_buffer``).
+* ``DiskTier`` (L3): blobs as raw-byte files of a ``diskcache`` directory, read through ``ranges.BlobReader``:
+  sparse reads are positioned reads of the ranges they need. Pickled values are refused, never loaded.
 
 Recency order lives here (``OrderedDict``); what to evict and where it goes is decided by
 ``VisMemoStore``.
@@ -19,6 +19,7 @@ import io
 import logging
 import os
 from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import Protocol, runtime_checkable
 
@@ -28,6 +29,7 @@ from diskcache.core import MODE_PICKLE
 
 from vismemo_hf.store import blob
 from vismemo_hf.store.entry import Entry
+from vismemo_hf.store.ranges import BlobReader
 
 logger = logging.getLogger(__name__)
 
@@ -37,12 +39,6 @@ def token_rows(kv: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     if tokens.numel() == kv.shape[0] and bool((tokens.cpu() == torch.arange(kv.shape[0])).all()):
         return kv
     return kv[tokens.to(kv.device)]
-
-
-def read_buffer(size: int) -> torch.Tensor:
-    """A uint8 buffer a full read lands in: pinned when CUDA exists, so that the copy of its K/V to the GPU runs
-    without blocking (torch's pinned-memory cache reuses the blocks of earlier reads)."""
-    return torch.empty(size, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
 
 
 @runtime_checkable
@@ -276,6 +272,10 @@ class DiskTier:
             logger.warning("vismemo: disk tier %s is read-only here: serving its entries, storing nothing new",
                            self.directory)
         self.lru: OrderedDict[str, int] = OrderedDict()  # key -> blob size
+        self.reader = BlobReader(self)
+        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vismemo-disk")
+        self._pending: dict[str, object] = {}  # key -> its queued write
+        self._failed: list[str] = []  # appended by the writer thread (list.append is atomic)
         self.bytes = 0
         self.foreign = 0  # keys or values in the directory that are not vismemo blobs (skipped, left alone)
         self.range_reads = 0  # positioned reads of sparse (approximate-hit) reads
@@ -335,6 +335,41 @@ class DiskTier:
         """Write a blob as a file of its own (so later reads can be positioned reads)."""
         self.cache.set(key, io.BytesIO(data), read=True)
 
+    def write_async(self, key: str, data: bytes) -> None:
+        """Count the blob as held now and write it on the writer thread. A write that lands after its entry was
+        evicted deletes its file (the file must not outlive its entry); a failed write is reported by
+        ``take_failures``. Writes are serialised, so a later write of the same key lands after this delete."""
+        self.track(key, len(data))
+
+        def write():
+            try:
+                self.write(key, data)
+            except Exception as err:  # noqa: BLE001 - disk full, unwritable directory, ...
+                logger.warning("vismemo: disk write failed (%s: %s); serving continues without it",
+                               type(err).__name__, err)
+                self._failed.append(key)
+                return
+            if key not in self.lru:
+                self.cache.delete(key)
+
+        self._pending[key] = self._writer.submit(write)
+
+    def pending(self, key: str) -> bool:
+        """A write of ``key`` is queued."""
+        future = self._pending.get(key)
+        return future is not None and not future.done()
+
+    def flush(self) -> None:
+        pending, self._pending = self._pending, {}
+        for future in pending.values():
+            future.result()
+
+    def take_failures(self) -> list[str]:
+        failed = []
+        while self._failed:
+            failed.append(self._failed.pop())
+        return failed
+
     def put(self, key: str, data: bytes) -> None:
         self.track(key, len(data))
         self.write(key, data)
@@ -356,53 +391,43 @@ class DiskTier:
             raise KeyError(key)
         return handle
 
-    @staticmethod
-    def _pread(handle, offset: int, length: int) -> bytes:
-        data = os.pread(handle.fileno(), length, offset)
-        if len(data) != length:
-            raise blob.BlobError("truncated blob")
-        return data
-
-    def header(self, key: str) -> blob.BlobHeader:
+    # -- ByteSource (ranges.py): positioned reads of the blob's file --------------------------------------
+    def ranges(self, key: str, spans: list[tuple[int, int]]) -> list[bytes]:
         with self._open(key) as handle:
-            header = blob.parse_header(self._pread(handle, 0, blob.HEADER_SIZE))
+            return [os.pread(handle.fileno(), length, start) for start, length in spans]
+
+    def read_into(self, key: str, view: memoryview) -> None:
+        with self._open(key) as handle:
+            if handle.readinto(view) != len(view) or handle.read(1):
+                raise blob.BlobError("blob size does not match its header")
+
+    def check(self, key: str, header: blob.BlobHeader) -> None:
+        with self._open(key) as handle:
             if os.fstat(handle.fileno()).st_size != header.total_bytes:
                 raise blob.BlobError("blob size does not match its header")
-        if header.key != key:
-            raise blob.BlobError("blob stored under another key")
-        return header
+
+    # -- reads --------------------------------------------------------------------------------------------
+    def header(self, key: str) -> blob.BlobHeader:
+        return self.reader.header(key)
 
     def identity(self, key: str) -> tuple[str, str]:
         header = self.header(key)
         return header.key, header.fingerprint
 
     def meta(self, key: str) -> Entry:
-        with self._open(key) as handle:
-            header = blob.parse_header(self._pread(handle, 0, blob.HEADER_SIZE))
-            return blob.decode_meta(header, self._pread(handle, header.meta_start, header.meta_bytes))
+        return self.reader.meta(key)
 
     def lookup(self, key: str) -> tuple[torch.Tensor, torch.Tensor, int]:
-        with self._open(key) as handle:
-            header = blob.parse_header(self._pread(handle, 0, blob.HEADER_SIZE))
-            section = self._pread(handle, header.meta_start, header.lookup_bytes)
-        return (*blob.decode_lookup(header, section), blob.HEADER_SIZE + header.lookup_bytes)
+        return self.reader.lookup(key)
 
     def full(self, key: str) -> Entry:
-        with self._open(key) as handle:
-            header = blob.parse_header(self._pread(handle, 0, blob.HEADER_SIZE))
-            data = read_buffer(header.total_bytes)
-            handle.seek(0)
-            if handle.readinto(data.numpy()) != header.total_bytes or handle.read(1):
-                raise blob.BlobError("blob size does not match its header")
-        return blob.decode_entry(header, data)
+        return self.reader.full(key)
 
     def tokens(self, key: str, tokens: torch.Tensor, first_layer: int) -> tuple[torch.Tensor, int]:
-        with self._open(key) as handle:
-            header = blob.parse_header(self._pread(handle, 0, blob.HEADER_SIZE))
-            ranges = [header.token_range(int(t), first_layer) for t in tokens.tolist()]
-            chunks = [self._pread(handle, start, length) for start, length in ranges]
-        self.range_reads += len(ranges)
-        return blob.decode_ranges(header, chunks, first_layer)
+        self.range_reads += tokens.numel()
+        return self.reader.tokens(key, tokens, first_layer)
 
     def close(self) -> None:
+        self.flush()
+        self._writer.shutdown(wait=True)
         self.cache.close()

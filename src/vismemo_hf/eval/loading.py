@@ -44,8 +44,8 @@ def load_model(spec: str, family: str | None = None, dtype=torch.float32, seed: 
                                  f"it first or pass a local folder") from err
         raise ValueError(f"{spec!r} is neither a local checkpoint folder, a cached hub model, "
                          f"{docqa.MODEL_NAME}, {docqa_base.MODEL_NAME} nor a model preset") from None
+    from vismemo_hf.families import build_model
     from vismemo_hf.offline import offline_processor
-    from vismemo_hf.testing import build_model
 
     family = family or load_preset(spec).get("family") or "qwen2_vl"
     processor = offline_processor(family)

@@ -1,0 +1,64 @@
+"""What the store knows about the entries it serves, wherever their bytes are: the model and grid of every key, the
+coarse descriptor index over them, and per model its lookup reference and calibrated thresholds."""
+
+from __future__ import annotations
+
+import torch
+
+from vismemo_hf.core.thresholds import LookupThresholds, ModelReference
+from vismemo_hf.store.index import DescriptorIndex
+
+
+class Catalog:
+    """Keys (with their model and grid), their descriptors indexed per (model, grid), models' references and
+    thresholds. The tiers hold bytes; the catalog says what exists."""
+
+    def __init__(self, thresholds=None) -> None:
+        self.where: dict[str, tuple[str, tuple]] = {}  # key -> (fingerprint, grid)
+        self.index = DescriptorIndex()
+        self._references: dict[str, ModelReference] = {}
+        self._thresholds: dict[str, LookupThresholds] = {}
+        for preset in [thresholds] if isinstance(thresholds, str) else (thresholds or []):
+            self.add_thresholds(preset)
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.where
+
+    def __len__(self) -> int:
+        return len(self.where)
+
+    def fingerprint_of(self, key: str) -> str | None:
+        known = self.where.get(key)
+        return None if known is None else known[0]
+
+    def add(self, key: str, fingerprint: str, grid, descriptors: torch.Tensor) -> None:
+        if key not in self.where:
+            self.where[key] = (fingerprint, tuple(grid))
+            self.index.add(fingerprint, tuple(grid), key, descriptors)
+
+    def remove(self, key: str) -> None:
+        known = self.where.pop(key, None)
+        if known is not None:
+            self.index.remove(known[0], known[1], key)
+
+    def candidates(self, fingerprint: str, grid, descriptors: torch.Tensor, tau: float, top_k: int):
+        return self.index.search(fingerprint, grid, descriptors, tau, top_k)
+
+    def reference(self, fingerprint: str) -> ModelReference | None:
+        return self._references.get(fingerprint)
+
+    def set_reference(self, fingerprint: str, reference: ModelReference) -> None:
+        """The first registration of a model stays (every process computes the same one); its entries waiting
+        for it are indexed now."""
+        if fingerprint not in self._references:
+            self._references[fingerprint] = reference
+            self.index.set_center(fingerprint, reference.descriptor_mean)
+
+    def add_thresholds(self, preset) -> None:
+        loaded = preset if isinstance(preset, LookupThresholds) else LookupThresholds.load(preset)
+        if loaded.fingerprint is None:
+            raise ValueError(f"lookup thresholds {preset!r} name no model fingerprint: write them with vismemo calibrate")
+        self._thresholds[loaded.fingerprint] = loaded
+
+    def thresholds_for(self, fingerprint: str) -> LookupThresholds | None:
+        return self._thresholds.get(fingerprint)

@@ -1,0 +1,131 @@
+"""The collaborators of the prefill and the store on plain tensors, without a model: the schedule's layouts, the
+eviction policy, the catalog and the blob reader over a byte source."""
+
+from collections import OrderedDict
+
+import pytest
+import torch
+
+from vismemo_hf.core.plan import HitKind, ImagePlan
+from vismemo_hf.runtime.schedule import ActiveStates, Placement, Schedule, positions_of, query_blocks, slot_mask
+from vismemo_hf.store import blob
+from vismemo_hf.store.catalog import Catalog
+from vismemo_hf.store.eviction import ExactPriorityLRU
+from vismemo_hf.store.ranges import BlobReader
+
+from test_store import _entry
+
+
+def _plan(n, recompute, reuse, mask, warmup=1):
+    return ImagePlan(HitKind.APPROXIMATE, n, warmup, recompute, reuse, mask, "alias")
+
+
+def test_active_columns_follow_each_images_plan_and_pad_short_rows():
+    schedule = Schedule(batch=2, length=10, valid=None, device="cpu")
+    images = [Placement(0, 2, 4, _plan(4, [1], [0, 2], [3])), Placement(1, 5, 3, None)]
+    assert torch.equal(schedule.active(0, images), torch.arange(10).expand(2, -1))  # warmup: every token
+    late = schedule.active(1, images)
+    assert late[0].tolist() == [0, 1, 3, 6, 7, 8, 9, -1, -1, -1][: late.shape[1]]
+    assert late[1].tolist() == list(range(10))[: late.shape[1]]  # undecided: every token of row 1
+    assert schedule.active(2, images) is late  # unchanged plans: the same layout object
+
+
+def test_a_slot_layout_orders_keys_by_column_and_masks_the_future_and_padding():
+    valid = torch.tensor([[False, True, True, True, True]])
+    schedule = Schedule(batch=1, length=5, valid=valid, device="cpu")
+    active = torch.tensor([[0, 1, 4]])
+    reused = torch.tensor([[3, 2]])
+    layout = schedule.layout(active, reused)
+    slots = torch.cat([reused, active], 1)
+    assert torch.equal(slots.gather(1, layout.order), torch.tensor([[0, 1, 2, 3, 4]]))
+    # query column 1 sees columns 1 (not 0: padding); column 4 sees 1..4
+    assert layout.mask[0, 0].tolist() == [[False, False, False, False, False], [False, True, False, False, False],
+                                          [False, True, True, True, True]]
+    assert schedule.layout(active, reused) is layout  # the same slots: the same mask
+    assert schedule.is_plain(torch.arange(5)[None], None) and not schedule.is_plain(active, None)
+
+
+def test_query_blocks_see_only_the_keys_their_rows_can():
+    q = torch.arange(128)[None]
+    mask = slot_mask(torch.arange(128)[None], q, None)
+    blocks = query_blocks(mask)
+    assert len(blocks) == 4 and [b[2] for b in blocks] == [32, 64, 96, 128]
+
+
+def test_active_states_narrow_and_park_hidden_states_by_column():
+    hidden = torch.arange(10, dtype=torch.float32).view(1, 5, 2)
+    cos = sin = torch.ones(1, 5, 3)
+    states = ActiveStates(torch.arange(5)[None], hidden.clone(), cos, sin)
+    states.narrow(torch.tensor([[1, 3]]))
+    assert torch.equal(states.hidden, hidden[:, [1, 3]])
+    states.hidden = states.hidden + 100
+    out = states.result()
+    assert torch.equal(out[0, [1, 3]], hidden[0, [1, 3]] + 100) and torch.equal(out[0, [0, 2, 4]], hidden[0, [0, 2, 4]])
+    with pytest.raises(RuntimeError, match="not computed"):
+        states.narrow(torch.tensor([[1, 2]]))
+
+
+def test_positions_of_inverts_a_padded_layout():
+    cols = torch.tensor([[3, 0, -1], [1, 2, 4]])
+    where = positions_of(cols, 5)
+    assert where.tolist() == [[1, -1, -1, 0, -1], [-1, 0, 1, -1, 2]]
+
+
+def test_exact_priority_lru_gives_protected_entries_second_chances():
+    policy = ExactPriorityLRU(protect=2)
+    lru = OrderedDict.fromkeys(["a", "b", "c"])
+    policy.exact_hit("a")
+    assert policy.victim(lru) == "b" and list(lru) == ["b", "c", "a"]
+    lru.pop("b")
+    assert policy.victim(lru) == "c"
+    lru.pop("c")
+    assert policy.victim(lru) == "a"  # both chances spent
+
+
+def test_the_catalog_indexes_per_model_and_forgets():
+    catalog = Catalog()
+    e = _entry("k")
+    catalog.add("k", "fp", e.grid, e.descriptors)
+    from vismemo_hf.core.thresholds import ModelReference
+
+    catalog.set_reference("fp", ModelReference(torch.zeros(8), torch.zeros(8), 0.0))
+    assert [k for k, _ in catalog.candidates("fp", e.grid, e.descriptors, 0.5, 5)] == ["k"]
+    assert catalog.candidates("other", e.grid, e.descriptors, 0.5, 5) == []
+    catalog.remove("k")
+    assert "k" not in catalog and catalog.candidates("fp", e.grid, e.descriptors, 0.5, 5) == []
+
+
+class _Bytes:
+    """A byte source over one blob in memory (what a disk file or a Redis value offers)."""
+
+    def __init__(self, key, data):
+        self.key, self.data, self.calls = key, data, 0
+
+    def ranges(self, key, spans):
+        self.calls += 1
+        if key != self.key:
+            raise KeyError(key)
+        return [self.data[s : s + n] for s, n in spans]
+
+    def read_into(self, key, view):
+        view[:] = self.data
+
+    def check(self, key, header):
+        if header.total_bytes != len(self.data):
+            raise blob.BlobError("size")
+
+
+def test_the_blob_reader_checks_every_part_it_reads():
+    entry = _entry("k", n=5, layers=4)
+    source = _Bytes("k", blob.encode(entry))
+    reader = BlobReader(source)
+    assert torch.equal(reader.full("k").kv, entry.kv)
+    kv, nbytes = reader.tokens("k", torch.tensor([4, 1]), 2)
+    assert torch.equal(kv, entry.kv[[4, 1]][:, 2:]) and source.calls >= 2
+    assert torch.equal(reader.meta("k").embeds, entry.embeds)
+    with pytest.raises(blob.BlobError, match="another key"):
+        BlobReader(_Bytes("other", source.data)).header("other")
+    flipped = bytearray(source.data)
+    flipped[blob.HEADER_SIZE + 20] ^= 1  # a byte of token 0's first layer
+    with pytest.raises(blob.BlobError):
+        BlobReader(_Bytes("k", bytes(flipped))).tokens("k", torch.tensor([0]), 0)
