@@ -239,19 +239,26 @@ def teacher_forced_accuracy(model, processor, items) -> float:
     return hits / len(items)
 
 
-def held_out(n: int = 96) -> list:
-    """Samples no training step draws (seeds from another range), every layout in turn, up to 8 rows."""
-    return [sample(random.Random(10**9 + i), layout=docpage.LAYOUTS[i % len(docpage.LAYOUTS)]) for i in range(n)]
+def held_out(n: int = 96, small: bool = False) -> list:
+    """Samples no training step draws (seeds from another range), every layout in turn: full pages with up to 8
+    rows, or (``small``) the training's small pages."""
+    return [sample(random.Random(10**9 + (10**6 if small else 0) + i), layout=docpage.LAYOUTS[i % len(docpage.LAYOUTS)],
+                   full_share=0.0 if small else 1.0) for i in range(n)]
+
+
+#: small-page held-out exact match above which the curriculum moves on (a step of LEVEL_STEP per evaluation)
+LEVEL_GATE, LEVEL_STEP = 0.7, 0.15
 
 
 # -- training ------------------------------------------------------------------------------------------------
 def train(out: str | Path, minutes: float = 55.0, max_steps: int = 20000, batch_size: int = 16, lr: float = 1.5e-3,
-          total_steps: int = 8000, curriculum_steps: int = 3000, seed: int = 0, eval_every: int = 250,
-          log=print) -> dict:
+          total_steps: int = 12000, seed: int = 0, eval_every: int = 250, log=print) -> dict:
     """Train ``vismemo-docqa-base`` into ``out`` for ``minutes`` (or until step ``max_steps``); resumes from ``out``
-    when it holds a checkpoint. The data of step s come from ``Random((seed, s))``, so a resumed run draws what
-    an uninterrupted one would. ``out`` keeps the latest state (``state/``) and the best model by held-out
-    teacher-forced exact match (``model/``)."""
+    when it holds a checkpoint. The data of step s come from ``Random((seed, s))`` and the curriculum level is
+    kept in the checkpoint, so a resumed run draws what an uninterrupted one would. The curriculum starts on small
+    pages and moves on (more rows, more full pages) each time the small pages' held-out exact match passes
+    ``LEVEL_GATE``. ``out`` keeps the latest state (``state/``) and the best model by held-out teacher-forced exact
+    match on full pages (``model/``)."""
     out = Path(out)
     state_dir, model_dir = out / "state", out / "model"
     if (state_dir / "config.json").is_file():
@@ -264,7 +271,8 @@ def train(out: str | Path, minutes: float = 55.0, max_steps: int = 20000, batch_
         processor = new_processor()
         model = new_model(processor.tokenizer, seed)
         info = {"step": 0, "history": [], "best": -1.0, "seed": seed, "batch_size": batch_size, "lr": lr,
-                "total_steps": total_steps, "curriculum_steps": curriculum_steps}
+                "total_steps": total_steps}
+    info.setdefault("level", 0.0)
     torch.manual_seed(seed + info["step"])
     probes = Probes(model.config.text_config.hidden_size)
     opt = torch.optim.AdamW(list(model.parameters()) + list(probes.parameters()), lr=lr, weight_decay=0.01)
@@ -274,7 +282,7 @@ def train(out: str | Path, minutes: float = 55.0, max_steps: int = 20000, batch_
         opt.load_state_dict(saved["optimizer"])
     model.set_attn_implementation("eager")  # attention probabilities for the supervised head
     model.train()
-    evaluation = held_out()
+    evaluation, small = held_out(), held_out(48, small=True)
     start, step = time.time(), info["step"]
     last = None
     while step < max_steps and time.time() - start < minutes * 60:
@@ -283,9 +291,8 @@ def train(out: str | Path, minutes: float = 55.0, max_steps: int = 20000, batch_
         for group in opt.param_groups:
             group["lr"] = lr_now
         rng = random.Random(f"{seed}/{step}")
-        progress = min(1.0, step / max(1, curriculum_steps))  # small pages first, then full pages with more rows
-        max_rows = 3 + int(5 * progress)
-        full_share = max(0.0, min(0.85, (progress - 0.25) / 0.6))
+        level = info["level"]  # small pages first, then full pages with more rows
+        max_rows, full_share = 3 + int(5 * level), 0.85 * level
         items = [sample(rng, max_rows, full_share=full_share) for _ in range(batch_size)]
         batch, labels = _batch(processor, items)
         parts = losses(model, probes, batch, labels, items)
@@ -302,9 +309,13 @@ def train(out: str | Path, minutes: float = 55.0, max_steps: int = 20000, batch_
                 f"t {time.time() - start:.0f}s")
         if step % eval_every == 0:
             acc = teacher_forced_accuracy(model, processor, evaluation)
+            small_acc = teacher_forced_accuracy(model, processor, small)
             model.train()
-            info["history"].append({"step": step, "losses": last, "heldout_exact": acc})
-            log(f"  held-out exact (teacher forced) {acc:.3f}")
+            if small_acc >= LEVEL_GATE:
+                info["level"] = round(min(1.0, info["level"] + LEVEL_STEP), 4)
+            info["history"].append({"step": step, "losses": last, "heldout_exact": acc, "small_exact": small_acc,
+                                    "level": info["level"]})
+            log(f"  held-out exact (teacher forced) {acc:.3f}, small pages {small_acc:.3f}, level {info['level']}")
             if acc >= info["best"]:
                 info["best"] = acc
                 _save_model(model, processor, model_dir, {**info, "step": step})
