@@ -94,6 +94,7 @@ def stored(model, processor, *images, store=None, **opts):
     store = store if store is not None else vismemo_hf.VisMemoStore()
     for image in images:
         generate(model, build_inputs(processor, [image]), vismemo_hf.VisMemoCache(store=store, **opts), 1)
+    store.flush()  # the entries are written after the first token: wait for them before reading tiers directly
     return store
 
 

@@ -17,6 +17,7 @@ def _seed_store(model, processor):
 
 
 def _copy(store):
+    store.flush()
     clone = vismemo_hf.VisMemoStore()
     for entry in store.device.lru.values():
         clone.put(entry)

@@ -70,6 +70,7 @@ def test_store_faults_degrade_to_misses_with_full_prefill_output(qwen2, pages):
     for fail in (["tokens"], ["shape"], ["get"], ["put"]):
         store = FaultyStore([])
         generate(model, build_inputs(processor, [pages["base"]]), vismemo_hf.VisMemoCache(store=store), 1)
+        store.flush()  # the entry is written after the first token
         store.fail = fail
         cache = vismemo_hf.VisMemoCache(store=store, policy="vismemo", reuse_ratio=0.5, entropy_threshold=1.0)
         _, scores = generate(model, inputs, cache, 2)
@@ -90,6 +91,7 @@ def test_failed_exact_read_is_a_miss_and_failed_write_keeps_serving(qwen2, pages
     assert cache.events[0].kind is HitKind.MISS and len(store) == 0 and (scores - ref).abs().max() <= 1e-4
     store.fail = []
     generate(model, inputs, vismemo_hf.VisMemoCache(store=store), 1)
+    store.flush()
     store.fail = ["get"]
     cache = vismemo_hf.VisMemoCache(store=store, tau=1.0)
     _, scores = generate(model, inputs, cache, 2)

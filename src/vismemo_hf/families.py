@@ -135,9 +135,9 @@ def execution_device(module) -> torch.device:
     return torch.device("cpu")
 
 
-def _weights_signature(model) -> tuple:
+def _weights_signature(params: tuple) -> tuple:
     """Where every parameter lives and how often it was written in place: changes whenever weights do."""
-    return tuple((p.data_ptr(), p._version) for p in model.parameters())
+    return tuple((p.data_ptr(), p._version) for p in params)
 
 
 @dataclass
@@ -150,6 +150,7 @@ class ModelAdapter:
     image_std: tuple = field(default=_CLIP_STD)
     _fingerprint: str | None = field(default=None, repr=False)
     _signature: tuple | None = field(default=None, repr=False)
+    _params: tuple | None = field(default=None, repr=False)  # the model's parameters (``enable`` refreshes them)
 
     @classmethod
     def for_model(cls, model, image_mean=None, image_std=None) -> ModelAdapter:
@@ -161,8 +162,11 @@ class ModelAdapter:
     @property
     def fingerprint(self) -> str:
         """``model_fingerprint`` of the weights as they are now: recomputed after any weight changes (loading, an
-        in-place edit, a copy's own tensors), so that entries of other weights are never served."""
-        signature = _weights_signature(self.model)
+        in-place edit, a copy's own tensors), so that entries of other weights are never served. A parameter
+        object replaced by another is seen after ``enable(model)`` again."""
+        if self._params is None:
+            self._params = tuple(self.model.parameters())
+        signature = _weights_signature(self._params)
         if signature != self._signature:
             self._fingerprint, self._signature = model_fingerprint(self.model), signature
         return self._fingerprint

@@ -126,17 +126,34 @@ class ImagePlan:
         return cls(kind, n_tokens, 0, torch.arange(n_tokens), _index([]), _index([]), alias)
 
 
-@dataclass
 class ImageFeatures:
-    """What routing may know about an image without touching K/V: identity, encoder output, patch entropy."""
+    """What routing may know about an image without touching K/V: identity, encoder output, patch entropy and the
+    hash of each token's pixels. ``pixel_features``: computes (entropy, patch hashes) on first use instead (a miss
+    never needs them before its prefill, so they stay off the request's critical path). ``kv_tokens``: tokens whose
+    K/V the stored entry holds (a compressed entry, docs/METHOD.md §4); None: every token."""
 
-    key: str
-    grid: tuple[int, int, int]
-    embeds: torch.Tensor
-    entropy: torch.Tensor
-    patch_hashes: torch.Tensor | None = None  # (N,) int64 hash of each token's pixels
-    #: tokens whose K/V the stored entry holds (a compressed entry, docs/METHOD.md §4); None: every token
-    kv_tokens: torch.Tensor | None = None
+    def __init__(self, key: str, grid: tuple[int, int, int], embeds: torch.Tensor, entropy: torch.Tensor | None = None,
+                 patch_hashes: torch.Tensor | None = None, kv_tokens: torch.Tensor | None = None,
+                 pixel_features=None):
+        self.key, self.grid, self.embeds, self.kv_tokens = key, grid, embeds, kv_tokens
+        self._entropy, self._patch_hashes, self._pixel_features = entropy, patch_hashes, pixel_features
+
+    def _compute(self) -> None:
+        if self._pixel_features is not None:
+            self._entropy, self._patch_hashes = self._pixel_features()
+            self._pixel_features = None
+
+    @property
+    def entropy(self) -> torch.Tensor:
+        """(N,) normalised patch entropy in [0, 1]."""
+        self._compute()
+        return self._entropy
+
+    @property
+    def patch_hashes(self) -> torch.Tensor | None:
+        """(N,) int64 hash of each token's pixels (None when unknown)."""
+        self._compute()
+        return self._patch_hashes
 
     @property
     def n_tokens(self) -> int:

@@ -192,6 +192,7 @@ def enable(model, *, image_mean=None, image_std=None):
     if previous is not None:
         refreshed = ModelAdapter.for_model(model, image_mean=image_mean, image_std=image_std)
         previous.image_mean, previous.image_std = refreshed.image_mean, refreshed.image_std
+        previous._params = None  # parameters are listed again
         return model
     adapter = ModelAdapter.for_model(model, image_mean=image_mean, image_std=image_std)
     attention.register()

@@ -272,8 +272,7 @@ def lookup_request(adapter, cache, input_ids, pixel_values, grids, get_image_fea
             match = _exact_match(row, start, entry, prefix)
         else:
             embeds, deepstack = encodings[i]
-            feats = ImageFeatures(keys[i], grid_list[j], embeds, patch_entropy(pixels[j], **adapter.entropy_kwargs()),
-                                  patch_hashes(pixels[j], merge))
+            feats = ImageFeatures(keys[i], grid_list[j], embeds, pixel_features=_pixel_features(adapter, pixels[j]))
             match = ImageMatch(row, start, feats, embeds, deepstack, region_descriptors(embeds, grid_list[j], merge),
                                HitKind.MISS, prefix, encoder_ms=encoder_ms)
             match = _approximate(adapter, match, cache, get_image_features)
@@ -282,6 +281,11 @@ def lookup_request(adapter, cache, input_ids, pixel_values, grids, get_image_fea
     compressing = cache.compress is not None or (cache.store_misses and cache.store.keep_ratio is not None)
     needs_runner = compressing or any(m.kind is not HitKind.MISS for m in images)
     return PrefillRequest(tuple(images), needs_runner), outputs
+
+
+def _pixel_features(adapter, pixels: torch.Tensor):
+    """What computes an image's patch entropy and token pixel hashes when they are first needed."""
+    return lambda: (patch_entropy(pixels, **adapter.entropy_kwargs()), patch_hashes(pixels, adapter.merge))
 
 
 def _exact_entry(adapter, cache, key: str, grid) -> Entry | None:

@@ -14,34 +14,53 @@ from vismemo_hf.store.store import store_call
 logger = logging.getLogger(__name__)
 
 
-def image_kv(cache, match) -> torch.Tensor:
-    """(N, L, 2, H, D) K/V of the image's tokens in every layer of ``cache`` (on the CPU)."""
+def image_kv(layers: list[tuple], match) -> torch.Tensor:
+    """(N, L, 2, H, D) K/V of the image's tokens from ``layers`` ((keys, values, columns) of each cache layer; columns
+    None: slot i holds column i), on the CPU."""
     cols = match.columns(torch.arange(match.n_tokens))
     per_layer = []
-    for layer in cache.layers:
-        slots = layer.slot_of(cols, match.row).to(layer.keys.device)
-        per_layer.append(torch.stack([layer.keys[match.row][:, slots], layer.values[match.row][:, slots]]).cpu())
+    for keys, values, columns in layers:
+        slots = cols if columns is None else _slots(columns[match.row], cols)
+        slots = slots.to(keys.device)
+        per_layer.append(torch.stack([keys[match.row][:, slots], values[match.row][:, slots]]).cpu())
     return torch.stack(per_layer).permute(3, 0, 1, 2, 4).contiguous()
+
+
+def _slots(row_columns: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
+    table = torch.full((int(row_columns.max()) + 2,), -1, dtype=torch.long, device=row_columns.device)
+    ok = row_columns >= 0
+    table[row_columns[ok]] = torch.nonzero(ok).flatten()
+    slots = table[columns.to(table.device).clamp(max=table.numel() - 1)]
+    if bool((slots < 0).any()):
+        raise RuntimeError("the image's columns are not all in the layer")
+    return slots
 
 
 def write_entries(adapter, cache, done: list[tuple], importance=lambda i: None) -> None:
     """Store the images of ``done`` ((index, match, plan, offset)) whose plan computed every token at every layer,
-    each key once; non-finite K/V are never stored. ``importance(index)``: what a compressed store keeps first."""
+    each key once, off the request's critical path: the cache layers' tensors as they are now are handed to the
+    store, which gathers and writes the entries on its writer thread (later reads of the store wait for them).
+    Non-finite K/V are never stored. ``importance(index)``: what a compressed store keeps first."""
     if not cache.store_misses:
         return
-    seen = set()
+    layers = [(layer.keys, layer.values, layer.columns) for layer in cache.layers]
+    fingerprint, seen = adapter.fingerprint, set()
     for i, match, plan, offset in done:
         key = match.features.key
         if match.kind is HitKind.EXACT or not plan.complete or key in seen:
             continue
         seen.add(key)
-        kv = image_kv(cache, match)
-        if not bool(torch.isfinite(kv).all()):
-            logger.warning("vismemo: image %s has non-finite K/V; not stored", key[:12])
-            continue
-        entry = Entry(key=key, fingerprint=adapter.fingerprint, grid=match.features.grid, embeds=match.embeds.detach(),
-                      deepstack=match.deepstack.detach() if match.deepstack is not None else None,
-                      descriptors=match.descriptors, entropy=match.features.entropy, kv=kv, offset=offset,
-                      patch_hashes=match.features.patch_hashes, prefix=match.prefix)
         weights = importance(i)
-        store_call("write", lambda e=entry, w=weights: cache.store.put(e, importance=w), None)
+
+        def build(match=match, offset=offset, weights=weights):
+            kv = image_kv(layers, match)
+            if not bool(torch.isfinite(kv).all()):
+                logger.warning("vismemo: image %s has non-finite K/V; not stored", match.features.key[:12])
+                return None
+            feats = match.features
+            return Entry(key=feats.key, fingerprint=fingerprint, grid=feats.grid, embeds=match.embeds.detach(),
+                         deepstack=match.deepstack.detach() if match.deepstack is not None else None,
+                         descriptors=match.descriptors, entropy=feats.entropy, kv=kv, offset=offset,
+                         patch_hashes=feats.patch_hashes, prefix=match.prefix), weights
+
+        store_call("write", lambda b=build: cache.store.put_later(b), None)

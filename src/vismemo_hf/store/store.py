@@ -20,6 +20,7 @@ import logging
 import math
 import os
 import re
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 
@@ -70,6 +71,34 @@ def user_cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "vismemo"
 
 
+def preset_options(name: str, overrides: dict) -> dict:
+    """The ``VisMemoStore`` keywords of store preset ``name`` (a path or a file of ``configs/store/``): placeholders
+    and environment variables expanded, ``overrides`` applied, unknown options an error."""
+    file, cfg = find("store", name), {**load("store", name), **overrides}
+    if cfg.get("disk_dir"):
+        cfg["disk_dir"] = os.path.expandvars(str(cfg["disk_dir"]).replace("{cache_home}", str(user_cache_dir())))
+    if cfg.get("remote_url"):
+        cfg["remote_url"] = os.path.expandvars(str(cfg["remote_url"]))  # e.g. a password from ${REDIS_PASSWORD}
+        unset = re.findall(r"\$\{?(\w+)", cfg["remote_url"])
+        if unset:
+            raise ValueError(f"remote_url of {file} needs the environment variable(s) {unset}")
+    unknown = set(cfg) - _OPTIONS
+    if unknown:
+        raise ValueError(f"unknown store option(s) {sorted(unknown)} in {file}")
+    return cfg
+
+
+def _open_disk(disk_dir, disk_bytes) -> DiskTier | None:
+    if disk_dir is None:
+        return None
+    try:
+        return DiskTier(str(disk_dir), disk_bytes)
+    except Exception as err:  # noqa: BLE001 - unwritable or unusable directory
+        logger.warning("vismemo: disk tier %s unusable (%s: %s); serving without it", disk_dir,
+                       type(err).__name__, err)
+        return None
+
+
 def _new_stats() -> dict:
     return {"hits": {"exact": 0, "approximate": 0, "miss": 0}, "hits_by_tier": {t: 0 for t in TIERS},
             "puts": 0, "evictions": 0, "demotions": 0, "promotions": 0, "rejected": 0, "corrupt": 0,
@@ -117,27 +146,18 @@ class VisMemoStore:
         main_host = None if host_bytes is None else int(host_bytes * (1 - victim_share))
         self.host = HostTier(main_host)
         self.victim = HostTier(None if host_bytes is None else host_bytes - main_host, name="host")
-        self.disk = self._open_disk(disk_dir, disk_bytes)
+        self.disk = _open_disk(disk_dir, disk_bytes)
         self.remote = RemoteTier(remote_url, **(remote_options or {})) if remote_url else None
         self.chain: list[Tier] = [t for t in (self.device, self.host, self.victim, self.disk) if t is not None]
         self._stats = _new_stats()
         self.placement = Placement(self.chain, self.remote, self.catalog, self.eviction, self._stats, kv_format,
                                    json.loads(Path(priors).read_text()) if priors else {})
         self._lock = self.placement.lock
+        self._later: list = []  # entries being built and stored on the writer thread (``put_later``)
+        self._builder = None
         if self.disk is not None:
             self._rebuild_from_disk()
         self._sync_remote()
-
-    @staticmethod
-    def _open_disk(disk_dir, disk_bytes) -> DiskTier | None:
-        if disk_dir is None:
-            return None
-        try:
-            return DiskTier(str(disk_dir), disk_bytes)
-        except Exception as err:  # noqa: BLE001 - unwritable or unusable directory
-            logger.warning("vismemo: disk tier %s unusable (%s: %s); serving without it", disk_dir,
-                           type(err).__name__, err)
-            return None
 
     # -- construction ------------------------------------------------------------------------------
     @classmethod
@@ -145,19 +165,7 @@ class VisMemoStore:
         """A store from a YAML preset: a path, or the name of a file in ``configs/store/``
         (default ``default``: small RAM tiers and a disk tier under the user's cache home); ``overrides`` replace
         the preset's options (``kv_format="int8"``, ...)."""
-        name = path or "default"
-        file, cfg = find("store", name), {**load("store", name), **overrides}
-        if cfg.get("disk_dir"):
-            cfg["disk_dir"] = os.path.expandvars(str(cfg["disk_dir"]).replace("{cache_home}", str(user_cache_dir())))
-        if cfg.get("remote_url"):
-            cfg["remote_url"] = os.path.expandvars(str(cfg["remote_url"]))  # e.g. a password from ${REDIS_PASSWORD}
-            unset = re.findall(r"\$\{?(\w+)", cfg["remote_url"])
-            if unset:
-                raise ValueError(f"remote_url of {file} needs the environment variable(s) {unset}")
-        unknown = set(cfg) - _OPTIONS
-        if unknown:
-            raise ValueError(f"unknown store option(s) {sorted(unknown)} in {file}")
-        return cls(**cfg)
+        return cls(**preset_options(path or "default", overrides))
 
     def _rebuild_from_disk(self) -> None:
         """Index the blobs a directory already holds, then trim it to ``disk_bytes`` (oldest first)."""
@@ -230,13 +238,32 @@ class VisMemoStore:
             self._stats["puts"] += 1
             return True
 
+    def put_later(self, build) -> None:
+        """Build an entry with ``build()`` (-> (entry, importance) or None) and ``put`` it on the store's writer
+        thread, off the request's critical path. Every later read of the store waits for it first."""
+        if self._builder is None:
+            self._builder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vismemo-put")
+
+        def run():
+            built = store_call("build", build, None)
+            if built is not None:
+                store_call("write", lambda: self.put(*built), None)
+
+        self._later.append(self._builder.submit(run))
+
+    def _drain(self) -> None:
+        """Wait for the entries ``put_later`` is still building (never called with the lock held)."""
+        while self._later:
+            self._later.pop(0).result()
+
     @property
     def tiers(self) -> list[Tier]:
         """Every tier, fastest first (the victim share is part of the host tier; the remote tier last)."""
         return self.chain + ([self.remote] if self.remote is not None else [])
 
     def flush(self) -> None:
-        """Wait for background disk and remote writes."""
+        """Wait for entries being built and for background disk and remote writes."""
+        self._drain()
         if self.disk is not None:
             self.disk.flush()
         if self.remote is not None:
@@ -286,6 +313,7 @@ class VisMemoStore:
 
     def get(self, key: str, fingerprint: str) -> Entry | None:
         """Whole entry (an exact hit's full read); it earns protection and moves to the first tier."""
+        self._drain()
         with self._lock:
             entry, tier = self._read(key, fingerprint, "full")
             if entry is None:
@@ -311,12 +339,14 @@ class VisMemoStore:
 
     def peek(self, key: str, fingerprint: str) -> Entry | None:
         """Metadata (encoder output, entropy, descriptors; ``kv`` may be None): no recency change, no K/V read."""
+        self._drain()
         with self._lock:
             return self._read(key, fingerprint, "meta")[0]
 
     def get_tokens(self, key: str, fingerprint: str, tokens: torch.Tensor, first_layer: int) -> torch.Tensor | None:
         """K/V rows ``tokens`` at layers >= ``first_layer``: (|tokens|, L - first_layer, 2, H, D). Sparse, never
         promotes. Rows are token indices, except in a compressed entry (``ImageFeatures.stored_rows``)."""
+        self._drain()
         with self._lock:
             out, tier = self._read(key, fingerprint, "tokens", tokens.to(torch.long).cpu(), first_layer)
             if out is None:
@@ -330,6 +360,7 @@ class VisMemoStore:
 
     def sketch(self, key: str, fingerprint: str) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Fine stage: (descriptors, token sketches) of a candidate, read from its lookup section alone."""
+        self._drain()
         with self._lock:
             out = self._read(key, fingerprint, "lookup")[0]
             if out is None:
@@ -340,6 +371,7 @@ class VisMemoStore:
 
     def candidates(self, fingerprint: str, grid, descriptors: torch.Tensor, tau: float, top_k: int):
         """Coarse stage: (key, mean centred regional cosine) of same-grid entries passing all four regions."""
+        self._drain()
         with self._lock:
             self._sync_remote()
             return self.catalog.candidates(fingerprint, grid, descriptors, tau, top_k)
@@ -362,6 +394,7 @@ class VisMemoStore:
 
     def discard(self, key: str) -> None:
         """Remove ``key`` from every tier (an entry found unusable for its model); counted as corrupt."""
+        self._drain()
         with self._lock:
             self._stats["corrupt"] += 1
             for tier in self.tiers:
@@ -377,16 +410,20 @@ class VisMemoStore:
             self._stats["exact_prefix_changed"] += int(prefix_changed)
 
     def __contains__(self, key: str) -> bool:
+        self._drain()
         return self.placement.tier_of(key) is not None
 
     def __len__(self) -> int:
+        self._drain()
         return len(self.catalog)
 
     def tier_of(self, key: str) -> str | None:
+        self._drain()
         tier = self.placement.tier_of(key)
         return None if tier is None else tier.name
 
     def stats(self) -> dict:
+        self._drain()
         self.placement.settle_writes()
         with self._lock:
             tiers = {name: {"bytes": 0, "budget": 0, "entries": 0} for name in TIERS}
@@ -403,6 +440,8 @@ class VisMemoStore:
 
     def close(self) -> None:
         self.flush()
+        if self._builder is not None:
+            self._builder.shutdown(wait=True)
         for tier in (self.disk, self.remote):
             if tier is not None:
                 tier.close()
