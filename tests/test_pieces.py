@@ -30,19 +30,37 @@ def test_active_columns_follow_each_images_plan_and_pad_short_rows():
     assert schedule.active(2, images) is late  # unchanged plans: the same layout object
 
 
-def test_a_slot_layout_orders_keys_by_column_and_masks_the_future_and_padding():
-    valid = torch.tensor([[False, True, True, True, True]])
-    schedule = Schedule(batch=1, length=5, valid=valid, device="cpu")
-    active = torch.tensor([[0, 1, 4]])
+def test_a_slot_layout_holds_columns_in_order_and_masks_the_future_padding_and_unwritten_slots():
+    valid = torch.tensor([[False, True, True, True, True, True]])
+    schedule = Schedule(batch=1, length=6, valid=valid, device="cpu")
+    active = torch.tensor([[0, 1, 5]])
     reused = torch.tensor([[3, 2]])
-    layout = schedule.layout(active, reused)
-    slots = torch.cat([reused, active], 1)
-    assert torch.equal(slots.gather(1, layout.order), torch.tensor([[0, 1, 2, 3, 4]]))
-    # query column 1 sees columns 1 (not 0: padding); column 4 sees 1..4
-    assert layout.mask[0, 0].tolist() == [[False, False, False, False, False], [False, True, False, False, False],
-                                          [False, True, True, True, True]]
-    assert schedule.layout(active, reused) is layout  # the same slots: the same mask
-    assert schedule.is_plain(torch.arange(5)[None], None) and not schedule.is_plain(active, None)
+    kept = torch.tensor([[4]])  # a masked token given back for decoding after the prefill
+    slots, layout = schedule.layout(active, reused, kept)
+    assert slots.tolist() == [[0, 1, 2, 3, 4, 5]]
+    # query column 1 sees column 1 (not 0: padding); column 5 sees 1, 2, 3 and itself, not the unwritten slot 4
+    assert layout.mask[0, 0].tolist() == [[False] * 6, [False, True, False, False, False, False],
+                                          [False, True, True, True, False, True]]
+    assert schedule.layout(active, reused, kept)[1] is layout  # the same layout: the same mask
+    assert schedule.is_plain(torch.arange(6)[None], None) and not schedule.is_plain(active, None)
+
+
+def test_a_layer_opened_with_a_layout_is_written_in_place_and_settles_to_the_plain_layout():
+    from vismemo_hf.runtime.cache import VisMemoLayer
+
+    layer = VisMemoLayer()
+    layer.open(torch.tensor([[0, 1, 2, 3]]), 4)
+    k = torch.arange(4, dtype=torch.float32).view(1, 1, 4, 1).expand(1, 2, 4, 3).contiguous()
+    layer.preload(k[:, :, [2, 3]], k[:, :, [2, 3]] + 10, torch.tensor([[2, 3]]))
+    keys, values = layer.update(k[:, :, [0, 1]], k[:, :, [0, 1]] + 10, columns=torch.tensor([[0, 1]]), contiguous=False)
+    assert torch.equal(keys, k) and torch.equal(values, k + 10)
+    layer.settle(4)
+    assert not layer.mapped  # every column in order: a DynamicCache layer again
+    holes = VisMemoLayer()
+    holes.open(torch.tensor([[0, 1, 2]]), 3)
+    holes.update(k[:, :, [0, 2]], k[:, :, [0, 2]], columns=torch.tensor([[0, 2]]), contiguous=False)
+    holes.settle(3)
+    assert holes.columns.tolist() == [[0, -1, 2]]  # the unwritten slot is empty, nothing moved
 
 
 def test_query_blocks_see_only_the_keys_their_rows_can():

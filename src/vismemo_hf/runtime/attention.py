@@ -125,12 +125,9 @@ def vismemo_attention_forward(module, query, key, value, attention_mask, scaling
             getattr(module, "config", None) is not ctx.adapter.text.config:
         return native_attention(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
     layer = ctx.cache.layers[layer_idx]
-    layout, order = ctx.layout, None
-    if layout is not None:  # a layer the prefill runner runs: its layout's mask and query blocks
-        attention_mask, order = layout.mask, layout.order
-        if order is not None:  # keys in request-column order: each query block sees a prefix of them
-            idx = order[:, None, :, None].expand(-1, key.shape[1], -1, key.shape[-1])
-            key, value = key.gather(2, idx), value.gather(2, idx)
+    layout = ctx.layout
+    if layout is not None:  # a layer the prefill runner runs: its slots in column order, its mask and query blocks
+        attention_mask = layout.mask
         out = masked_attention(module, query, key, value, attention_mask, layout.blocks, scaling=scaling, **kwargs)
     elif layer.mapped:  # a later forward over a layer with left-out slots
         attention_mask = layer.attention_mask(query.shape[-2], ctx.valid)
@@ -139,10 +136,7 @@ def vismemo_attention_forward(module, query, key, value, attention_mask, scaling
         out = native_attention(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
     capture = ctx.capture
     if capture is not None and capture.layer == layer_idx:
-        probs = window_probabilities(module, query, key, attention_mask, capture.rows, scaling)
-        if order is not None:  # back to the cache layer's slot order
-            probs = torch.empty_like(probs).scatter_(-1, order[:, None, None, :].expand_as(probs), probs)
-        capture.probs = probs
+        capture.probs = window_probabilities(module, query, key, attention_mask, capture.rows, scaling)
     return out
 
 

@@ -19,16 +19,25 @@ from vismemo_hf.core.thresholds import LookupThresholds
 from vismemo_hf.policies import RoutingPolicy, get_policy
 from vismemo_hf.runtime import context
 from vismemo_hf.runtime.compress import VLCacheCompression
-from vismemo_hf.runtime.schedule import slot_mask
+from vismemo_hf.runtime.schedule import positions_of, slot_mask
 from vismemo_hf.store.store import VisMemoStore, default_store
 
 
 class VisMemoLayer(DynamicLayer):
-    """One decoder layer's K/V slots; ``columns is None`` means slot i holds request column i."""
+    """One decoder layer's K/V slots; ``columns is None`` means slot i holds request column i (the plain layout),
+    else ``columns`` (B, S) names the request column of every slot (-1: an empty slot).
+
+    A prefill with a slot layout ``open``s the layer with its slots' columns in request-column order; reused and
+    computed K/V are then written into their slots, so attention reads them in order and the layer needs no
+    reordering afterwards. ``settle`` marks the slots nothing was written to as empty, and gives back the plain
+    layout when every column is held."""
 
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
         self.columns: torch.Tensor | None = None  # (B, S) long
+        self._slot_of: torch.Tensor | None = None  # (B, L) slot of each request column while a prefill writes
+        self._filled: torch.Tensor | None = None  # (B, S) written slots while a prefill writes
+        self._visible: torch.Tensor | None = None  # (B, S) the last decoding step's mask (mapped layers)
 
     @property
     def mapped(self) -> bool:
@@ -40,17 +49,46 @@ class VisMemoLayer(DynamicLayer):
             self.columns = torch.arange(n, device=device).expand(batch, n).clone()
         return self.columns
 
-    def preload(self, keys: torch.Tensor, values: torch.Tensor, columns: torch.Tensor) -> None:
-        """Add reused K/V slots (B, H, R, D) at request ``columns`` (B, R) before the layer computes."""
+    def open(self, slot_columns: torch.Tensor, length: int) -> None:
+        """Lay the layer out as ``slot_columns`` (B, S), sorted, -1 padded, before a prefill writes it."""
+        self.columns = slot_columns
+        self._slot_of = positions_of(slot_columns, length)
+        self._filled = torch.zeros(slot_columns.shape, dtype=torch.bool, device=slot_columns.device)
+        self.keys = self.values = None
+        self.is_initialized = False
+        self._visible = None
+
+    def _write(self, keys: torch.Tensor, values: torch.Tensor, columns: torch.Tensor) -> None:
+        """Write K/V (B, H, T, D) of request ``columns`` (B, T; -1 pads) into their slots."""
         if not self.is_initialized:
             self.lazy_initialization(keys, values)
-        cols = self._materialise_columns(keys.shape[0], keys.device)
-        self.keys = torch.cat([self.keys, keys], dim=-2) if self.keys.numel() else keys
-        self.values = torch.cat([self.values, values], dim=-2) if self.values.numel() else values
-        self.columns = torch.cat([cols, columns.to(cols.device)], dim=1)
+            shape = (keys.shape[0], keys.shape[1], self.columns.shape[1], keys.shape[-1])
+            self.keys, self.values = keys.new_zeros(shape), values.new_zeros(shape)
+        columns = columns.to(self._slot_of.device)
+        ok = columns >= 0
+        rows = torch.arange(columns.shape[0], device=columns.device)[:, None].expand_as(columns)[ok]
+        slots = self._slot_of.gather(1, columns.clamp(min=0))[ok]
+        if bool((slots < 0).any()):
+            raise RuntimeError("K/V written to a column the layer's layout does not hold")
+        where = torch.arange(columns.shape[1], device=columns.device)[None].expand_as(columns)[ok]
+        device = self.keys.device
+        rows, slots, where = rows.to(device), slots.to(device), where.to(device)
+        self.keys[rows, :, slots] = keys[rows, :, where].to(self.keys.dtype)
+        self.values[rows, :, slots] = values[rows, :, where].to(self.values.dtype)
+        self._filled[rows.to(self._filled.device), slots.to(self._filled.device)] = True
+
+    def preload(self, keys: torch.Tensor, values: torch.Tensor, columns: torch.Tensor) -> None:
+        """Write reused K/V (B, H, R, D) of request ``columns`` (B, R) into the open layout."""
+        if self._slot_of is None:
+            raise RuntimeError("preload needs a layer opened with a slot layout")
+        self._write(keys, values, columns)
 
     def update(self, key_states, value_states, *args, columns: torch.Tensor, contiguous: bool, **kwargs):
-        """Append computed K/V at request ``columns`` (B, q); ``contiguous``: they continue the sequence."""
+        """Computed K/V of request ``columns`` (B, q): written into the open layout of a prefill, else appended
+        (``contiguous``: they continue the sequence)."""
+        if self._slot_of is not None:
+            self._write(key_states, value_states, columns)
+            return self.keys, self.values
         if contiguous and not self.mapped:
             return super().update(key_states, value_states)
         if not self.is_initialized:
@@ -63,8 +101,17 @@ class VisMemoLayer(DynamicLayer):
         return self.keys, self.values
 
     def attention_mask(self, queries: int, valid_columns: torch.Tensor | None) -> torch.Tensor:
-        """(B, 1, q, S) boolean mask of this layer's slots for the ``queries`` slots appended last."""
-        return slot_mask(self.columns, self.columns[:, -queries:], valid_columns)
+        """(B, 1, q, S) boolean mask of this layer's slots for the ``queries`` slots appended last. A decoding step
+        (one query, which sees every slot that is not empty or padding) extends the previous step's mask by its own
+        slot instead of building it again."""
+        if queries != 1:
+            return slot_mask(self.columns, self.columns[:, -queries:], valid_columns)
+        width = self.columns.shape[1]
+        if self._visible is not None and self._visible.shape[1] == width - 1:
+            self._visible = torch.cat([self._visible, self._visible.new_ones(self._visible.shape[0], 1)], dim=1)
+        else:
+            self._visible = slot_mask(self.columns, self.columns[:, -1:], valid_columns)[:, 0, 0]
+        return self._visible[:, None, None, :]
 
     def slot_columns(self) -> torch.Tensor:
         """(B, S) request column of every slot."""
@@ -75,6 +122,7 @@ class VisMemoLayer(DynamicLayer):
 
     def keep_slots(self, keep: torch.Tensor) -> None:
         """Drop every slot where ``keep`` (B, S) is False (rows padded with empty slots)."""
+        self._visible = None
         cols = self._materialise_columns(self.keys.shape[0], self.keys.device)
         keep = keep.to(cols.device) & (cols >= 0)
         width = int(keep.sum(1).max())
@@ -85,18 +133,17 @@ class VisMemoLayer(DynamicLayer):
         self.columns = cols.gather(1, order).masked_fill(~kept, -1)
 
     def settle(self, length: int) -> None:
-        """End of a prefill: slots in request-column order (left-out slots last), and the plain layout again when
-        every row holds every column once, so that later forwards and readers see a DynamicCache's layout."""
+        """End of a prefill: slots nothing was written to become empty, and the layer is the plain layout again when
+        it holds every column once in order (later forwards and readers then see a DynamicCache's layout)."""
+        self._visible = None
+        if self._filled is not None:
+            self.columns = self.columns.masked_fill(~self._filled, -1)
+            self._slot_of = self._filled = None
         if not self.mapped or not self.is_initialized:
             return
         cols = self.columns
-        order = torch.sort(torch.where(cols >= 0, cols, torch.iinfo(cols.dtype).max), dim=1, stable=True).indices
-        if not bool((order == torch.arange(order.shape[1], device=order.device)).all()):
-            idx = order[:, None, :, None].expand(-1, self.keys.shape[1], -1, self.keys.shape[-1])
-            self.keys, self.values = self.keys.gather(2, idx), self.values.gather(2, idx)
-            cols = cols.gather(1, order)
-        plain = cols.shape[1] == length and bool((cols == torch.arange(length, device=cols.device)).all())
-        self.columns = None if plain else cols
+        if cols.shape[1] == length and bool((cols == torch.arange(length, device=cols.device)).all()):
+            self.columns = None
 
     def slot_of(self, columns: torch.Tensor, row: int) -> torch.Tensor:
         """Slot index of each request column in ``row`` (the columns must be stored)."""
@@ -111,21 +158,25 @@ class VisMemoLayer(DynamicLayer):
         return slots
 
     def crop(self, tokens_to_remove: int) -> None:
+        self._visible = None
         super().crop(tokens_to_remove)
         if self.mapped and tokens_to_remove:
             self.columns = self.columns[:, : -abs(tokens_to_remove)]
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._visible = None
         super().reorder_cache(beam_idx)
         if self.mapped:
             self.columns = self.columns.index_select(0, beam_idx.to(self.columns.device))
 
     def batch_repeat_interleave(self, repeats: int) -> None:
+        self._visible = None
         super().batch_repeat_interleave(repeats)
         if self.mapped:
             self.columns = self.columns.repeat_interleave(repeats, dim=0)
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._visible = None
         super().batch_select_indices(indices)
         if self.mapped:
             self.columns = self.columns[indices]
@@ -226,14 +277,15 @@ class VisMemoCache(DynamicCache):
                 "VisMemoCache is used by a model that was not prepared: call vismemo_hf.enable(model) once "
                 "before generate() (without it every image would silently get a full prefill)"
             )
+        layer = self.layers[layer_idx] if layer_idx < len(self.layers) else self.layer(layer_idx)
         incoming = ctx.layout.incoming if ctx.layout is not None else None
-        if incoming is None:  # a continuation: the next columns in order
-            q = key_states.shape[-2]
-            cols = torch.arange(self._length, self._length + q, device=key_states.device)
-            return self.layer(layer_idx).update(
-                key_states, value_states, columns=cols.expand(key_states.shape[0], q), contiguous=True
-            )
-        return self.layer(layer_idx).update(key_states, value_states, columns=incoming, contiguous=False)
+        if incoming is not None:
+            return layer.update(key_states, value_states, columns=incoming, contiguous=False)
+        if not layer.mapped:  # the plain layout continues: DynamicLayer's own append
+            return DynamicLayer.update(layer, key_states, value_states)
+        q = key_states.shape[-2]  # a continuation of a layer with left-out slots: the next columns in order
+        cols = torch.arange(self._length, self._length + q, device=key_states.device)
+        return layer.update(key_states, value_states, columns=cols.expand(key_states.shape[0], q), contiguous=True)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self._length
@@ -247,6 +299,7 @@ class VisMemoCache(DynamicCache):
         return self._length + query_length, 0
 
     def crop(self, tokens_to_remove: int) -> None:
+        self._visible = None
         super().crop(tokens_to_remove)
         self._length -= abs(tokens_to_remove)
 

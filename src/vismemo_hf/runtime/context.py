@@ -40,13 +40,26 @@ class ForwardContext:
 
     cache: object
     adapter: object = None  # the enabled model's ModelAdapter
-    valid: torch.Tensor | None = None
+    attention_mask: torch.Tensor | None = None
     request: object | None = None
     layout: object | None = None
     capture: AttentionCapture | None = None
     started: float = field(default_factory=time.perf_counter)
     first_event: int = 0
     token: Token | None = field(default=None, repr=False)
+    _valid: object = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        self._valid = _UNKNOWN
+
+    @property
+    def valid(self) -> torch.Tensor | None:
+        """(B, columns) False at padding columns, None without padding (worked out when first asked: decoding steps
+        over a plain layout never ask)."""
+        if self._valid is _UNKNOWN:
+            mask = self.attention_mask
+            self._valid = mask.bool() if mask is not None and mask.ndim == 2 and not bool(mask.all()) else None
+        return self._valid
 
     def take_request(self):
         """The lookup's request, once (the forward that runs it consumes it)."""
@@ -54,6 +67,7 @@ class ForwardContext:
         return request
 
 
+_UNKNOWN = object()
 _CURRENT: ContextVar[ForwardContext | None] = ContextVar("vismemo_forward", default=None)
 
 
@@ -66,10 +80,7 @@ def current(cache=None) -> ForwardContext | None:
 
 
 def open_forward(cache, attention_mask: torch.Tensor | None, adapter=None) -> ForwardContext:
-    valid = None
-    if attention_mask is not None and attention_mask.ndim == 2 and not bool(attention_mask.all()):
-        valid = attention_mask.bool()
-    ctx = ForwardContext(cache, adapter=adapter, valid=valid, first_event=len(cache.events))
+    ctx = ForwardContext(cache, adapter=adapter, attention_mask=attention_mask, first_event=len(cache.events))
     ctx.token = _CURRENT.set(ctx)
     return ctx
 

@@ -17,10 +17,10 @@ import torch
 from transformers.modeling_outputs import BaseModelOutputWithPast
 
 from vismemo_hf.core.plan import CacheEvent, HitKind, ImagePlan
-from vismemo_hf.runtime.alias import AliasReader
+from vismemo_hf.runtime.alias import AliasReader, stored_tokens
 from vismemo_hf.runtime.context import ForwardContext
 from vismemo_hf.runtime.lookup import ImageMatch, PrefillRequest
-from vismemo_hf.runtime.schedule import ActiveStates, Layout, Placement, Schedule, causal_mask
+from vismemo_hf.runtime.schedule import ActiveStates, Layout, Placement, Schedule, causal_mask, pad_rows
 from vismemo_hf.runtime.signals import SignalCollector
 from vismemo_hf.runtime.writeback import write_entries
 from vismemo_hf.store.store import store_call
@@ -76,7 +76,7 @@ class PrefillRunner:
         stats = self.cache.compress is not None or (self.cache.store_misses and self.cache.store.keep_ratio is not None)
         self.signals = SignalCollector(adapter, self.cache, [r.match for r in self.runs], self.batch, self.length,
                                        self.valid, device, window_stats=stats)
-        self._plain = Layout(None, None, causal_mask(self.batch, self.length, self.valid, device), [])
+        self._plain = Layout(None, causal_mask(self.batch, self.length, self.valid, device), [])
 
     # -- planning -----------------------------------------------------------------------------------------
     def _demote(self, i: int) -> None:
@@ -129,6 +129,17 @@ class PrefillRunner:
     def _plans(self) -> dict:
         return {i: r.plan for i, r in enumerate(self.runs) if r.plan is not None}
 
+    def _restored(self, layer: int) -> torch.Tensor | None:
+        """(B, K) columns of the masked tokens given back for decoding at ``layer`` (their slots are kept free)."""
+        rows = [[] for _ in range(self.batch)]
+        for run in self.runs:
+            plan = run.plan
+            if plan is not None and plan.restore_masked and plan.mask.numel() and layer >= plan.warmup_layers:
+                rows[run.match.row].append(run.match.columns(stored_tokens(run.match.alias, plan.mask)))
+        if not any(rows):
+            return None
+        return pad_rows([torch.cat(r) if r else torch.empty(0, dtype=torch.long) for r in rows], -1, self.schedule.device)
+
     # -- the loop -----------------------------------------------------------------------------------------
     def run(self, inputs_embeds, visual_pos_masks=None, deepstack_visual_embeds=None) -> BaseModelOutputWithPast:
         t_start = time.perf_counter()
@@ -143,11 +154,14 @@ class PrefillRunner:
                 t_warm_end = time.perf_counter()
             states.narrow(self.schedule.active(layer, [r.placement() for r in self.runs]))
             reused = self.reader.reused(layer, self._plans(), self.batch)
-            if reused is not None:
-                self.cache.layer(layer).preload(*reused)
             reused_columns = None if reused is None else reused[2]
-            plain = self.schedule.is_plain(states.columns, reused_columns)
-            self.ctx.layout = self._plain if plain else self.schedule.layout(states.columns, reused_columns)
+            if self.schedule.is_plain(states.columns, reused_columns):
+                self.ctx.layout = self._plain
+            else:
+                slots, self.ctx.layout = self.schedule.layout(states.columns, reused_columns, self._restored(layer))
+                self.cache.layer(layer).open(slots, self.length)
+                if reused is not None:
+                    self.cache.layer(layer).preload(*reused)
             watching = self._watching()
             self.ctx.capture = self.signals.capture(layer, states.columns, watching)
             states.hidden = self.adapter.run_layer(layer, states.hidden, None, states.cos, states.sin, self.cache)
@@ -168,12 +182,12 @@ class PrefillRunner:
             cache.layer(layer).preload(keys, values, columns)
         write_entries(self.adapter, cache, [(i, r.match, r.plan, r.offset) for i, r in enumerate(self.runs)],
                       self.signals.token_importance)
+        for layer in cache.layers:
+            layer.settle(self.length)
         if cache.compress is not None and self.runs:
             keep = cache.compress.keep(self.signals.layer_stats, self.signals.visual_columns())
             for layer, kept in zip(cache.layers, keep or []):
                 layer.keep_slots(kept)
-        for layer in cache.layers:
-            layer.settle(self.length)
         for i, run in enumerate(self.runs):
             warm = (t_warm_end - t_start) * 1e3 if run.match.kind is HitKind.APPROXIMATE else 0.0
             run.timings.update(warmup=warm, recompute=(t_end - t_warm_end) * 1e3)

@@ -1,10 +1,10 @@
 """The schedule of a prefill: from the images' plans to each layer's layout. Pure tensor code, no model.
 
 At layer l a row's *active* columns are its text (and padding) plus the visual tokens its images' plans compute
-there; the layer's *slots* are the K/V it attends over: reused tokens preloaded from their alias, then the
-active ones. A ``Layout`` holds what attention needs for one layer: the queries' columns, the order that sorts
-the slots by column, the boolean mask in that order and its query blocks. Plans only shrink the computed set
-with depth, so a layout is rebuilt only at the layers where it changes.
+there; the layer's *slots* hold, in request-column order, the K/V it attends over (reused tokens written from their
+alias, active ones computed) and the masked tokens given back for decoding afterwards. A ``Layout`` holds what
+attention needs for one layer: the queries' columns, the boolean mask over the slots and its query blocks. Plans
+only shrink the computed set with depth, so a layout is rebuilt only at the layers where it changes.
 """
 
 from __future__ import annotations
@@ -71,13 +71,11 @@ def query_blocks(mask: torch.Tensor) -> list[tuple[int, int, int]]:
 
 @dataclass(frozen=True)
 class Layout:
-    """What one layer's attention needs. ``incoming``: (B, q) request columns of its queries; ``order``: (B, S) the
-    permutation that sorts its slots by column (None: sorted already); ``mask``: (B, 1, q, S) in that order;
-    ``blocks``: ``query_blocks`` of the mask."""
+    """What one layer's attention needs. ``incoming``: (B, q) request columns of its queries (None: the plain
+    sequence); ``mask``: (B, 1, q, S) over the layer's slots (None: plain causal); ``blocks``: its query blocks."""
 
-    incoming: torch.Tensor
-    order: torch.Tensor | None
-    mask: torch.Tensor
+    incoming: torch.Tensor | None
+    mask: torch.Tensor | None
     blocks: list
 
 
@@ -125,16 +123,33 @@ class Schedule:
         return reused_columns is None and active.shape == self.all_columns.shape and torch.equal(active,
                                                                                                  self.all_columns)
 
-    def layout(self, active: torch.Tensor, reused_columns: torch.Tensor | None) -> Layout:
-        """The slot layout of a layer whose slots are ``reused_columns`` (B, R) then ``active`` (B, A)."""
-        slots = active if reused_columns is None else torch.cat([reused_columns, active], dim=1)
-        if self._slots is None or not torch.equal(self._slots, slots):  # same slots: same mask
-            order = slots.argsort(dim=1, stable=True)
-            ordered = bool((slots[:, 1:] >= slots[:, :-1]).all())
-            mask = slot_mask(slots if ordered else slots.gather(1, order), active, self.valid)
-            self._slots = slots
-            self._layout = Layout(active, None if ordered else order, mask, query_blocks(mask))
+    def _mark(self, *columns: torch.Tensor | None) -> torch.Tensor:
+        """(B, L) True at every request column of ``columns`` ((B, k) each, -1 padded)."""
+        marked = torch.zeros(self.batch, self.length, dtype=torch.bool, device=self.device)
+        for cols in columns:
+            if cols is not None:
+                ok = cols >= 0
+                rows = torch.arange(self.batch, device=self.device)[:, None].expand_as(cols)
+                marked[rows[ok], cols[ok].to(self.device)] = True
+        return marked
+
+    def layout(self, active: torch.Tensor, reused_columns: torch.Tensor | None,
+               kept_columns: torch.Tensor | None = None) -> tuple[torch.Tensor, Layout]:
+        """(slot columns (B, S), sorted and -1 padded; the ``Layout``) of a layer computing ``active`` (B, A) and
+        reusing ``reused_columns`` (B, R); its slots also hold ``kept_columns`` (B, K), written after the prefill
+        (masked tokens given back for decoding) and invisible until then."""
+        key = (active, reused_columns, kept_columns)
+        if self._slots is None or not all(_same(a, b) for a, b in zip(self._slots, key)):
+            visible = self._mark(active, reused_columns)
+            kept = visible | self._mark(kept_columns)
+            slots = pad_rows([torch.nonzero(kept[b]).flatten() for b in range(self.batch)], -1, self.device)
+            mask = slot_mask(slots, active, self.valid) & visible.gather(1, slots.clamp(min=0))[:, None, None, :]
+            self._slots, self._layout = key, (slots, Layout(active, mask, query_blocks(mask)))
         return self._layout
+
+
+def _same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+    return (a is None and b is None) or (a is not None and b is not None and a.shape == b.shape and torch.equal(a, b))
 
 
 class ActiveStates:
