@@ -1,6 +1,8 @@
 """Realistic synthetic pages for ``vismemo-docqa-base``: 448 x 448 px (256 visual tokens of 28 px), most of them
-background (margins, header bands, logos, photos, textures, rules, running text), with small text (several glyphs
-per token, placed without regard to the token grid, so glyphs cross token borders) in two fonts.
+background (margins, header bands, logos, photos, textures, rules, running text), with small text in two fonts:
+each glyph of a record sits in a 14 px cell (one ViT patch), two per visual token, and words run across token
+borders. Training jitters pages by a few pixels, and near-duplicates shift them further, so glyphs also straddle
+patch and token borders.
 
 A page holds a block of *records*: rows with a key (3 letters, distinct first letters on a page) and one value
 per column (4 digits, distinct on a page); ``table`` and ``invoice`` pages name their columns in a header row.
@@ -20,6 +22,7 @@ import random
 import string
 from dataclasses import dataclass, field, replace
 from functools import cache
+from pathlib import Path
 
 import numpy as np
 from PIL import Image, ImageDraw, ImageEnhance, ImageFont
@@ -27,20 +30,22 @@ from PIL import Image, ImageDraw, ImageEnhance, ImageFont
 SIZE = 448  # px per side of a page: 16 x 16 visual tokens
 TOKEN = 28  # px per visual token (patch 14, merge 2)
 LAYOUTS = ("form", "table", "receipt", "ui", "invoice")
-FONTS = ("sans", "pixel")
+FONTS = ("sans", "mono")
+FONT_SIZES = {"sans": (12, 14), "mono": (12, 14)}
+GLYPH = 14  # px: the cell of one record glyph (a ViT patch); two glyphs per visual token
 KEY_LEN, VALUE_LEN = 3, 4
 LETTERS, DIGITS = string.ascii_uppercase, string.digits
 #: every glyph a cell may hold, in a fixed order (training's class ids are 1 + index; 0 is "none")
 GLYPHS = LETTERS + DIGITS
-SLOTS = 5  # horizontal glyph slots per token in the per-token reading targets
+SLOTS = 4  # glyph cells per token in the per-token reading targets (its 2 x 2 patches)
 
 
 @cache
 def font(name: str, size: int) -> ImageFont.ImageFont:
-    """Two fonts shipped with Pillow, so every machine renders the same pages: a FreeType sans (``sans``, any
-    size) and the fixed bitmap font (``pixel``, 11 px, ``size`` ignored)."""
-    if name == "pixel":
-        return ImageFont.load_default_imagefont()
+    """Two fonts that ship with the package or Pillow, so every machine renders the same pages: Pillow's FreeType
+    sans (``sans``) and DejaVu Sans Mono (``mono``, ``fonts/``, Bitstream Vera licence)."""
+    if name == "mono":
+        return ImageFont.truetype(str(Path(__file__).resolve().parent / "fonts" / "DejaVuSansMono.ttf"), size)
     return ImageFont.load_default(size=size)
 
 
@@ -56,7 +61,7 @@ class DocPage:
     columns: tuple[str, ...]
     values: tuple[tuple[str, ...], ...]
     font: str = "sans"
-    font_size: int = 11
+    font_size: int = 14
     side: int = SIZE  # px (square pages; training also draws small ones)
     x0: int = 40
     y0: int = 120
@@ -117,18 +122,16 @@ def random_page(seed: int, layout: str | None = None, n_rows: int | None = None,
         values.append(tuple(row))
     columns = tuple(_column_names(rng, n_cols)) if n_cols > 1 else ("",)
     fname = font_name or rng.choice(FONTS)
-    font_size = rng.randint(10, 12)
-    pitch = rng.randint(28, 36)
-    top = rng.randint(78, 130) if layout != "receipt" else rng.randint(60, 100)
+    font_size = rng.randint(*FONT_SIZES[fname])
+    pitch = GLYPH * rng.choice([2, 2, 3])
+    top = _cells(rng, 78, 130) if layout != "receipt" else _cells(rng, 56, 98)
     header = pitch if n_cols > 1 else 0
-    top = min(top, SIZE - 24 - header - n_rows * pitch)
-    x0 = {"receipt": rng.randint(130, 160), "ui": rng.randint(50, 80)}.get(layout, rng.randint(24, 70))
+    top = min(top, (SIZE - 24 - header - n_rows * pitch) // GLYPH * GLYPH)
+    x0 = {"receipt": _cells(rng, 126, 154), "ui": _cells(rng, 56, 84)}.get(layout, _cells(rng, 28, 70))
     if n_cols == 1:
-        gap = rng.randint(60, 120) if layout != "receipt" else rng.randint(80, 100)
-        col_x = (x0 + gap,)
+        col_x = (x0 + (_cells(rng, 70, 126) if layout != "receipt" else _cells(rng, 84, 98)),)
     else:
-        first = x0 + rng.randint(56, 80)
-        step = rng.randint(58, 80)
+        first, step = x0 + _cells(rng, 70, 98), _cells(rng, 84, 98)
         col_x = tuple(first + i * step for i in range(n_cols))
     lights = tuple(rng.random() < 0.5 for _ in range(n_rows)) if layout == "ui" else ()
     title = "".join(rng.choice(LETTERS) for _ in range(rng.randint(4, 8)))
@@ -144,15 +147,21 @@ def _small_page(rng: random.Random, seed: int, layout: str, n_rows: int, font_na
     seen: set[str] = set()
     values = tuple(tuple(_fresh_value(rng, seen) for _ in range(n_cols)) for _ in range(n_rows))
     columns = tuple(_column_names(rng, n_cols)) if n_cols > 1 else ("",)
-    pitch = rng.randint(28, 34)
+    pitch = 2 * GLYPH
     header = pitch if n_cols > 1 else 0
-    x0 = rng.randint(14, 40)
-    col_x = tuple(x0 + rng.randint(40, 56) + i * rng.randint(46, 54) for i in range(n_cols))
-    y0 = rng.randint(44, max(44, side - 30 - n_rows * pitch)) + header
+    x0 = _cells(rng, 14, 28)
+    col_x = tuple(x0 + 56 + i * 84 for i in range(n_cols))
+    y0 = _cells(rng, 42, max(42, side - 28 - n_rows * pitch)) + header
     lights = tuple(rng.random() < 0.5 for _ in range(n_rows)) if layout == "ui" else ()
     title = "".join(rng.choice(LETTERS) for _ in range(rng.randint(4, 6)))
-    return DocPage(seed, layout, keys, columns, values, font_name or rng.choice(FONTS), rng.randint(10, 12), side,
-                   x0, y0, pitch, col_x, title, lights)
+    fname = font_name or rng.choice(FONTS)
+    return DocPage(seed, layout, keys, columns, values, fname, rng.randint(*FONT_SIZES[fname]), side, x0, y0, pitch,
+                   col_x, title, lights)
+
+
+def _cells(rng: random.Random, lo: int, hi: int) -> int:
+    """A random multiple of ``GLYPH`` px in [lo, hi] (record text sits on the glyph grid)."""
+    return GLYPH * rng.randint(-(-lo // GLYPH), max(-(-lo // GLYPH), hi // GLYPH))
 
 
 def _fresh_value(rng: random.Random, seen: set[str]) -> str:
@@ -191,15 +200,17 @@ class Text:
     size: int = 11
 
     def glyphs(self, fname: str) -> list[Glyph]:
+        """Each glyph centred in its cell: the i-th at ``x + GLYPH * i``."""
+        half = GLYPH / 2
+        return [Glyph(ch, self.x + GLYPH * i + half, self.y + half) for i, ch in enumerate(self.text) if ch != " "]
+
+    def draw(self, draw, fname: str, fill) -> None:
         f = font(fname, self.size)
-        out = []
         for i, ch in enumerate(self.text):
-            if ch == " ":
-                continue
-            x = self.x + f.getlength(self.text[:i])
             left, top, right, bottom = f.getbbox(ch)
-            out.append(Glyph(ch, x + (left + right) / 2, self.y + (top + bottom) / 2))
-        return out
+            x = self.x + GLYPH * i + (GLYPH - (right - left)) / 2 - left
+            y = self.y + (GLYPH - (bottom - top)) / 2 - top
+            draw.text((x, y), ch, fill=fill, font=f)
 
 
 def cell_texts(page: DocPage) -> list[Text]:
@@ -260,9 +271,7 @@ def render(page: DocPage) -> Image.Image:
     dx, dy = page.offset
     _decorate(img, draw, page, rng, dx, dy)
     for text in cell_texts(page):
-        f = font(page.font, text.size)
-        for i, ch in enumerate(text.text):
-            draw.text((text.x + f.getlength(text.text[:i]), text.y), ch, fill=ink, font=f)
+        text.draw(draw, page.font, ink)
     if page.popup is not None:
         x, y, w, h = page.popup
         draw.rectangle([x + 3, y + 3, x + w + 3, y + h + 3], fill=(90, 90, 90))
@@ -323,7 +332,8 @@ def _decorate(img, draw, page: DocPage, rng: random.Random, dx: int, dy: int) ->
         w, h = rng.randint(90, 140), rng.randint(70, 110)
         x = W - w - rng.randint(12, 30)
         y = rng.randint(60, 90)
-        img.paste(_texture(rng, w, h), (x + dx, y + dy))
+        if x > page.col_x[-1] + 48 or y + h < page.y0 - page.pitch - 4:  # a photo never covers the records
+            img.paste(_texture(rng, w, h), (x + dx, y + dy))
         for i in range(rng.randint(2, 4)):  # an address / paragraph block under the header
             draw.text((page.x0 + dx, 58 + i * 12 + dy - 4), _filler(rng, 4), fill=(110, 110, 110), font=small)
     if layout == "table":
@@ -346,7 +356,7 @@ def _decorate(img, draw, page: DocPage, rng: random.Random, dx: int, dy: int) ->
             draw.text((left + 20, 30 + dy), page.title, fill=(40, 40, 40), font=title)
         for r in range(page.n_rows):
             y = page.y0 + r * page.pitch + dy + 7
-            for x in range(page.x0 + 26 + dx, page.col_x[0] - 6 + dx, 4):
+            for x in range(page.x0 + KEY_LEN * GLYPH + 4 + dx, page.col_x[0] - 6 + dx, 4):
                 draw.point((x, y), fill=(120, 120, 120))
         draw.line([left + 10, last_row + page.pitch, right - 10, last_row + page.pitch], fill=(60, 60, 60))
         for x in range(left + 10, right - 10, 3) if full else ():  # a barcode

@@ -6,7 +6,8 @@ columns), row and column -> cell (``"KEY COL?"``) and value -> key (``"=VALUE?"`
 train-docqa --reader base`` (CPU, deterministic in ``--seed``, resumable from its checkpoint folder) with the QA
 loss plus training-only probes that make reading learnable on a CPU budget:
 
-* at mid depth each visual token names the glyphs of the records whose centres it holds, slot by slot;
+* at the tower's output and at mid depth each visual token names the glyphs of the records whose centres it
+  holds, slot by slot (the few tokens that hold glyphs weighted far above the background);
 * at the input of the last layer each token of a record cell names the cell's text, its row's key (value cells),
   its row's first key letter and its column's name, and whether the instruction selected its column (so the
   image's K/V depend on the text before the image);
@@ -36,7 +37,7 @@ MODEL_NAME = "vismemo-docqa-base"
 PACKAGED = Path(__file__).resolve().parents[1] / "models" / "docqa-base"
 CLASSES = 1 + len(docpage.GLYPHS)  # 0: nothing
 WORD_SLOTS = 12  # content (4), partner (4), row letter (1), column name (2), selected (1)
-OCR_LAYER = 4  # hidden state index (output of layer 3)
+OCR_LAYER = 4  # hidden state index (output of layer 3); the glyph readout is also asked of the tower's output
 
 
 def new_processor():
@@ -111,15 +112,16 @@ def sample(rng: random.Random, max_rows: int = 8, layout: str | None = None, ful
         page = docpage.random_page(seed, layout=layout, side=docpage.SIZE // 2)
     r = rng.random()
     if r < 0.15:
-        page = docpage.shift(page, rng.randint(-6, 6), rng.randint(-6, 6))
+        page = docpage.shift(page, rng.randint(-3, 3), rng.randint(-3, 3))
     elif r < 0.25:
         page = docpage.rescan(page, rng)
     return page, docpage.random_question(rng, page)
 
 
 def token_targets(page: docpage.DocPage, question: docpage.Question) -> tuple[torch.Tensor, torch.Tensor]:
-    """(N, SLOTS) glyph classes of each token's record glyphs by horizontal slot, and (N, WORD_SLOTS) what each
-    record cell's tokens name at the last layer's input (see the module docstring)."""
+    """(N, SLOTS) glyph classes of each token's record glyphs by patch (top-left, top-right, bottom-left,
+    bottom-right), and (N, WORD_SLOTS) what each record cell's tokens name at the last layer's input (see the
+    module docstring)."""
     n = page.n_tokens
     ocr = torch.zeros(n, docpage.SLOTS, dtype=torch.long)
     word = torch.zeros(n, WORD_SLOTS, dtype=torch.long)
@@ -127,13 +129,12 @@ def token_targets(page: docpage.DocPage, question: docpage.Question) -> tuple[to
     for text in docpage.cell_texts(page):
         if docpage.covered_by_popup(page, text):
             continue
-        glyphs = text.glyphs(page.font)
-        for g in glyphs:
+        for g in text.glyphs(page.font):  # each glyph in its patch of its token (2 x 2 patches per token)
             t = docpage.token_of(page, g.cx, g.cy)
-            if t is None:
-                continue
-            x, _ = docpage.image_point(page, g.cx, g.cy)
-            ocr[t, int((x % docpage.TOKEN) * docpage.SLOTS // docpage.TOKEN)] = glyph_class(g.char)
+            if t is not None:
+                x, y = docpage.image_point(page, g.cx, g.cy)
+                half = docpage.TOKEN // 2
+                ocr[t, 2 * int(y % docpage.TOKEN >= half) + int(x % docpage.TOKEN >= half)] = glyph_class(g.char)
         target = torch.zeros(WORD_SLOTS, dtype=torch.long)
         for i, ch in enumerate(text.text[:4]):
             target[i] = glyph_class(ch)
@@ -193,10 +194,8 @@ def losses(model, probes, batch, labels, items) -> dict[str, torch.Tensor]:
     visual = ids == model.config.image_token_id
     ocr_t, word_t = zip(*[token_targets(p, q) for p, q in items])
     ocr_t, word_t = torch.cat(ocr_t), torch.cat(word_t)  # visual tokens of every sample, in batch order
-    mid = out.hidden_states[OCR_LAYER][visual]
-    ocr = torch.nn.functional.cross_entropy(probes.ocr(mid).view(-1, CLASSES), ocr_t.view(-1))
-    late = out.hidden_states[-2][visual]
-    word = torch.nn.functional.cross_entropy(probes.word(late).view(-1, CLASSES), word_t.view(-1))
+    ocr = sum(_slot_loss(probes.ocr(out.hidden_states[at][visual]), ocr_t) for at in (0, OCR_LAYER)) / 2
+    word = _slot_loss(probes.word(out.hidden_states[-2][visual]), word_t)
     predicting = torch.zeros_like(labels, dtype=torch.bool)
     predicting[:, :-1] = labels[:, 1:] != -100
     counts = predicting.sum(1)
@@ -205,6 +204,19 @@ def losses(model, probes, batch, labels, items) -> dict[str, torch.Tensor]:
                                               asked.reshape(-1), ignore_index=-100)
     look = _look_loss(out.attentions[-1][:, 0], visual, items, labels)
     return {"qa": qa, "ocr": ocr, "word": word, "query": query, "look": look}
+
+
+#: weight of the tokens that hold no record glyph (most of a page): every slot of theirs says "nothing"
+BACKGROUND_WEIGHT = 0.05
+
+
+def _slot_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Cross entropy of per-token slot readouts (T, slots * CLASSES) against (T, slots), the tokens that hold a
+    record glyph weighted fully and the background at ``BACKGROUND_WEIGHT`` (else "nothing" everywhere wins)."""
+    per_slot = torch.nn.functional.cross_entropy(logits.view(-1, CLASSES), target.view(-1), reduction="none")
+    holds = (target > 0).any(-1, keepdim=True).expand_as(target).reshape(-1).float()
+    weight = holds + BACKGROUND_WEIGHT * (1 - holds)
+    return (per_slot * weight).sum() / weight.sum()
 
 
 def _look_loss(attention, visual, items, labels) -> torch.Tensor:
