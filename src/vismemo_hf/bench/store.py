@@ -35,7 +35,11 @@ def synthetic_entry(key: str, n_tokens: int, layers: int, heads: int, head_dim: 
                  patch_hashes=torch.arange(n_tokens))
 
 
-def sparse_io(geometry: dict, beta: float, warmup: int, tmp: Path) -> list[dict]:
+#: the secret of the benchmark's sealed stores (docs/METHOD.md §5)
+BENCH_SECRET = "vismemo bench store secret"
+
+
+def sparse_io(geometry: dict, beta: float, warmup: int, tmp: Path, secret=None) -> list[dict]:
     """Bytes an approximate hit reads (host gather, disk ranges) vs the floor beta*(L-W)/L of the entry's K/V."""
     out = []
     entry = synthetic_entry("sparse", **geometry)
@@ -44,8 +48,9 @@ def sparse_io(geometry: dict, beta: float, warmup: int, tmp: Path) -> list[dict]
     blob_bytes = len(blob.encode(entry))
     tokens = torch.randperm(n, generator=torch.Generator().manual_seed(0))[: math.ceil(beta * n)].sort().values
     for tier, kwargs in (("host", dict(device_bytes=0, host_bytes=None)),
-                         ("disk", dict(device_bytes=0, host_bytes=0, disk_dir=tmp / "sparse", disk_bytes=None))):
-        store = VisMemoStore(**kwargs)
+                         ("disk", dict(device_bytes=0, host_bytes=0, disk_dir=tmp / f"sparse{bool(secret)}",
+                                       disk_bytes=None))):
+        store = VisMemoStore(**kwargs, secret=secret or False)
         store.put(entry)
         store.flush()
         t0 = time.perf_counter()
@@ -61,9 +66,9 @@ def sparse_io(geometry: dict, beta: float, warmup: int, tmp: Path) -> list[dict]
     return out
 
 
-def host_throughput(geometry: dict, repeats: int) -> dict:
+def host_throughput(geometry: dict, repeats: int, secret=None) -> dict:
     """Full-entry read through the host tier (checks + decode of a blob in RAM) vs a raw copy of the same bytes."""
-    store = VisMemoStore(device_bytes=0, host_bytes=None)
+    store = VisMemoStore(device_bytes=0, host_bytes=None, secret=secret or False)
     entry = synthetic_entry("full", **geometry)
     store.put(entry)
     _, data = store.host.lru["full"]
@@ -81,9 +86,10 @@ def host_throughput(geometry: dict, repeats: int) -> dict:
             "tier_ms": tier * 1e3, "raw_ms": raw * 1e3}
 
 
-def disk_throughput(geometry: dict, repeats: int, tmp: Path) -> dict:
+def disk_throughput(geometry: dict, repeats: int, tmp: Path, secret=None) -> dict:
     """Full-entry read through the disk tier (parse + checks + decode) vs a raw sequential read of the same file."""
-    store = VisMemoStore(device_bytes=0, host_bytes=0, disk_dir=tmp / "throughput", disk_bytes=None)
+    store = VisMemoStore(device_bytes=0, host_bytes=0, disk_dir=tmp / f"throughput{bool(secret)}", disk_bytes=None,
+                         secret=secret or False)
     entry = synthetic_entry("full", **geometry)
     store.put(entry)
     store.flush()
@@ -217,6 +223,9 @@ def run(args) -> dict:
         sparse = sparse_io(geometry, args.beta, args.warmup, tmp)
         throughput = disk_throughput(geometry, args.repeats, tmp)
         host = host_throughput(geometry, args.repeats)
+        sealed = {"sparse_io": sparse_io(geometry, args.beta, args.warmup, tmp, BENCH_SECRET),
+                  "disk_throughput": disk_throughput(geometry, args.repeats, tmp, BENCH_SECRET),
+                  "host_throughput": host_throughput(geometry, args.repeats, BENCH_SECRET)}
         remote = remote_vs_disk(geometry, args.beta, args.warmup, args.repeats, args.remote, tmp) if args.remote else None
     trace = synthetic_trace(args.trace_requests, seed=args.seed)
     size = _tiny_entry("x").nbytes
@@ -224,8 +233,26 @@ def run(args) -> dict:
     for capacity in [int(c) for c in args.capacities.split(",")]:
         lru[capacity] = {"plain": replay(trace, capacity, 0, size), "exact_priority": replay(trace, capacity, 2, size)}
     return {"geometry": geometry, "beta": args.beta, "warmup_layers": args.warmup, "sparse_io": sparse,
-            "disk_throughput": throughput, "host_throughput": host, "remote": remote, "trace_requests": len(trace),
-            "lru": lru}
+            "disk_throughput": throughput, "host_throughput": host, "sealed": sealed, "remote": remote,
+            "trace_requests": len(trace), "lru": lru}
+
+
+def _sealed_lines(result: dict, args) -> list[str]:
+    plain, sealed = result, result["sealed"]
+    lines = ["## Sealed blobs (a store secret) vs unsealed", "",
+             "| read | unsealed GB/s | sealed GB/s | raw GB/s | unsealed / raw | sealed / raw |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    for name, key in (("disk tier, full", "disk_throughput"), ("host tier, full", "host_throughput")):
+        a, b = plain[key], sealed[key]
+        lines.append(f"| {name} | {a['tier_GBps']:.2f} | {b['tier_GBps']:.2f} | {b['raw_GBps']:.2f} | "
+                     f"{a['tier_over_raw']:.2f} | {b['tier_over_raw']:.2f} |")
+    for a, b in zip(plain["sparse_io"], sealed["sparse_io"]):
+        lines.append(f"| {a['tier']} tier, sparse ({a['tokens_read']} tokens) | {a['bytes_read'] / a['ms'] / 1e6:.2f} | "
+                     f"{b['bytes_read'] / b['ms'] / 1e6:.2f} | - | - | - |")
+    lines += ["", "Sealed: the header's HMAC-SHA256, then an AES-GMAC tag of every region and of every (token, layer) "
+              "block read, in place of the CRC-32C checks (docs/METHOD.md §5). Raw: the same bytes read without any "
+              f"check (disk: into a fresh buffer; host: a copy). Medians of {args.repeats} after one warm-up."]
+    return lines
 
 
 def main(args) -> int:
@@ -263,6 +290,7 @@ def main(args) -> int:
               f"against a raw copy of it {h['raw_GBps']:.2f} GB/s ({h['raw_ms']:.0f} ms): tier / raw = "
               f"{h['tier_over_raw']:.2f}. Medians of {args.repeats} after one warm-up; the file stays in the page "
               "cache (not dropped: no privilege), so the disk rows compare CPU costs, not the disk.", "",
+              *_sealed_lines(result, args), "",
               f"## Exact-priority LRU vs plain LRU ({result['trace_requests']} synthetic requests)", "",
               "| capacity (entries) | policy | exact | approximate | miss |", "| --- | --- | --- | --- | --- |"]
     for cap, both in result["lru"].items():

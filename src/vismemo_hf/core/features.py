@@ -36,6 +36,23 @@ def token_grid(grid: tuple[int, int, int], merge: int) -> tuple[int, int, int]:
     return t, h // merge, w // merge
 
 
+def checked_namespace(namespace) -> str:
+    """``namespace`` if it is a usable one (a non-empty str of at most 256 characters), else a ValueError."""
+    if not isinstance(namespace, str) or not 0 < len(namespace) <= 256:
+        raise ValueError(f"namespace must be a non-empty str of at most 256 characters, got {type(namespace).__name__}"
+                         f"{f' of length {len(namespace)}' if isinstance(namespace, str) else ''}")
+    return namespace
+
+
+def scoped(fingerprint: str, namespace: str | None) -> str:
+    """The owner of a namespace's entries for a model (the fingerprint its entries, keys and index carry): the
+    model fingerprint itself without a namespace, else a 32-hex hash of both, so that no read, key or lookup of
+    one namespace matches another's."""
+    if namespace is None:
+        return fingerprint
+    return hashlib.sha256(f"vismemo namespace\0{namespace}\0{fingerprint}".encode()).hexdigest()[:32]
+
+
 def exact_key(fingerprint: str, pixels: torch.Tensor, grid: tuple[int, int, int]) -> str:
     """Hash of (model fingerprint, preprocessed pixel bytes, grid): equal keys mean the same image for the same model."""
     data = pixels.detach().to("cpu").contiguous()

@@ -24,7 +24,9 @@ from vismemo_hf.runtime.cache import DEFAULT_POLICY
 
 HIT_KINDS: dict[str, str] = {}
 #: model_args that configure the store rather than the cache
-STORE_OPTIONS = ("kv_format", "keep_ratio")
+#: store options the backend takes from model_args (a store secret comes from VISMEMO_STORE_SECRET, never from
+#: model_args, which lmms-eval writes into its results)
+STORE_OPTIONS = ("kv_format", "keep_ratio", "namespace")
 
 
 def _number(value):
@@ -50,7 +52,8 @@ class VisMemoLMM(lmms):
         self.model, self.processor = load_model(pretrained, dtype=getattr(torch, dtype))
         self.model.to(device)
         enable(self.model)
-        store_options = {k: _number(method_args.pop(k)) for k in STORE_OPTIONS if k in method_args}
+        store_options = {k: (str if k == "namespace" else _number)(method_args.pop(k)) for k in STORE_OPTIONS
+                         if k in method_args}
         self.store = VisMemoStore.from_config(store, **store_options)
         self.policy = policy
         self.options = {k: _number(v) for k, v in method_args.items()}

@@ -63,8 +63,8 @@ def stored_tokens(alias, tokens: torch.Tensor) -> torch.Tensor:
 class AliasReader:
     """Reads of cached K/V for the images of one prefill (indexed as in the request)."""
 
-    def __init__(self, adapter, store, matches) -> None:
-        self.adapter, self.store, self.matches = adapter, store, matches
+    def __init__(self, adapter, store, matches, owner: str) -> None:
+        self.adapter, self.store, self.matches, self.owner = adapter, store, matches, owner
         self._reads = {i: _Reads() for i in range(len(matches))}
         self._inv_freq = adapter.inv_freq
 
@@ -81,7 +81,7 @@ class AliasReader:
         if m.kind is HitKind.EXACT:
             kv = token_rows(m.alias_entry.kv, rows)[:, first_layer:]
         else:
-            kv = store_call("read", lambda: self.store.get_tokens(m.alias.key, self.adapter.fingerprint, rows,
+            kv = store_call("read", lambda: self.store.get_tokens(m.alias.key, self.owner, rows,
                                                                   first_layer), None)
         fetched = None
         if kv is not None and kv.shape[:2] == (tokens.numel(), self.adapter.num_layers - first_layer):

@@ -14,6 +14,7 @@ from dataclasses import replace
 import torch
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
+from vismemo_hf.core.features import checked_namespace, scoped
 from vismemo_hf.core.plan import CacheEvent
 from vismemo_hf.core.thresholds import LookupThresholds
 from vismemo_hf.policies import RoutingPolicy, get_policy
@@ -218,6 +219,10 @@ class VisMemoCache(DynamicCache):
     store's calibration for the model (``VisMemoStore(thresholds=...)``), else tau 0.8 and tau_fine 0.85 raised
     above the model's unrelated reference pairs. ``tau`` / ``tau_fine`` override single values; ``top_k``
     candidates get the fine stage (0: exact hits only).
+
+    ``namespace`` (a tenant, user or project name; default the store's ``namespace``): like vLLM's ``cache_salt``,
+    it enters every exact key and the lookup index, so that this cache never reuses, exactly or approximately, an
+    entry another namespace stored, and stores its own for its namespace only.
     """
 
     def __init__(
@@ -233,6 +238,7 @@ class VisMemoCache(DynamicCache):
         top_k: int = 5,
         store_misses: bool = True,
         compress: VLCacheCompression | None = None,
+        namespace: str | None = None,
         **policy_options,
     ):
         Cache.__init__(self, layer_class_to_replicate=VisMemoLayer)
@@ -240,6 +246,7 @@ class VisMemoCache(DynamicCache):
             raise TypeError(f"store must be a VisMemoStore (one shared by every cache, so that hits happen), got "
                             f"{type(store).__name__}; for a preset build it once: VisMemoStore.from_config({store!r})")
         self.store = store if store is not None else default_store()
+        self.namespace = checked_namespace(namespace) if namespace is not None else self.store.namespace
         shared = {"warmup_layers": warmup_layers, "recompute_ratio": recompute_ratio, "reuse_ratio": reuse_ratio}
         given = {k: v for k, v in shared.items() if not isinstance(v, _Unset)}
         self.policy = get_policy(policy, **given, **policy_options)
@@ -257,6 +264,10 @@ class VisMemoCache(DynamicCache):
         self.compress = compress
         self.events: list[CacheEvent] = []
         self._length = 0
+
+    def owner(self, fingerprint: str) -> str:
+        """Whose entries this cache reads and writes for a model (``core/features.py`` ``scoped``)."""
+        return scoped(fingerprint, self.namespace)
 
     def lookup_thresholds(self, fingerprint: str) -> LookupThresholds:
         """The thresholds for a model: this cache's, else the store's calibration for that model, else the defaults;

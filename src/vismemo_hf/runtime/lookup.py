@@ -254,7 +254,8 @@ def lookup_request(adapter, cache, input_ids, pixel_values, grids, get_image_fea
     spans = image_spans(input_ids, adapter.image_token_id, [t * h * w // merge**2 for t, h, w in grid_list])
     t0 = time.perf_counter()
     originals = {i: source.index(i) for i in sorted(set(source))}  # original image -> its first copy
-    keys = {i: exact_key(adapter.fingerprint, pixels[j], grid_list[j]) for i, j in originals.items()}
+    owner = cache.owner(adapter.fingerprint)
+    keys = {i: exact_key(owner, pixels[j], grid_list[j]) for i, j in originals.items()}
     entries = {i: _exact_entry(adapter, cache, keys[i], grid_list[j]) for i, j in originals.items()}
     exact_ms = (time.perf_counter() - t0) * 1e3 / max(1, len(source))
     t0 = time.perf_counter()
@@ -290,7 +291,7 @@ def _pixel_features(adapter, pixels: torch.Tensor):
 
 def _exact_entry(adapter, cache, key: str, grid) -> Entry | None:
     """The stored entry of ``key`` if it can serve this model, else None."""
-    entry = store_call("read", lambda: cache.store.get(key, adapter.fingerprint), None)
+    entry = store_call("read", lambda: cache.store.get(key, cache.owner(adapter.fingerprint)), None)
     return entry if _usable(adapter, cache, entry, key, grid) else None
 
 
@@ -327,23 +328,25 @@ def _contexts(input_ids, valid, spans, keys, videos: dict) -> list[str]:
 _REFERENCES: dict = {}
 
 
-def _reference(adapter, store, get_image_features):
-    """The model's reference: computed with its tower once per process, kept by every store that serves it."""
+def _reference(adapter, store, get_image_features, owner: str):
+    """The model's reference: computed with its tower once per process, kept by every store that serves it (for
+    the model and for ``owner``, the namespace whose index it centres)."""
     fp = adapter.fingerprint
-    if store.reference(fp) is None:
+    if store.reference(owner) is None:
         if fp not in _REFERENCES:
             if len(_REFERENCES) >= 16:
                 _REFERENCES.pop(next(iter(_REFERENCES)))
             _REFERENCES[fp] = model_reference(adapter, get_image_features)
         store.set_reference(fp, _REFERENCES[fp])
-    return store.reference(fp)
+        store.set_reference(owner, store.reference(fp))
+    return store.reference(owner)
 
 
 def _approximate(adapter, match: ImageMatch, cache, get_image_features) -> ImageMatch:
     """Coarse stage (the store's descriptor index), then the fine stage from each candidate's lookup section
     (descriptors and token sketches, never its encoder output): the match as an approximate hit, or unchanged. Both
     stages compare embeddings centred by the model's reference means (``core/thresholds.py``)."""
-    fp = adapter.fingerprint
+    fp, owner = adapter.fingerprint, cache.owner(adapter.fingerprint)
     if cache.top_k == 0:
         return match
     if cache.policy.decision_layer(HitKind.APPROXIMATE) >= adapter.num_layers:  # nothing left to reuse
@@ -354,16 +357,16 @@ def _approximate(adapter, match: ImageMatch, cache, get_image_features) -> Image
     if thresholds.fingerprint not in (None, fp):
         raise ValueError(f"lookup thresholds calibrated for model {thresholds.fingerprint[:12]} used with model "
                          f"{fp[:12]}: run `vismemo calibrate` for this model or pass thresholds=None")
-    reference = store_call("index", lambda: _reference(adapter, cache.store, get_image_features), None)
+    reference = store_call("index", lambda: _reference(adapter, cache.store, get_image_features, owner), None)
     if reference is None:
         return match
     feats = match.features
-    found = store_call("index", lambda: cache.store.candidates(fp, feats.grid, match.descriptors, thresholds.tau,
+    found = store_call("index", lambda: cache.store.candidates(owner, feats.grid, match.descriptors, thresholds.tau,
                                                                cache.top_k), [])
     sketch = token_sketch(feats.embeds) if found else None
     best, best_score, read = None, float("-inf"), 0
     for key, _ in found:
-        section = store_call("read", lambda k=key: cache.store.sketch(k, fp), None)
+        section = store_call("read", lambda k=key: cache.store.sketch(k, owner), None)
         if section is None:
             continue
         descriptors, other = section
@@ -378,7 +381,7 @@ def _approximate(adapter, match: ImageMatch, cache, get_image_features) -> Image
     match = replace(match, lookup_bytes=read)
     if best is None or best_score < thresholds.fine_for(reference):
         return match
-    entry = store_call("read", lambda: cache.store.peek(best, fp), None)
+    entry = store_call("read", lambda: cache.store.peek(best, owner), None)
     if not _usable(adapter, cache, entry, best, feats.grid):
         return match
     return replace(match, kind=HitKind.APPROXIMATE, alias=entry.features(), alias_offset=entry.offset,

@@ -72,7 +72,8 @@ class PrefillRunner:
         self.runs = [ImageRun(m, int(self.positions[0, m.row, m.start])) for m in request.images]
         device = inputs_embeds.device
         self.schedule = Schedule(self.batch, self.length, self.valid, device)
-        self.reader = AliasReader(adapter, self.cache.store, [r.match for r in self.runs])
+        self.reader = AliasReader(adapter, self.cache.store, [r.match for r in self.runs],
+                                  self.cache.owner(adapter.fingerprint))
         stats = self.cache.compress is not None or (self.cache.store_misses and self.cache.store.keep_ratio is not None)
         self.signals = SignalCollector(adapter, self.cache, [r.match for r in self.runs], self.batch, self.length,
                                        self.valid, device, window_stats=stats)

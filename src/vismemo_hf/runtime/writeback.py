@@ -44,7 +44,7 @@ def write_entries(adapter, cache, done: list[tuple], importance=lambda i: None) 
     if not cache.store_misses:
         return
     layers = [(layer.keys, layer.values, layer.columns) for layer in cache.layers]
-    fingerprint, seen = adapter.fingerprint, set()
+    fingerprint, seen = cache.owner(adapter.fingerprint), set()
     for i, match, plan, offset in done:
         key = match.features.key
         if match.kind is HitKind.EXACT or not plan.complete or key in seen:

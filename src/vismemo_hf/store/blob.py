@@ -4,7 +4,8 @@
 
 * header: fixed ``struct`` with magic, layout version, dtype, shapes, grid, offset, model
   fingerprint, key, the hash of the text before the image, the size of each region, a CRC-32C
-  digest of the metadata, and last a CRC-32 of all the header's bytes before it.
+  digest of the metadata, a salt and a MAC (sealed blobs), and last a CRC-32 of all the header's
+  bytes before it.
 * token block (patch-first): for each layer l, an 8-byte CRC-32C of the layer's K/V followed
   by that K/V (2 x heads x head_dim values). In an 8-bit blob (``KV_FORMATS``) the values are
   int8 or fp8 e4m3, followed by one fp16 scale per (K or V, head): 2 x heads x (head_dim + 2)
@@ -14,13 +15,20 @@
 * metadata: first the lookup section (region descriptors and token sketches: all the lookup
   reads of a candidate, with its own CRC-32C in the header), then encoder output, deepstack
   features, patch entropy and patch hashes (what routing needs without any K/V).
+
+A *sealed* blob (a store with a secret, ``Seal``; docs/METHOD.md §5) carries MACs where the checksums are: the
+header an HMAC-SHA256 under a key derived from the secret, the regions and every (token, layer) block an AES-GMAC
+tag under a key of the blob's own (derived from its random salt), each block's nonce its (row, layer). Checksums
+catch corruption; MACs catch anyone without the secret, so a sparse read checks exactly the blocks it read.
 """
 
 from __future__ import annotations
 
+import hmac
+import os
 import struct
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from crc32c import crc32c
@@ -28,8 +36,10 @@ from crc32c import crc32c
 from vismemo_hf.store.entry import Entry
 
 MAGIC = b"VMEM"
-LAYOUT_VERSION = 4
-_FIELDS = struct.Struct("<4sHBB" + "I" * 11 + "q32s64s16sQQ16s16s")
+LAYOUT_VERSION = 5
+_FIELDS = struct.Struct("<4sHBB" + "I" * 11 + "q32s64s16sQQ16s16s16s16s")  # the MAC last (zeros while computed)
+MAC_BYTES = 16
+SEALED = 32  # header flag: MACs in place of checksums
 _HEADER_CRC = struct.Struct("<I")
 HEADER_SIZE = _FIELDS.size + _HEADER_CRC.size
 HASH_BYTES = 8
@@ -65,6 +75,55 @@ def round_trip(kv: torch.Tensor, kv_format: str | None) -> torch.Tensor:
 
 class BlobError(ValueError):
     """A blob that must not be used: corrupt, truncated, foreign or of another layout."""
+
+
+class ForgedBlob(BlobError):
+    """A blob whose MAC a store with a secret cannot verify: written without the secret, or altered since."""
+
+
+class Seal:
+    """A store secret (``VisMemoStore(secret=...)``): seals the blobs this store writes and verifies the blobs it
+    reads. Only keys derived from the secret are kept (its value never reaches a log, a repr or an error)."""
+
+    def __init__(self, secret: str | bytes):
+        raw = secret.encode() if isinstance(secret, str) else secret
+        if not isinstance(raw, bytes) or len(raw) < 16:
+            raise ValueError("a store secret must be a str or bytes of at least 16 bytes")
+        self._key = hmac.digest(raw, b"vismemo-hf blob seal 1", "sha256")
+
+    def __repr__(self) -> str:
+        return "Seal(<secret>)"
+
+    def header_mac(self, fields: bytes) -> bytes:
+        return hmac.digest(self._key, fields, "sha256")[:MAC_BYTES]
+
+    def for_blob(self, salt: bytes) -> BlobSeal:
+        from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+        return BlobSeal(AESGCM(hmac.digest(self._key, b"blob" + salt, "sha256")[:16]))
+
+
+class BlobSeal:
+    """The MACs of one blob's regions and blocks: AES-GMAC (AES-GCM over no plaintext) under the blob's key, a
+    distinct nonce per region and per (row, layer) block."""
+
+    def __init__(self, aead) -> None:
+        self._aead = aead
+
+    def region(self, name: bytes, data) -> bytes:
+        return self._aead.encrypt(name + bytes(11), b"", data)
+
+    def blocks(self, rows: torch.Tensor, skip: int, row_ids, first_layer: int) -> torch.Tensor:
+        """(T, L) int64 of each block's tag (its first 8 bytes), blocks as ``_crc_rows`` reads them."""
+        t, layers, width = rows.shape
+        flat = memoryview(rows.contiguous().reshape(-1).numpy())
+        encrypt, pack, tags = self._aead.encrypt, struct.Struct("<cIH5x").pack, []
+        for i, row in enumerate(row_ids):
+            for layer in range(layers):
+                start = (i * layers + layer) * width
+                tags.append(encrypt(pack(b"B", int(row), first_layer + layer), b"", flat[start + skip : start + width])[:8])
+        return torch.frombuffer(bytearray(b"".join(tags)), dtype=torch.int64).reshape(t, layers) if tags else \
+            torch.zeros(t, layers, dtype=torch.int64)
 
 
 def _crc_rows(rows: torch.Tensor, skip: int = 0) -> torch.Tensor:
@@ -103,6 +162,17 @@ class BlobHeader:
     sketch_dim: int = 0
     lookup_digest: bytes = b""
     kv_count: int = 0  # token blocks: n_tokens, or fewer for a compressed entry (flag 16: their tokens in the metadata)
+    seal: BlobSeal | None = field(default=None, compare=False, repr=False)  # a sealed blob's, once its MAC checked
+
+    def digest(self, name: bytes, region) -> bytes:
+        """The 16-byte digest of a region (``b"M"`` metadata, ``b"L"`` lookup section): its MAC when sealed."""
+        return self.seal.region(name, _view(region)) if self.seal is not None else meta_digest(region)
+
+    def sums(self, rows: torch.Tensor, skip: int, row_ids, first_layer: int) -> torch.Tensor:
+        """What each block's 8-byte slot must hold: its MAC when sealed, else its CRC-32C."""
+        if self.seal is not None:
+            return self.seal.blocks(rows, skip, row_ids, first_layer)
+        return _crc_rows(rows, skip)
 
     @property
     def kv_format(self) -> str | None:
@@ -135,7 +205,8 @@ class BlobHeader:
         return 4 * self.embed_dim * 4 + self.n_tokens * self.sketch_dim * 2
 
 
-def parse_header(data: bytes) -> BlobHeader:
+def parse_header(data: bytes, seal: Seal | None = None) -> BlobHeader:
+    """The header of a blob; with ``seal`` (a store's secret) it must carry a valid MAC (else ``ForgedBlob``)."""
     if len(data) < HEADER_SIZE:
         raise BlobError("truncated header")
     raw = bytes(data[:HEADER_SIZE])
@@ -144,22 +215,31 @@ def parse_header(data: bytes) -> BlobHeader:
     if zlib.crc32(raw[: _FIELDS.size]) != _HEADER_CRC.unpack(raw[_FIELDS.size :])[0]:
         raise BlobError("header checksum mismatch")
     (magic, version, dtype, flags, n, layers, heads, hdim, edim, levels, t, h, w, sketch_dim, kv_count, offset, fp, key,
-     digest, meta, total, prefix, lookup_digest) = _FIELDS.unpack(raw[: _FIELDS.size])
+     digest, meta, total, prefix, lookup_digest, salt, mac) = _FIELDS.unpack(raw[: _FIELDS.size])
     if magic != MAGIC:
         raise BlobError("not a vismemo blob")
     if version != LAYOUT_VERSION:
         raise BlobError(f"layout version {version}, expected {LAYOUT_VERSION}")
     if dtype not in DTYPES:
         raise BlobError(f"unknown dtype code {dtype}")
-    if bin(flags & 12).count("1") > 1 or flags & ~31 or kv_count > n or (kv_count != n and not flags & 16):
+    if bin(flags & 12).count("1") > 1 or flags & ~63 or kv_count > n or (kv_count != n and not flags & 16):
         raise BlobError(f"unknown flags {flags:#x}")
+    sealed = None
+    if flags & SEALED:
+        if seal is None:
+            raise BlobError("a sealed blob: this store has no secret to verify it")
+        if not hmac.compare_digest(seal.header_mac(raw[: _FIELDS.size - MAC_BYTES] + bytes(MAC_BYTES)), mac):
+            raise ForgedBlob("header MAC mismatch")
+        sealed = seal.for_blob(salt)
+    elif seal is not None:
+        raise ForgedBlob("a blob without a MAC in a store with a secret")
     try:
         fingerprint, key = fp.decode("ascii").rstrip("\0"), key.decode("ascii").rstrip("\0")
     except UnicodeDecodeError as err:
         raise BlobError("header names are not ascii") from err
     header = BlobHeader(DTYPES[dtype], flags, n, layers, heads, hdim, edim, levels, (t, h, w), offset,
                         fingerprint, key, digest, meta, total, prefix.hex() if any(prefix) else "", sketch_dim,
-                        lookup_digest, kv_count)
+                        lookup_digest, kv_count, sealed)
     if header.meta_start + meta != total or header.lookup_bytes > meta:
         raise BlobError("header sizes disagree")
     return header
@@ -180,8 +260,9 @@ def _raw(t: torch.Tensor) -> bytes:
     return t.reshape(-1).view(torch.uint8).numpy().tobytes()
 
 
-def encode(entry: Entry, kv_format: str | None = None) -> bytes:
-    """Serialise an entry (with K/V) to a blob; ``kv_format`` (``KV_FORMATS``) stores its K/V in 8 bits."""
+def encode(entry: Entry, kv_format: str | None = None, seal: Seal | None = None) -> bytes:
+    """Serialise an entry (with K/V) to a blob; ``kv_format`` (``KV_FORMATS``) stores its K/V in 8 bits; ``seal``
+    (a store's secret) seals it."""
     kv = entry.kv.detach().cpu().contiguous()
     n, layers, _, heads, hdim = kv.shape
     if kv_format is None:
@@ -190,11 +271,15 @@ def encode(entry: Entry, kv_format: str | None = None) -> bytes:
         values, scale = quantize(kv, kv_format)
         per_layer = torch.cat([values.reshape(n, layers, -1).view(torch.uint8),
                                scale.reshape(n, layers, -1).view(torch.uint8)], dim=-1)
-    hashes = _crc_rows(per_layer)  # (N, L)
+    salt = os.urandom(16) if seal is not None else bytes(16)
+    sealing = seal.for_blob(salt) if seal is not None else None
+    hashes = sealing.blocks(per_layer, 0, range(n), 0) if sealing is not None else _crc_rows(per_layer)  # (N, L)
     blocks = torch.cat([hashes.unsqueeze(-1).view(torch.uint8), per_layer], dim=-1)
     parts = [_raw(t) for t in _meta_tensors(entry)]
     meta = b"".join(parts)
+    digest = (lambda name, data: sealing.region(name, data)) if sealing is not None else (lambda _, data: meta_digest(data))
     flags = (1 if entry.deepstack is not None else 0) | (2 if entry.patch_hashes is not None else 0)
+    flags |= SEALED if seal is not None else 0
     flags |= KV_FORMATS[kv_format][0] if kv_format is not None else 0
     flags |= 16 if entry.kv_tokens is not None else 0
     levels = entry.deepstack.shape[0] if entry.deepstack is not None else 0
@@ -203,15 +288,22 @@ def encode(entry: Entry, kv_format: str | None = None) -> bytes:
         MAGIC, LAYOUT_VERSION, DTYPE_CODES[kv.dtype], flags, entry.n_tokens, layers, heads, hdim,
         entry.embeds.shape[-1], levels,
         *entry.grid, entry.sketch.shape[-1], n, int(entry.offset), entry.fingerprint.encode("ascii"),
-        entry.key.encode("ascii"), meta_digest(meta), len(meta), body_start + len(meta),
-        bytes.fromhex(entry.prefix) if entry.prefix else bytes(16), meta_digest(parts[0] + parts[1]),
+        entry.key.encode("ascii"), digest(b"M", meta), len(meta), body_start + len(meta),
+        bytes.fromhex(entry.prefix) if entry.prefix else bytes(16), digest(b"L", parts[0] + parts[1]), salt,
+        bytes(MAC_BYTES),
     )
+    if seal is not None:
+        fields = fields[:-MAC_BYTES] + seal.header_mac(fields)
     return fields + _HEADER_CRC.pack(zlib.crc32(fields)) + blocks.numpy().tobytes() + meta
 
 
+def _view(data) -> memoryview:
+    return memoryview(data.numpy()) if isinstance(data, torch.Tensor) else memoryview(data)
+
+
 def meta_digest(meta) -> bytes:
-    """16-byte digest of the metadata region (bytes or a uint8 tensor): its CRC-32C and its length."""
-    view = memoryview(meta.numpy()) if isinstance(meta, torch.Tensor) else memoryview(meta)
+    """16-byte digest of a region (bytes or a uint8 tensor) of an unsealed blob: its CRC-32C and its length."""
+    view = _view(meta)
     return struct.pack("<IQ4x", crc32c(view), len(view))
 
 
@@ -219,8 +311,10 @@ def decode_meta(header: BlobHeader, meta) -> Entry:
     """Entry without K/V (``kv=None``) from the metadata region (bytes, or a uint8 tensor whose memory the entry
     may then share); checks its digest."""
     buf = meta if isinstance(meta, torch.Tensor) else torch.frombuffer(bytearray(meta), dtype=torch.uint8)
-    if buf.numel() != header.meta_bytes or meta_digest(buf) != header.meta_digest:
-        raise BlobError("metadata digest mismatch")
+    if buf.numel() != header.meta_bytes:
+        raise BlobError("metadata size does not match its header")
+    if not hmac.compare_digest(header.digest(b"M", buf), header.meta_digest):
+        raise _mismatch(header, "metadata digest mismatch")
     pos = 0
 
     def take(count: int, dtype: torch.dtype, shape) -> torch.Tensor:
@@ -254,8 +348,10 @@ def decode_lookup(header: BlobHeader, section) -> tuple[torch.Tensor, torch.Tens
     """(descriptors (4, d) fp32, sketches (N, s) fp16) from the lookup section (bytes or a uint8 tensor); checks
     its digest."""
     buf = section if isinstance(section, torch.Tensor) else torch.frombuffer(bytearray(section), dtype=torch.uint8)
-    if buf.numel() != header.lookup_bytes or meta_digest(buf) != header.lookup_digest:
-        raise BlobError("lookup section digest mismatch")
+    if buf.numel() != header.lookup_bytes:
+        raise BlobError("lookup section size does not match its header")
+    if not hmac.compare_digest(header.digest(b"L", buf), header.lookup_digest):
+        raise _mismatch(header, "lookup section digest mismatch")
     d, n, s = header.embed_dim, header.n_tokens, header.sketch_dim
     descriptors = buf[: 4 * d * 4].clone().view(torch.float32).reshape(4, d)
     return descriptors, buf[4 * d * 4 :].clone().view(torch.float16).reshape(n, s)
@@ -271,26 +367,33 @@ def decode_entry(header: BlobHeader, data: torch.Tensor) -> Entry:
     return entry
 
 
-def decode_ranges(header: BlobHeader, chunks: list[bytes], first_layer: int) -> tuple[torch.Tensor, int]:
-    """K/V of the tokens whose ranges (``header.token_range(t, first_layer)``) were read, and their bytes."""
+def decode_ranges(header: BlobHeader, chunks: list[bytes], first_layer: int, rows) -> tuple[torch.Tensor, int]:
+    """K/V of the stored rows ``rows`` whose ranges (``header.token_range(row, first_layer)``) were read, and their
+    bytes."""
     length = header.token_range(0, first_layer)[1]
     if any(len(c) != length for c in chunks):
         raise BlobError("truncated blob")
     data = torch.frombuffer(bytearray(b"".join(chunks)), dtype=torch.uint8).view(len(chunks), length)
-    return decode_blocks(header, data, first_layer), len(chunks) * length
+    return decode_blocks(header, data, first_layer, rows), len(chunks) * length
 
 
-def decode_blocks(header: BlobHeader, data: torch.Tensor, first_layer: int) -> torch.Tensor:
-    """(T, L - first_layer, 2, H, D) K/V from T token ranges of layers >= ``first_layer``; checks each layer hash.
+def _mismatch(header: BlobHeader, what: str) -> BlobError:
+    return ForgedBlob(what.replace("digest", "MAC").replace("hash", "MAC")) if header.seal is not None else BlobError(what)
 
-    ``data`` is a uint8 tensor (T, (L - first_layer) * layer_bytes)."""
+
+def decode_blocks(header: BlobHeader, data: torch.Tensor, first_layer: int, rows=None) -> torch.Tensor:
+    """(T, L - first_layer, 2, H, D) K/V from T token ranges of layers >= ``first_layer``; checks each layer hash
+    (MAC when sealed).
+
+    ``data`` is a uint8 tensor (T, (L - first_layer) * layer_bytes); ``rows``: their stored rows (default 0..T-1)."""
     t = data.shape[0]
     layers = header.n_layers - first_layer
     blocks = data.reshape(t, layers, header.layer_bytes)
     payload = blocks[..., HASH_BYTES:]
     stored = blocks[..., :HASH_BYTES].clone().view(torch.int64).reshape(t, layers)
-    if not torch.equal(_crc_rows(blocks, skip=HASH_BYTES), stored):  # the hashes of the blocks, read in place
-        raise BlobError("K/V block hash mismatch")
+    rows = range(t) if rows is None else rows.tolist() if isinstance(rows, torch.Tensor) else rows
+    if not torch.equal(header.sums(blocks, HASH_BYTES, rows, first_layer), stored):  # read in place
+        raise _mismatch(header, "K/V block hash mismatch")
     shape = (t, layers, 2, header.kv_heads, header.head_dim)
     if header.kv_format is not None:
         split = 2 * header.kv_heads * header.head_dim

@@ -18,11 +18,11 @@ logger = logging.getLogger(__name__)
 
 class Placement:
     def __init__(self, chain: list, remote, catalog: Catalog, eviction: ExactPriorityLRU, stats: dict,
-                 kv_format: str | None, priors: dict) -> None:
+                 kv_format: str | None, priors: dict, seal=None) -> None:
         self.chain, self.remote, self.catalog, self.eviction, self.stats = chain, remote, catalog, eviction, stats
         self.device, self.host, self.victim = chain[0], chain[1], chain[2]
         self.disk = chain[3] if len(chain) > 3 else None
-        self.kv_format, self.priors = kv_format, priors
+        self.kv_format, self.priors, self.seal = kv_format, priors, seal
         self.reuse: dict[str, int] = {}
         self.moving: set[str] = set()  # keys between two tiers during a demotion
         self.lock = threading.RLock()
@@ -136,10 +136,11 @@ class Placement:
             self.eviction.forget(key)
 
     def corrupt(self, tier, key: str, err: Exception) -> None:
+        """A blob that failed its checks (corrupt, foreign, or ``forged``: no valid MAC): removed, counted."""
         logger.warning("vismemo: %s blob %s unusable (%s: %s); removed", tier.name, key[:12], type(err).__name__, err)
-        self.stats["corrupt"] += 1
+        self.stats["forged" if isinstance(err, blob.ForgedBlob) else "corrupt"] += 1
         tier.discard(key)
         self.forget_if_gone(key)
 
     def encode(self, entry: Entry) -> bytes:
-        return blob.encode(entry, self.kv_format)
+        return blob.encode(entry, self.kv_format, self.seal)

@@ -37,8 +37,8 @@ class ByteSource(Protocol):
 
 
 class BlobReader:
-    def __init__(self, source: ByteSource) -> None:
-        self.source = source
+    def __init__(self, source: ByteSource, seal: blob.Seal | None = None) -> None:
+        self.source, self.seal = source, seal
 
     def _range(self, key: str, start: int, length: int) -> bytes:
         (data,) = self.source.ranges(key, [(start, length)])
@@ -47,7 +47,7 @@ class BlobReader:
         return data
 
     def header(self, key: str) -> blob.BlobHeader:
-        header = blob.parse_header(self._range(key, 0, blob.HEADER_SIZE))
+        header = blob.parse_header(self._range(key, 0, blob.HEADER_SIZE), self.seal)
         if header.key != key:
             raise blob.BlobError("blob stored under another key")
         self.source.check(key, header)
@@ -69,7 +69,7 @@ class BlobReader:
         chunks = self.source.ranges(key, spans) if spans else []
         if spans and not any(chunks):  # deleted between the header read and now
             raise KeyError(key)
-        return blob.decode_ranges(header, chunks, first_layer)
+        return blob.decode_ranges(header, chunks, first_layer, tokens)
 
     def full(self, key: str) -> Entry:
         return self.read_full(key)[1]
@@ -79,6 +79,6 @@ class BlobReader:
         header = self.header(key)
         data = read_buffer(header.total_bytes)
         self.source.read_into(key, memoryview(data.numpy()))
-        if blob.parse_header(data[: blob.HEADER_SIZE].numpy().tobytes()) != header:
+        if blob.parse_header(data[: blob.HEADER_SIZE].numpy().tobytes(), self.seal) != header:
             raise blob.BlobError("blob replaced while it was read")
         return header, blob.decode_entry(header, data)

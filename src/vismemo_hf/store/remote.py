@@ -44,9 +44,10 @@ def _record(data: bytes, descriptors: torch.Tensor) -> bytes:
     return data[: blob.HEADER_SIZE] + descriptors.detach().float().cpu().contiguous().numpy().tobytes()
 
 
-def parse_record(record: bytes) -> tuple[blob.BlobHeader, torch.Tensor]:
-    """(header, (4, dim) descriptors) of a published record; BlobError when it is malformed."""
-    header = blob.parse_header(record[: blob.HEADER_SIZE])
+def parse_record(record: bytes, seal: blob.Seal | None = None) -> tuple[blob.BlobHeader, torch.Tensor]:
+    """(header, (4, dim) descriptors) of a published record; BlobError when it is malformed (or, with ``seal``,
+    when its header's MAC fails)."""
+    header = blob.parse_header(record[: blob.HEADER_SIZE], seal)
     body = record[blob.HEADER_SIZE :]
     if len(body) != 4 * header.embed_dim * 4:
         raise blob.BlobError("descriptor record of the wrong size")
@@ -98,7 +99,8 @@ class RemoteTier:
     shared = True
 
     def __init__(self, url: str, *, prefix: str = "vismemo", timeout_s: float = 0.5, retry_s: float = 5.0,
-                 ttl_s: int | None = 7 * 24 * 3600, stream_len: int = 100_000, refresh_s: float = 1.0):
+                 ttl_s: int | None = 7 * 24 * 3600, stream_len: int = 100_000, refresh_s: float = 1.0,
+                 seal: blob.Seal | None = None):
         try:
             import redis
         except ImportError as err:  # pragma: no cover - depends on the install
@@ -119,7 +121,7 @@ class RemoteTier:
         self.bytes = 0
         self.counters = {"errors": 0, "writes": 0, "write_failures": 0, "writes_refused": 0, "writes_skipped": 0,
                       "bytes_written": 0, "bytes_read": 0, "range_reads": 0, "reconnects": 0,
-                      "connected": False}
+                      "records_forged": 0, "connected": False}
         self._down_until = 0.0
         self._stream_id = "0-0"
         self._next_refresh = 0.0
@@ -128,7 +130,8 @@ class RemoteTier:
         self._pending: list = []
         self._state = threading.RLock()
         self.needs_reload = True  # read the whole index on the next sync (start, reconnect)
-        self.reader = BlobReader(self)
+        self.seal = seal
+        self.reader = BlobReader(self, seal)
 
     def _blob_key(self, key: str) -> str:
         return f"{self.prefix}:blob:{key}"
@@ -210,10 +213,12 @@ class RemoteTier:
 
     def _parse(self, key: bytes, record: bytes):
         try:
-            header, descriptors = parse_record(record)
+            header, descriptors = parse_record(record, self.seal)
             if header.key != key.decode("ascii", "replace"):
                 raise blob.BlobError("record published under another key")
         except Exception as err:  # noqa: BLE001 - a bad record is skipped, never used
+            if isinstance(err, blob.ForgedBlob):
+                self.counters["records_forged"] += 1
             logger.warning("vismemo: skipping a malformed remote index record (%s)", err)
             return []
         return [(header.key, header, descriptors)]
@@ -251,7 +256,7 @@ class RemoteTier:
                 with self._state:
                     self.counters["writes"] += 1
                     self.counters["bytes_written"] += len(data) + 2 * len(record)
-                    self.fingerprints[key] = blob.parse_header(data).fingerprint
+                    self.fingerprints[key] = blob.parse_header(data, self.seal).fingerprint
                     self._track(key, len(data))
             except self._redis.ResponseError as err:  # refused (OOM under maxmemory, ...): reads go on
                 with self._state:

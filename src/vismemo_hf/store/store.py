@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from vismemo_hf.core.features import checked_namespace
 from vismemo_hf.presets import find, load
 from vismemo_hf.store import blob
 from vismemo_hf.store.catalog import Catalog
@@ -39,7 +40,10 @@ logger = logging.getLogger(__name__)
 
 TIERS = ("device", "host", "disk", "remote")
 _OPTIONS = {"device_bytes", "host_bytes", "disk_dir", "disk_bytes", "device", "protect", "victim_share", "priors",
-            "write_through", "remote_url", "remote_options", "kv_format", "keep_ratio", "thresholds"}
+            "write_through", "remote_url", "remote_options", "kv_format", "keep_ratio", "thresholds", "secret",
+            "namespace"}
+#: the environment variable a store without an explicit ``secret`` takes its secret from
+SECRET_ENV = "VISMEMO_STORE_SECRET"
 
 
 def _checked_device(device) -> torch.device:
@@ -77,22 +81,23 @@ def preset_options(name: str, overrides: dict) -> dict:
     file, cfg = find("store", name), {**load("store", name), **overrides}
     if cfg.get("disk_dir"):
         cfg["disk_dir"] = os.path.expandvars(str(cfg["disk_dir"]).replace("{cache_home}", str(user_cache_dir())))
-    if cfg.get("remote_url"):
-        cfg["remote_url"] = os.path.expandvars(str(cfg["remote_url"]))  # e.g. a password from ${REDIS_PASSWORD}
-        unset = re.findall(r"\$\{?(\w+)", cfg["remote_url"])
-        if unset:
-            raise ValueError(f"remote_url of {file} needs the environment variable(s) {unset}")
+    for name in ("remote_url", "secret"):  # e.g. a password from ${REDIS_PASSWORD}, a secret from ${MY_SECRET}
+        if cfg.get(name):
+            cfg[name] = os.path.expandvars(str(cfg[name]))
+            unset = re.findall(r"\$\{?(\w+)", cfg[name])
+            if unset:
+                raise ValueError(f"{name} of {file} needs the environment variable(s) {unset}")
     unknown = set(cfg) - _OPTIONS
     if unknown:
         raise ValueError(f"unknown store option(s) {sorted(unknown)} in {file}")
     return cfg
 
 
-def _open_disk(disk_dir, disk_bytes) -> DiskTier | None:
+def _open_disk(disk_dir, disk_bytes, seal) -> DiskTier | None:
     if disk_dir is None:
         return None
     try:
-        return DiskTier(str(disk_dir), disk_bytes)
+        return DiskTier(str(disk_dir), disk_bytes, seal)
     except Exception as err:  # noqa: BLE001 - unwritable or unusable directory
         logger.warning("vismemo: disk tier %s unusable (%s: %s); serving without it", disk_dir,
                        type(err).__name__, err)
@@ -101,7 +106,7 @@ def _open_disk(disk_dir, disk_bytes) -> DiskTier | None:
 
 def _new_stats() -> dict:
     return {"hits": {"exact": 0, "approximate": 0, "miss": 0}, "hits_by_tier": {t: 0 for t in TIERS},
-            "puts": 0, "evictions": 0, "demotions": 0, "promotions": 0, "rejected": 0, "corrupt": 0,
+            "puts": 0, "evictions": 0, "demotions": 0, "promotions": 0, "rejected": 0, "corrupt": 0, "forged": 0,
             "write_failures": 0, "bytes_read_full": 0, "bytes_read_sparse": 0, "bytes_read_lookup": 0,
             "exact_prefix_changed": 0, "writes_read_only": 0}
 
@@ -123,12 +128,18 @@ class VisMemoStore:
     masks or recomputes the missing ones (the policy's ``missing``). None: every token.
     ``thresholds``: ``vismemo calibrate`` presets (names or paths, one per model): a cache without thresholds of
     its own uses the one calibrated for its model.
+    ``secret`` (str or bytes, >= 16 bytes; default: the ``VISMEMO_STORE_SECRET`` environment variable, ``False``:
+    none): every blob this store writes is sealed with MACs only the secret's holders can make, and every blob it
+    reads must carry valid ones (docs/METHOD.md §5): an unsealed, altered or planted blob is a miss, removed and
+    counted in ``stats()["forged"]``. Every process sharing a disk directory or Redis tier needs the same secret.
+    ``namespace``: the namespace of the caches on this store that name none (``VisMemoCache(namespace=...)``).
     """
 
     def __init__(self, device_bytes=None, host_bytes=0, disk_dir=None, disk_bytes=None, *, device="cpu",
                  protect: int = 2, victim_share: float = 0.0, priors=None, write_through: bool = True,
                  remote_url: str | None = None, remote_options: dict | None = None, kv_format: str | None = None,
-                 keep_ratio: float | None = None, thresholds=None):
+                 keep_ratio: float | None = None, thresholds=None, secret: str | bytes | bool | None = None,
+                 namespace: str | None = None):
         device_bytes, host_bytes, disk_bytes = (parse_bytes(v) for v in (device_bytes, host_bytes, disk_bytes))
         for name, v in (("device_bytes", device_bytes), ("host_bytes", host_bytes), ("disk_bytes", disk_bytes)):
             if v is not None and v < 0:
@@ -140,18 +151,23 @@ class VisMemoStore:
         if keep_ratio is not None and not 0.0 < keep_ratio <= 1.0:
             raise ValueError(f"keep_ratio must lie in (0, 1] or be None, got {keep_ratio!r}")
         self.kv_format, self.keep_ratio, self.write_through = kv_format, keep_ratio, write_through
+        if secret is None:
+            secret = os.environ.get(SECRET_ENV) or False
+        seal = blob.Seal(secret) if secret is not False else None
+        self.sealed = seal is not None
+        self.namespace = checked_namespace(namespace) if namespace is not None else None
         self.catalog = Catalog(thresholds)
         self.eviction = ExactPriorityLRU(protect)
         self.device = DeviceTier(device_bytes, _checked_device(device))
         main_host = None if host_bytes is None else int(host_bytes * (1 - victim_share))
-        self.host = HostTier(main_host)
-        self.victim = HostTier(None if host_bytes is None else host_bytes - main_host, name="host")
-        self.disk = _open_disk(disk_dir, disk_bytes)
-        self.remote = RemoteTier(remote_url, **(remote_options or {})) if remote_url else None
+        self.host = HostTier(main_host, seal=seal)
+        self.victim = HostTier(None if host_bytes is None else host_bytes - main_host, name="host", seal=seal)
+        self.disk = _open_disk(disk_dir, disk_bytes, seal)
+        self.remote = RemoteTier(remote_url, **(remote_options or {}), seal=seal) if remote_url else None
         self.chain: list[Tier] = [t for t in (self.device, self.host, self.victim, self.disk) if t is not None]
         self._stats = _new_stats()
         self.placement = Placement(self.chain, self.remote, self.catalog, self.eviction, self._stats, kv_format,
-                                   json.loads(Path(priors).read_text()) if priors else {})
+                                   json.loads(Path(priors).read_text()) if priors else {}, seal)
         self._lock = self.placement.lock
         self._later: list = []  # entries being built and stored on the writer thread (``put_later``)
         self._builder = None
@@ -169,7 +185,7 @@ class VisMemoStore:
 
     def _rebuild_from_disk(self) -> None:
         """Index the blobs a directory already holds, then trim it to ``disk_bytes`` (oldest first)."""
-        for key, header in self.disk.scan():
+        for key, header in self.disk.scan(lambda key, err: self.placement.corrupt(self.disk, key, err)):
             self.disk.track(key, header.total_bytes)
             try:
                 meta = self.disk.meta(key)
@@ -435,8 +451,11 @@ class VisMemoStore:
                              "budget": None if host["budget"] is None else host["budget"] + victim["budget"],
                              "entries": host["entries"] + victim["entries"], "victim_entries": victim["entries"],
                              "victim_bytes": victim["bytes"]}
-            return {**{k: (dict(v) if isinstance(v, dict) else v) for k, v in self._stats.items()},
-                    "entries": len(self.catalog), "bytes": sum(t["bytes"] for t in tiers.values()), "tiers": tiers}
+            out = {k: (dict(v) if isinstance(v, dict) else v) for k, v in self._stats.items()}
+            if self.remote is not None:  # index records whose header MAC failed
+                out["forged"] += self.remote.counters["records_forged"]
+            return {**out, "sealed": self.sealed, "entries": len(self.catalog),
+                    "bytes": sum(t["bytes"] for t in tiers.values()), "tiers": tiers}
 
     def close(self) -> None:
         self.flush()

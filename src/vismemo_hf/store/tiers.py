@@ -137,8 +137,8 @@ class DeviceTier(_Local):
 class HostTier(_Local):
     name = "host"
 
-    def __init__(self, budget: int | None, name: str = "host"):
-        self.budget, self.name = budget, name
+    def __init__(self, budget: int | None, name: str = "host", seal: blob.Seal | None = None):
+        self.budget, self.name, self.seal = budget, name, seal
         self.lru: OrderedDict[str, tuple[blob.BlobHeader, torch.Tensor]] = OrderedDict()
         self.bytes = 0
         self.pin = torch.cuda.is_available()
@@ -151,7 +151,7 @@ class HostTier(_Local):
         tensor = torch.frombuffer(bytearray(data), dtype=torch.uint8)
         if self.pin:
             tensor = tensor.pin_memory()
-        self.lru[key] = (blob.parse_header(data[: blob.HEADER_SIZE]), tensor)
+        self.lru[key] = (blob.parse_header(data[: blob.HEADER_SIZE], self.seal), tensor)
         self.bytes += tensor.numel()
 
     def pop(self, key: str) -> bytes:
@@ -180,7 +180,7 @@ class HostTier(_Local):
     def _blocks(header, data, tokens, first_layer) -> torch.Tensor:
         region = data[blob.HEADER_SIZE : header.meta_start].view(header.kv_count, header.token_bytes)
         start = first_layer * header.layer_bytes
-        return blob.decode_blocks(header, region[tokens][:, start:], first_layer)
+        return blob.decode_blocks(header, region[tokens][:, start:], first_layer, tokens)
 
     def tokens(self, key: str, tokens: torch.Tensor, first_layer: int) -> tuple[torch.Tensor, int]:
         header, data = self.lru[key]
@@ -258,7 +258,7 @@ class DiskTier:
     name = "disk"
     shared = True
 
-    def __init__(self, directory: str, budget: int | None):
+    def __init__(self, directory: str, budget: int | None, seal: blob.Seal | None = None):
         self.directory, self.budget = os.path.expanduser(directory), budget
         self.read_only = False
         try:
@@ -272,7 +272,7 @@ class DiskTier:
             logger.warning("vismemo: disk tier %s is read-only here: serving its entries, storing nothing new",
                            self.directory)
         self.lru: OrderedDict[str, int] = OrderedDict()  # key -> blob size
-        self.reader = BlobReader(self)
+        self.reader = BlobReader(self, seal)
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vismemo-disk")
         self._pending: dict[str, object] = {}  # key -> its queued write
         self._failed: list[str] = []  # appended by the writer thread (list.append is atomic)
@@ -304,11 +304,10 @@ class DiskTier:
         except Exception:  # noqa: BLE001 - a pickled or unreadable value: not a blob of ours
             return False
 
-    def scan(self):
+    def scan(self, unusable):
         """Keys and headers of every blob in the directory, oldest write first (a restart rebuilds its index and
-        recency order from these). Keys and
-        values of other programs are skipped and counted in ``foreign``; a blob of ours that fails its checks is
-        deleted."""
+        recency order from these). Keys and values of other programs are skipped and counted in ``foreign``; a
+        blob of ours that fails its checks goes to ``unusable(key, error)``."""
         self.foreign = 0
         found = []
         for key in list(self.cache.iterkeys()):
@@ -319,9 +318,8 @@ class DiskTier:
                 with self._open(key) as handle:
                     written = os.fstat(handle.fileno()).st_mtime
                 found.append((written, key, self.header(key)))
-            except Exception as err:  # noqa: BLE001 - a corrupt blob of ours
-                logger.warning("vismemo: dropping unreadable disk blob %s (%s)", str(key)[:12], err)
-                self.discard(key)
+            except Exception as err:  # noqa: BLE001 - a corrupt or forged blob of ours
+                unusable(key, err)
         for _, key, header in sorted(found, key=lambda f: f[0]):  # oldest first: the LRU end
             yield key, header
 
