@@ -168,7 +168,9 @@ def test_corrupt_remote_blob_is_a_miss_and_is_deleted(qwen2, pages, server):
         assert store.stats()["corrupt"] == 1, page
         store.close()
         if page == "edit":  # the damaged blob and its record are gone from the server
-            assert not client.exists(name) and not client.hexists("vismemo:index", name[len("vismemo:blob:"):])
+            key = name[len("vismemo:blob:"):].decode()
+            shard = publisher.remote._index_key(publisher.remote._shard(key))
+            assert not client.exists(name) and not client.hexists(shard, key)
         checker = _store(server.url)  # what the server holds now (the miss published its page) is sound
         assert checker.remote.lru and all(checker.get(k, checker.remote.fingerprints[k]) is not None
                                             for k in list(checker.remote.lru)), page
@@ -184,9 +186,10 @@ def test_bench_store_times_the_remote_tier_against_disk(server, tmp_path):
             "--remote", server.url, "--out", str(tmp_path)]
     assert main(args) == 0
     rows = {r["tier"]: r for r in json.loads((tmp_path / "store.json").read_text())["remote"]}
-    assert rows["remote"]["sparse_bytes"] == rows["disk"]["sparse_bytes"] > 0
-    assert rows["remote"]["sparse_bytes"] <= rows["remote"]["sparse_server_bytes"] < rows["remote"]["full_server_bytes"]
-    assert rows["remote"]["full_server_bytes"] >= rows["remote"]["blob_bytes"]
+    remote = rows["remote (one server)"]
+    assert remote["sparse_bytes"] == rows["disk"]["sparse_bytes"] > 0
+    assert remote["sparse_bytes"] <= remote["sparse_server_bytes"] < remote["full_server_bytes"]
+    assert remote["full_server_bytes"] >= remote["blob_bytes"]
     assert "Shared remote tier (Redis)" in (tmp_path / "store.md").read_text()
     assert not server.client().keys("vismemo-bench-*")  # the benchmark cleans up after itself
 

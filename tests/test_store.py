@@ -1,6 +1,7 @@
 """The in-memory store: budgets, fingerprints, malformed entries, and faults that must become misses."""
 
 import time
+from pathlib import Path
 
 import torch
 from transformers import DynamicCache
@@ -145,3 +146,47 @@ def test_disk_budget_holds_on_disk_under_bursts_and_at_reopen(tmp_path):
     assert len(_blob_keys(tmp_path / "big")) == 3 and small.disk.bytes <= int(3.5 * size)
     assert {i for i in range(6) if small.tier_of(f"b{i}") == "disk"} == {0, 4, 2}
     small.close()
+
+
+_WRITER = """
+import os, sys, time
+sys.path.insert(0, {tests!r})
+from test_store import _entry
+from vismemo_hf import VisMemoStore
+store = VisMemoStore(device_bytes=0, host_bytes=0, disk_dir={path!r}, disk_bytes={budget})
+open(os.path.join({path!r}, "ready-" + sys.argv[1]), "w").close()
+while not os.path.exists(os.path.join({path!r}, "go")):  # every process open before any writes
+    time.sleep(0.01)
+for i in range(12):
+    store.put(_entry(f"p{{sys.argv[1]}}-{{i}}", n=16, layers=4, seed=i))
+store.close()
+"""
+
+
+def _directory_blob_bytes(path) -> int:
+    import diskcache
+
+    with diskcache.Cache(str(path)) as cache:
+        return sum(cache.get(k, read=True).seek(0, 2) for k in cache.iterkeys())
+
+
+def test_processes_sharing_a_directory_keep_one_budget(tmp_path):
+    """Four processes write into one directory at once: its blob bytes stay within one ``disk_bytes`` (the
+    directory's own cross-process count), not four; a process that then opens it serves what is left."""
+    import subprocess
+    import sys
+
+    size = len(blob.encode(_entry("x", n=16, layers=4)))
+    budget = int(10.5 * size)
+    code = _WRITER.format(tests=str(Path(__file__).parent), path=str(tmp_path), budget=budget)
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(i)]) for i in range(4)]
+    deadline = time.time() + 300
+    while len(list(tmp_path.glob("ready-*"))) < 4 and time.time() < deadline:
+        time.sleep(0.05)
+    (tmp_path / "go").touch()
+    assert all(p.wait(timeout=300) == 0 for p in procs)
+    held = _directory_blob_bytes(tmp_path)
+    assert 0 < held <= budget  # 48 entries written, at most 10 kept
+    reader = VisMemoStore(device_bytes=0, host_bytes=0, disk_dir=str(tmp_path), disk_bytes=budget)
+    assert len(reader) == held // size and reader.stats()["tiers"]["disk"]["directory_bytes"] == held
+    assert reader.stats()["corrupt"] == 0

@@ -372,8 +372,9 @@ def _add_bench(sub) -> None:
     p.add_argument("--trace-requests", type=int, default=4000, help="requests of the eviction trace")
     p.add_argument("--capacities", default="25,50,100,200", help="store capacities (entries) of the trace")
     p.add_argument("--seed", type=int, default=0, help="trace seed")
-    p.add_argument("--remote", default=None, metavar="URL",
-                   help="also time the shared Redis tier (redis://host:port/db) against the local disk tier")
+    p.add_argument("--remote", action="append", default=None, metavar="URL",
+                   help="also time the shared Redis tier (redis://host:port/db; a cluster is found by asking it) "
+                        "against the local disk tier; repeat it to put one server and a cluster side by side")
     _out_option(p, "results/store")
     p.set_defaults(func=_bench("store"))
     p = bench_sub.add_parser("latency", help="prefill time of miss / exact / approximate hits by visual length")

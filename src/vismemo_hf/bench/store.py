@@ -123,47 +123,62 @@ def disk_throughput(geometry: dict, repeats: int, tmp: Path, secret=None) -> dic
             "crc_ms": statistics.median(crc_s) * 1e3, "kv_bytes": payload.numel()}
 
 
-def remote_vs_disk(geometry: dict, beta: float, warmup: int, repeats: int, url: str, tmp: Path) -> list[dict]:
+def _server_bytes(client, cluster: bool) -> int:
+    """Bytes the server (every node of a cluster) has sent so far (``INFO stats``)."""
+    if not cluster:
+        return client.info("stats")["total_net_output_bytes"]
+    return sum(v["total_net_output_bytes"] for v in client.info("stats", target_nodes=client.ALL_NODES).values())
+
+
+def remote_vs_disk(geometry: dict, beta: float, warmup: int, repeats: int, urls: list[str], tmp: Path) -> list[dict]:
     """Median full read (an exact hit) and sparse read (an approximate hit) through a store whose only tier is
-    the local disk, then one whose only tier is Redis; bytes counted by the client and, for Redis, by the server."""
+    the local disk, then, for each URL (one server or a cluster), one whose only tier is Redis; bytes counted by
+    the client and by the server(s)."""
     import redis
+    from redis.cluster import RedisCluster
 
     entry = synthetic_entry("remote-bench", **geometry)
     n = geometry["n_tokens"]
     tokens = torch.randperm(n, generator=torch.Generator().manual_seed(0))[: math.ceil(beta * n)].sort().values
     prefix = f"vismemo-bench-{os.getpid()}"
-    server = redis.Redis.from_url(url)
     out = []
-    for tier, kwargs in (("disk", dict(disk_dir=tmp / "remote-vs-disk", disk_bytes=None)),
-                         ("remote", dict(remote_url=url, remote_options={"prefix": prefix, "timeout_s": 10.0}))):
+    setups = [("disk", None, dict(disk_dir=tmp / "remote-vs-disk", disk_bytes=None))]
+    setups += [("remote", url, dict(remote_url=url, remote_options={"prefix": prefix, "timeout_s": 10.0}))
+               for url in urls]
+    for tier, url, kwargs in setups:
         store = VisMemoStore(device_bytes=0, host_bytes=0, **kwargs)
         store.put(entry)
         store.flush()
         if store.tier_of(entry.key) != tier:
-            raise RuntimeError(f"the entry did not reach the {tier} tier (is {url} reachable?)")
-        row = {"tier": tier, "blob_bytes": len(blob.encode(entry)), "tokens_read": len(tokens)}
+            raise RuntimeError(f"the entry did not reach the {tier} tier (is {safe_url(url or '')} reachable?)")
+        cluster = tier == "remote" and store.remote.counters["cluster"]
+        server = (RedisCluster if cluster else redis.Redis).from_url(url) if url else None
+        row = {"tier": tier if not url else f"remote ({'cluster' if cluster else 'one server'})",
+               "url": safe_url(url) if url else None, "blob_bytes": len(blob.encode(entry)), "tokens_read": len(tokens)}
         for what, read in (("full", lambda s=store: s.get(entry.key, "bench")),
                            ("sparse", lambda s=store: s.get_tokens(entry.key, "bench", tokens, warmup))):
             times, sent = [], []
             for _ in range(repeats + 1):
-                before = server.info("stats")["total_net_output_bytes"] if tier == "remote" else 0
+                before = _server_bytes(server, cluster) if server is not None else 0
                 t0 = time.perf_counter()
                 if read() is None:
                     raise RuntimeError(f"{what} read from the {tier} tier failed")
                 times.append(time.perf_counter() - t0)
-                if tier == "remote":
-                    sent.append(server.info("stats")["total_net_output_bytes"] - before)
+                if server is not None:
+                    sent.append(_server_bytes(server, cluster) - before)
             row[f"{what}_ms"] = statistics.median(times[1:]) * 1e3
-            if tier == "remote":
+            if what == "full":
+                row["full_GBps"] = row["blob_bytes"] / (row["full_ms"] / 1e3) / 1e9
+            if server is not None:
                 row[f"{what}_server_bytes"] = int(statistics.median(sent[1:]))
         stats = store.stats()
         row["sparse_bytes"] = stats["bytes_read_sparse"] // (repeats + 1)
-        if tier == "remote":
+        if server is not None:
             row["client_bytes"] = stats["tiers"]["remote"]["bytes_read"]
+            for key in server.scan_iter(f"{prefix}:*"):
+                server.delete(key)
         out.append(row)
         store.close()
-    for key in server.scan_iter(f"{prefix}:*"):
-        server.delete(key)
     return out
 
 
@@ -262,7 +277,7 @@ def main(args) -> int:
     command = (f"vismemo bench store --tokens {args.tokens} --layers {args.layers} --kv-heads {args.kv_heads} "
                f"--head-dim {args.head_dim} --embed-dim {args.embed_dim} --beta {args.beta} --warmup {args.warmup} "
                f"--repeats {args.repeats} --trace-requests {args.trace_requests} --capacities {args.capacities} "
-               f"--seed {args.seed}" + (f" --remote {safe_url(args.remote)}" if args.remote else ""))
+               f"--seed {args.seed}" + "".join(f" --remote {safe_url(url)}" for url in args.remote or []))
     mach = machine(note="disk: the working tree's filesystem")
     result.update(command=command, machine=mach)
     (out / "store.json").write_text(json.dumps(result, indent=2))
@@ -300,12 +315,12 @@ def main(args) -> int:
     if result["remote"] is None:
         lines.append("Not run (no `--remote URL`).")
     else:
-        lines += ["| tier | full read ms | sparse read ms | sparse K/V bytes | bytes the server sent: sparse | "
-                  "bytes the server sent: full | blob bytes |", "| --- | --- | --- | --- | --- | --- | --- |"]
+        lines += ["| tier | full read ms | full read GB/s | sparse read ms | sparse K/V bytes | bytes the server sent: "
+                  "sparse | bytes the server sent: full | blob bytes |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
         for r in result["remote"]:
             sent = [f"{r[k]:,}" if k in r else "-" for k in ("sparse_server_bytes", "full_server_bytes")]
-            lines.append(f"| {r['tier']} | {r['full_ms']:.1f} | {r['sparse_ms']:.1f} | {r['sparse_bytes']:,} | "
-                         f"{sent[0]} | {sent[1]} | {r['blob_bytes']:,} |")
+            lines.append(f"| {r['tier']} | {r['full_ms']:.1f} | {r['full_GBps']:.2f} | {r['sparse_ms']:.1f} | "
+                         f"{r['sparse_bytes']:,} | {sent[0]} | {sent[1]} | {r['blob_bytes']:,} |")
         lines += ["", f"Median of {args.repeats} after one warm-up; sparse = {result['remote'][0]['tokens_read']} "
                   f"tokens (beta = {args.beta}) at layers >= {args.warmup}: one GETRANGE for the header, then one "
                   "pipelined round trip of one GETRANGE per token. Bytes the server sent: growth of "

@@ -1,22 +1,26 @@
-"""The shared remote tier (L4) on Redis or Valkey: several processes and machines reuse one another's images.
+"""The shared remote tier (L4) on Redis or Valkey, one server or a cluster: several processes and machines reuse
+one another's images.
 
-Layout under ``prefix`` (default ``vismemo``):
+Layout under ``prefix`` (default ``vismemo``), the same on one server and on a cluster (no hash tags: the keys
+spread over the cluster's slots, so capacity and traffic spread over its nodes):
 
 * ``{prefix}:blob:{key}`` — the entry's blob, the same headed, checksummed, patch-first bytes as
   the host and disk tiers (never pickle). An exact hit reads it whole: the header, then 8 MiB
-  ``GETRANGE``s, four per pipelined round trip, into one buffer; an approximate hit reads one
-  ``GETRANGE`` per reused token, pipelined in one round trip. Blobs carry a TTL
+  ``GETRANGE``s, four per pipelined round trip, on ``read_threads`` connections at once, into one buffer; an
+  approximate hit reads one ``GETRANGE`` per reused token, pipelined in one round trip. Blobs carry a TTL
   (``ttl_s``) so that a ``maxmemory-policy volatile-lru`` (or ``volatile-ttl``) server evicts
   blobs and never the index.
-* ``{prefix}:index`` — hash ``key -> record`` (blob header + the four region descriptors): what a
-  starting process reads to see every entry.
-* ``{prefix}:published`` — stream of the same records, capped; a running process reads what was
+* ``{prefix}:index:{s}`` — ``shards`` hashes ``key -> record`` (blob header + the four region descriptors), the
+  shard by the key's CRC-32: what a starting process reads to see every entry.
+* ``{prefix}:published:{s}`` — one capped stream of the same records per shard; a running process reads what was
   published since its last look, so its approximate lookup sees other processes' entries.
 
-Capacity is Redis's (``maxmemory``); this side counts the bytes it wrote and read. Faults never
-reach a request: an unreachable, slow (``timeout_s``) or failing server marks the tier down for
-``retry_s`` seconds (a warning, ``errors`` counted), reads are misses meanwhile and writes are
-dropped; after ``retry_s`` the next use reconnects and re-reads the index.
+A cluster is found by asking the server (``INFO cluster``) or named with ``cluster=True``; the cluster client
+follows MOVED / ASK redirections and resharding. Capacity is the servers' (``maxmemory``); this side counts the
+bytes it wrote and read. Faults never reach a request: an unreachable, slow (``timeout_s``) or failing server marks
+the tier down for ``retry_s`` seconds (a warning, ``errors`` counted), reads are misses meanwhile and writes are
+dropped; after ``retry_s`` the next use reconnects and re-reads the index. On a cluster the same holds per node:
+a failed node costs the misses of the keys in its slots only.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import zlib
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 
@@ -93,25 +98,30 @@ def scrub(text: str, secrets: list[str]) -> str:
 
 
 class RemoteTier:
-    """Blobs in a Redis server shared by every process that points at it."""
+    """Blobs in a Redis server or cluster shared by every process that points at it."""
 
     name = "remote"
     shared = True
 
     def __init__(self, url: str, *, prefix: str = "vismemo", timeout_s: float = 0.5, retry_s: float = 5.0,
                  ttl_s: int | None = 7 * 24 * 3600, stream_len: int = 100_000, refresh_s: float = 1.0,
+                 cluster: bool | None = None, shards: int = 16, read_threads: int = 4,
                  seal: blob.Seal | None = None):
         try:
             import redis
         except ImportError as err:  # pragma: no cover - depends on the install
             raise ImportError("remote_url needs the redis client: pip install 'vismemo-hf[remote]'") from err
+        if not 1 <= int(shards) <= 1024 or int(read_threads) < 1:
+            raise ValueError("shards must lie in [1, 1024] and read_threads be >= 1")
         self._redis = redis
         self.url, self.prefix = safe_url(url), prefix  # the URL with credentials lives only in the client
         self._secrets = url_secrets(url)
+        self._raw_url, self._options = url, dict(socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
         self.timeout_s, self.retry_s, self.ttl_s, self.stream_len, self.refresh_s = (
             timeout_s, retry_s, ttl_s, stream_len, refresh_s)
+        self.shards, self.read_threads, self.cluster = int(shards), int(read_threads), cluster
         try:
-            self.client = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+            self.client = redis.Redis.from_url(url, **self._options)  # parsed now: a bad URL is an error here
         except Exception as err:  # noqa: BLE001 - the parser's message may quote the URL
             raise ValueError(f"invalid remote_url {self.url} ({type(err).__name__}: "
                              f"{scrub(str(err), self._secrets)})") from None
@@ -120,32 +130,79 @@ class RemoteTier:
         self.fingerprints: dict[str, str] = {}  # key -> model fingerprint its record was published with
         self.bytes = 0
         self.counters = {"errors": 0, "writes": 0, "write_failures": 0, "writes_refused": 0, "writes_skipped": 0,
-                      "bytes_written": 0, "bytes_read": 0, "range_reads": 0, "reconnects": 0,
-                      "records_forged": 0, "connected": False}
+                         "bytes_written": 0, "bytes_read": 0, "range_reads": 0, "reconnects": 0,
+                         "records_forged": 0, "connected": False, "cluster": False, "nodes_down": 0}
         self._down_until = 0.0
-        self._stream_id = "0-0"
+        self._nodes_down: dict[str, float] = {}  # cluster node -> until when it is left alone
+        self._stream_ids = ["0-0"] * self.shards
+        self._reload: set[int] = set(range(self.shards))  # shards whose index is read whole on the next sync
         self._next_refresh = 0.0
         self._connected = False
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vismemo-remote")
+        self._readers = ThreadPoolExecutor(max_workers=self.read_threads, thread_name_prefix="vismemo-remote-read")
         self._pending: list = []
         self._state = threading.RLock()
-        self.needs_reload = True  # read the whole index on the next sync (start, reconnect)
         self.seal = seal
         self.reader = BlobReader(self, seal)
+
+    @property
+    def needs_reload(self) -> bool:
+        return bool(self._reload)
 
     def _blob_key(self, key: str) -> str:
         return f"{self.prefix}:blob:{key}"
 
+    def _shard(self, key: str) -> int:
+        return zlib.crc32(key.encode()) % self.shards
+
+    def _index_key(self, shard: int) -> str:
+        return f"{self.prefix}:index:{shard}"
+
+    def _stream_key(self, shard: int) -> str:
+        return f"{self.prefix}:published:{shard}"
+
     # -- availability ------------------------------------------------------------------------------
-    def _fault(self, what: str, err: Exception) -> None:
+    def _fault(self, what: str, err: Exception, name: str | None = None) -> None:
+        """A failed call: on a cluster the node of ``name`` (a Redis key) is left alone for ``retry_s``, the other
+        nodes serve on; on one server (or when the node is not known) the whole tier is."""
+        node = self._node(name) if name is not None and self.counters["cluster"] else None
         with self._state:
             self.counters["errors"] += 1
-            was_up = self._connected
-            self._connected = self.counters["connected"] = False
-            self._down_until = time.monotonic() + self.retry_s
+            if node is not None:
+                was_up = node not in self._nodes_down
+                self._nodes_down[node] = time.monotonic() + self.retry_s
+                self.counters["nodes_down"] = len(self._nodes_down)
+            else:
+                was_up = self._connected
+                self._connected = self.counters["connected"] = False
+                self._down_until = time.monotonic() + self.retry_s
         if was_up or self.counters["errors"] == 1:
-            logger.warning("vismemo: remote tier %s failed on %s (%s: %s); serving from local tiers, retrying in %.0f s",
-                           self.url, what, type(err).__name__, scrub(str(err), self._secrets), self.retry_s)
+            where = f"node {node} of " if node is not None else ""
+            logger.warning("vismemo: remote tier %s%s failed on %s (%s: %s); serving from local tiers, retrying in "
+                           "%.0f s", where, self.url, what, type(err).__name__, scrub(str(err), self._secrets),
+                           self.retry_s)
+
+    def _node(self, name: str) -> str | None:
+        try:
+            return self.client.get_node_from_key(name).name
+        except Exception:  # noqa: BLE001 - slots not known yet
+            return None
+
+    def _node_up(self, name: str) -> bool:
+        """Whether the node holding Redis key ``name`` may be used now (always, on one server)."""
+        if not self._nodes_down:
+            return True
+        node = self._node(name)
+        until = self._nodes_down.get(node)
+        if until is None:
+            return True
+        if time.monotonic() < until:
+            return False
+        with self._state:  # its time is up: try it again, and re-read the index it may have lost
+            self._nodes_down.pop(node, None)
+            self.counters["nodes_down"] = len(self._nodes_down)
+            self._reload.update(range(self.shards))
+        return True
 
     def available(self) -> bool:
         """Whether the server can be used now (reconnects, re-reading the index, once ``retry_s`` has passed)."""
@@ -154,7 +211,7 @@ class RemoteTier:
         if time.monotonic() < self._down_until:
             return False
         try:
-            self.client.ping()
+            self._connect()
         except Exception as err:  # noqa: BLE001 - down, refused, auth, TLS
             self._fault("connect", err)
             return False
@@ -163,53 +220,90 @@ class RemoteTier:
                 logger.warning("vismemo: remote tier %s reachable again", self.url)
             self.counters["reconnects"] += 1
             self._connected = self.counters["connected"] = True
-            self.needs_reload = True
+            self._nodes_down.clear()
+            self.counters["nodes_down"] = 0
+            self._reload.update(range(self.shards))
         return True
 
+    def _connect(self) -> None:
+        """Ping the server; on the first success find out whether it is a cluster and, if so, use a cluster client."""
+        if self.counters["cluster"]:
+            self.client.ping()
+            return
+        self.client.ping()
+        if self.cluster is None:
+            try:
+                self.cluster = bool(self.client.info("cluster").get("cluster_enabled"))
+            except self._redis.ResponseError:  # INFO not allowed here: a plain server
+                self.cluster = False
+        if self.cluster:
+            from redis.cluster import RedisCluster
+
+            plain, self.client = self.client, RedisCluster.from_url(self._raw_url, **self._options)
+            plain.close()
+            self.counters["cluster"] = True
+            self.client.ping()
+
     # -- index -------------------------------------------------------------------------------------
-    def load_index(self):
-        """Every published (key, header, descriptors): the whole index hash, then the stream's position."""
-        if not self.available():
-            return []
+    def _load_shard(self, shard: int) -> list:
+        """Every (key, header, descriptors) of one index shard, and the position of its stream."""
+        stream = self._stream_key(shard)
         try:
-            last = self.client.xinfo_stream(f"{self.prefix}:published")["last-generated-id"]
+            last = self.client.xinfo_stream(stream)["last-generated-id"]
         except self._redis.ResponseError:  # no stream yet
             last = b"0-0"
-        except Exception as err:  # noqa: BLE001
-            self._fault("index", err)
+        out = [parsed for key, record in self.client.hscan_iter(self._index_key(shard), count=1000)
+               for parsed in self._parse(key, record)]
+        self._stream_ids[shard] = last.decode() if isinstance(last, bytes) else str(last)
+        self._reload.discard(shard)
+        return out
+
+    def load_index(self):
+        """Every published (key, header, descriptors) of the shards that need it (all after a (re)connect)."""
+        if not self.available():
             return []
         out = []
-        try:
-            for key, record in self.client.hscan_iter(f"{self.prefix}:index", count=1000):
-                out.extend(self._parse(key, record))
-        except Exception as err:  # noqa: BLE001
-            self._fault("index", err)
-            return []
-        self._stream_id = last.decode() if isinstance(last, bytes) else str(last)
+        for shard in sorted(self._reload):
+            if not self._node_up(self._index_key(shard)):
+                continue
+            try:
+                out.extend(self._load_shard(shard))
+            except Exception as err:  # noqa: BLE001
+                self._fault("index", err, self._index_key(shard))
+                if not self.counters["cluster"]:
+                    return out
         self._next_refresh = time.monotonic() + self.refresh_s
-        self.needs_reload = False
         return out
 
     def sync(self):
-        """New (key, header, descriptors) records: the whole index after a (re)connect, else what was
-        published since the last look (at most one round trip per ``refresh_s``)."""
-        if self.needs_reload:
+        """New (key, header, descriptors) records: whole shards after a (re)connect, else what was published since
+        the last look (at most one look per ``refresh_s``: one XREAD of every stream on one server, one per shard
+        on a cluster)."""
+        if self._reload:
             return self.load_index()
         if not self._connected or time.monotonic() < self._next_refresh:
             return []
         self._next_refresh = time.monotonic() + self.refresh_s
         out = []
-        try:
-            while True:
-                reply = self.client.xread({f"{self.prefix}:published": self._stream_id}, count=1000)
-                if not reply:
+        groups = [[s] for s in range(self.shards)] if self.counters["cluster"] else [list(range(self.shards))]
+        for shards in groups:
+            if not self._node_up(self._stream_key(shards[0])):
+                continue
+            try:
+                while True:
+                    reply = self.client.xread({self._stream_key(s): self._stream_ids[s] for s in shards}, count=1000)
+                    if not reply:
+                        break
+                    for stream, messages in reply:
+                        shard = int((stream.decode() if isinstance(stream, bytes) else stream).rsplit(":", 1)[1])
+                        for msg_id, fields in messages:
+                            self._stream_ids[shard] = msg_id.decode() if isinstance(msg_id, bytes) else str(msg_id)
+                            out.extend(self._parse(fields.get(b"k", b""), fields.get(b"r", b"")))
+            except Exception as err:  # noqa: BLE001
+                self._fault("refresh", err, self._stream_key(shards[0]))
+                if not self.counters["cluster"]:
                     return out
-                for msg_id, fields in reply[0][1]:
-                    self._stream_id = msg_id.decode()
-                    out.extend(self._parse(fields.get(b"k", b""), fields.get(b"r", b"")))
-        except Exception as err:  # noqa: BLE001
-            self._fault("refresh", err)
-            return out
+        return out
 
     def _parse(self, key: bytes, record: bytes):
         try:
@@ -234,24 +328,30 @@ class RemoteTier:
             self.bytes += size
 
     def __contains__(self, key: str) -> bool:
-        return key in self.lru and self.available()
+        return key in self.lru and self.available() and self._node_up(self._blob_key(key))
 
     # -- writing -----------------------------------------------------------------------------------
     def write_async(self, key: str, encode, descriptors: torch.Tensor) -> None:
-        """Encode (``encode()`` -> blob bytes) and publish in the background: nothing waits for it."""
-        if not self.available():
+        """Encode (``encode()`` -> blob bytes) and publish in the background: nothing waits for it. The blob lands
+        before its record (on a cluster they sit on different nodes), so a record always names a blob."""
+        if not self.available() or not self._node_up(self._blob_key(key)):
             self.counters["writes_skipped"] += 1
             return
 
         def write():
+            name = self._blob_key(key)
             try:
                 data = encode()
                 record = _record(data, descriptors)
-                pipe = self.client.pipeline(transaction=True)
-                pipe.set(self._blob_key(key), data, ex=self.ttl_s)
-                pipe.hset(f"{self.prefix}:index", key, record)
-                pipe.xadd(f"{self.prefix}:published", {"k": key, "r": record}, maxlen=self.stream_len,
-                          approximate=True)
+                shard = self._shard(key)
+                pipe = self.client.pipeline(transaction=not self.counters["cluster"])
+                pipe.set(name, data, ex=self.ttl_s)
+                if self.counters["cluster"]:
+                    pipe.execute()
+                    name = self._index_key(shard)
+                    pipe = self.client.pipeline(transaction=False)
+                pipe.hset(self._index_key(shard), key, record)
+                pipe.xadd(self._stream_key(shard), {"k": key, "r": record}, maxlen=self.stream_len, approximate=True)
                 pipe.execute()
                 with self._state:
                     self.counters["writes"] += 1
@@ -269,7 +369,7 @@ class RemoteTier:
             except Exception as err:  # noqa: BLE001
                 with self._state:
                     self.counters["write_failures"] += 1
-                self._fault("write", err)
+                self._fault("write", err, name)
 
         self._pending.append(self._writer.submit(write))
 
@@ -283,27 +383,29 @@ class RemoteTier:
             self.bytes -= self.lru.pop(key, 0)
             self.fingerprints.pop(key, None)
 
+    def _delete(self, key: str, blob_too: bool) -> None:
+        """Delete the index record of ``key`` (and its blob) on the server when reachable."""
+        if not self._connected:
+            return
+        name = self._blob_key(key) if blob_too else self._index_key(self._shard(key))
+        try:
+            pipe = self.client.pipeline(transaction=False)
+            if blob_too:
+                pipe.delete(self._blob_key(key))
+            pipe.hdel(self._index_key(self._shard(key)), key)
+            pipe.execute()
+        except Exception as err:  # noqa: BLE001
+            self._fault("delete", err, name)
+
     def discard(self, key: str) -> None:
         """Forget ``key`` here and delete it (blob and index record) on the server when reachable."""
         self._untrack(key)
-        if not self._connected:
-            return
-        try:
-            pipe = self.client.pipeline(transaction=True)
-            pipe.delete(self._blob_key(key))
-            pipe.hdel(f"{self.prefix}:index", key)
-            pipe.execute()
-        except Exception as err:  # noqa: BLE001
-            self._fault("delete", err)
+        self._delete(key, blob_too=True)
 
     def forget(self, key: str) -> None:
         """Forget ``key`` here and its stale index record (the blob is gone, e.g. evicted by maxmemory)."""
         self._untrack(key)
-        if self._connected:
-            try:
-                self.client.hdel(f"{self.prefix}:index", key)
-            except Exception as err:  # noqa: BLE001
-                self._fault("delete", err)
+        self._delete(key, blob_too=False)
 
     pop = discard  # the store demotes nothing out of the shared tier: capacity is the server's
 
@@ -323,40 +425,55 @@ class RemoteTier:
         return {"bytes": self.bytes, "budget": None, "entries": len(self.lru), **dict(self.counters)}
 
     # -- reading (KeyError: not on the server; ConnectionError & co. are faults, see VisMemoStore) ----
-    def _call(self, fn):
+    def _call(self, fn, name: str):
+        if not self._node_up(name):
+            raise RemoteUnavailable("the node holding this entry is down")
         try:
             return fn()
         except (self._redis.ConnectionError, self._redis.TimeoutError, OSError) as err:
-            self._fault("read", err)
+            self._fault("read", err, name)
+            raise RemoteUnavailable(scrub(str(err), self._secrets)) from None
+        except self._redis.RedisError as err:  # a cluster that cannot route the key now (CLUSTERDOWN, TRYAGAIN)
+            self._fault("read", err, name)
             raise RemoteUnavailable(scrub(str(err), self._secrets)) from None
 
     # -- ByteSource (ranges.py): pipelined GETRANGEs ------------------------------------------------------
     def ranges(self, key: str, spans: list[tuple[int, int]]) -> list[bytes]:
+        name = self._blob_key(key)
+
         def fetch():
             pipe = self.client.pipeline(transaction=False)
             for start, length in spans:
-                pipe.getrange(self._blob_key(key), start, start + length - 1)
+                pipe.getrange(name, start, start + length - 1)
             return pipe.execute()
 
-        chunks = self._call(fetch)
-        self.counters["bytes_read"] += sum(len(c) for c in chunks)
+        chunks = self._call(fetch, name)
+        with self._state:
+            self.counters["bytes_read"] += sum(len(c) for c in chunks)
         if len(spans) == 1 and not chunks[0]:
             raise KeyError(key)
         return chunks
 
     def read_into(self, key: str, view: memoryview) -> None:
-        """``READ_CHUNK`` ranges, ``READ_BATCH`` per pipelined round trip, copied into the buffer (no whole-blob
-        reply object, no second copy)."""
+        """``READ_CHUNK`` ranges, ``READ_BATCH`` per pipelined round trip, ``read_threads`` round trips at once on
+        their own connections, each copied into its place in the buffer (no whole-blob reply, no second copy)."""
         total = len(view)
         spans = [(start, min(total, start + READ_CHUNK) - start) for start in range(0, total, READ_CHUNK)]
-        for first in range(0, len(spans), READ_BATCH):
-            batch = spans[first : first + READ_BATCH]
+        batches = [spans[i : i + READ_BATCH] for i in range(0, len(spans), READ_BATCH)]
+
+        def read(batch):
             for (start, length), chunk in zip(batch, self.ranges(key, batch)):
                 if not chunk:
                     raise KeyError(key)  # deleted since the header read
                 if len(chunk) != length:
                     raise blob.BlobError("blob size does not match its header")
                 view[start : start + length] = chunk
+
+        if len(batches) == 1:
+            read(batches[0])
+            return
+        for done in [self._readers.submit(read, b) for b in batches]:
+            done.result()
 
     def check(self, key: str, header: blob.BlobHeader) -> None:
         """The blob is the one its index record announced: same model."""
@@ -385,12 +502,14 @@ class RemoteTier:
 
     def tokens(self, key: str, tokens: torch.Tensor, first_layer: int) -> tuple[torch.Tensor, int]:
         """One pipelined round trip for the header, one for the token ranges."""
-        self.counters["range_reads"] += tokens.numel()
+        with self._state:
+            self.counters["range_reads"] += tokens.numel()
         return self.reader.tokens(key, tokens, first_layer)
 
     def close(self) -> None:
         self.flush()
         self._writer.shutdown(wait=True)
+        self._readers.shutdown(wait=True)
         try:
             self.client.close()
         except Exception:  # noqa: BLE001

@@ -15,17 +15,19 @@ Recency order lives here (``OrderedDict``); what to evict and where it goes is d
 
 from __future__ import annotations
 
+import fcntl
 import io
 import logging
 import os
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import replace
 from typing import Protocol, runtime_checkable
 
 import diskcache
 import torch
-from diskcache.core import MODE_PICKLE
+from diskcache.core import MODE_BINARY, MODE_PICKLE
 
 from vismemo_hf.store import blob
 from vismemo_hf.store.entry import Entry
@@ -279,6 +281,7 @@ class DiskTier:
         self.bytes = 0
         self.foreign = 0  # keys or values in the directory that are not vismemo blobs (skipped, left alone)
         self.range_reads = 0  # positioned reads of sparse (approximate-hit) reads
+        self.others_evicted = 0  # blobs deleted to keep the shared directory within the budget (any process's)
 
     def __contains__(self, key: str) -> bool:
         return key in self.lru
@@ -288,7 +291,14 @@ class DiskTier:
 
     def stats(self) -> dict:
         return {"bytes": self.bytes, "budget": self.budget, "entries": len(self.lru), "foreign": self.foreign,
-                "range_reads": self.range_reads, "read_only": self.read_only}
+                "range_reads": self.range_reads, "read_only": self.read_only, "directory_bytes": self._directory_bytes(),
+                "directory_evictions": self.others_evicted}
+
+    def _directory_bytes(self) -> int | None:
+        try:
+            return self.shared_bytes()
+        except Exception:  # noqa: BLE001 - a read-only directory's index
+            return None
 
     @staticmethod
     def sizeof(data: bytes) -> int:
@@ -330,8 +340,42 @@ class DiskTier:
             self.bytes += size
 
     def write(self, key: str, data: bytes) -> None:
-        """Write a blob as a file of its own (so later reads can be positioned reads)."""
-        self.cache.set(key, io.BytesIO(data), read=True)
+        """Write a blob as a file of its own (so later reads can be positioned reads). With a budget, under the
+        directory's lock (every process's writes in turn), the least recently stored blobs of the directory, any
+        process's, are deleted first until it fits: the directory's blob bytes stay within ``budget`` whatever the
+        number of processes sharing it (this process's own evictions keep their exact-priority order)."""
+        if self.budget is None:
+            self.cache.set(key, io.BytesIO(data), read=True)
+            return
+        with self._directory_lock():
+            self._fit(len(data), key)
+            self.cache.set(key, io.BytesIO(data), read=True)
+
+    def shared_bytes(self) -> int:
+        """Bytes of every value in the directory, every process's: diskcache's own count in its database."""
+        return int(self.cache.reset("size"))
+
+    @contextmanager
+    def _directory_lock(self):
+        with open(os.path.join(self.directory, "vismemo-writers.lock"), "a+b") as handle:
+            fcntl.flock(handle, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(handle, fcntl.LOCK_UN)
+
+    def _fit(self, size: int, key: str) -> None:
+        while self.shared_bytes() + size > self.budget:
+            oldest = self.cache._sql("SELECT key FROM Cache WHERE raw = 1 AND mode = ? ORDER BY store_time LIMIT 32",
+                                     (MODE_BINARY,)).fetchall()
+            victims = [k for (k,) in oldest if k != key and self._is_blob(k)]
+            if not victims:
+                return
+            for victim in victims:
+                self.cache.delete(victim)
+                self.others_evicted += 1
+                if self.shared_bytes() + size <= self.budget:
+                    return
 
     def write_async(self, key: str, data: bytes) -> None:
         """Count the blob as held now and write it on the writer thread. A write that lands after its entry was
