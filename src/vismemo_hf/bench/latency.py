@@ -1,18 +1,24 @@
-"""``vismemo bench latency``: prefill time of a miss, an exact and an approximate hit by visual length.
+"""``vismemo bench latency``: a miss, an exact and an approximate hit against plain transformers, by visual length.
 
-Per length, the runs are interleaved (miss, exact, then each policy's approximate hit) after a
-warm-up round, and the median is reported with the stage breakdown from the cache events and
-the analytic FLOP floor of the plan. Prefill time excludes the vision encoder for every kind
-(the encoder has its own line); misses are timed without storing their entry.
+Every kind runs ``generate`` on the enabled model, and ``plain`` runs it on a never-enabled copy of the same
+weights with its own DynamicCache and the same attention implementation. Per length the runs are interleaved
+(plain, miss, exact, then each policy's approximate hit) after a warm-up round; medians are reported. A clock in
+``generate``'s stopping criteria gives the time to the first token (vision encoder, prefill and first token: TTFT)
+and each decoding step; whole ``generate`` times are taken at ``new_tokens`` and, once per kind, at
+``long_tokens``. The cache events add the prefill's stage breakdown (encoder excluded) and the plan's analytic
+FLOP floor. Misses store their entry, as in serving.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import statistics
+import time
 from pathlib import Path
 
 import torch
+from transformers import StoppingCriteria, StoppingCriteriaList
 
 from vismemo_hf import VisMemoCache, VisMemoStore, enable
 from vismemo_hf.bench.report import command as report_command
@@ -72,6 +78,7 @@ def request_inputs(processor, image, question="What is the value of the third ro
 
 @torch.no_grad()
 def timed_prefill(model, inputs, cache) -> dict:
+    """One forward (the prefill alone) through ``cache``: its event's timings (encoder excluded) and plan."""
     model(**inputs.to(model.device), cache=cache, use_cache=True)
     if model.device.type == "cuda":
         torch.cuda.synchronize()
@@ -82,7 +89,70 @@ def timed_prefill(model, inputs, cache) -> dict:
             "masked": event.masked, "n_tokens": event.n_tokens, "bytes_read": event.bytes_read, "plan": event.plan}
 
 
-def run(model, processor, lengths, policies, repeats: int, progress=None) -> list[dict]:
+class _Clock(StoppingCriteria):
+    """The time of every token ``generate`` produces (stopping criteria run once per new token)."""
+
+    def __init__(self, device) -> None:
+        self.cuda, self.times = torch.device(device).type == "cuda", []
+
+    def __call__(self, input_ids, scores, **kwargs) -> torch.BoolTensor:
+        if self.cuda:
+            torch.cuda.synchronize()
+        self.times.append(time.perf_counter())
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+
+@torch.no_grad()
+def timed_generate(model, inputs, cache, new_tokens: int) -> dict:
+    """TTFT, median decoding step and whole time (ms) of one greedy ``generate`` of exactly ``new_tokens``, and the
+    cache's event (None for plain transformers: ``cache=None``)."""
+    clock = _Clock(model.device)
+    inputs = inputs.to(model.device)
+    if clock.cuda:
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    model.generate(**inputs, **({"cache": cache} if cache is not None else {}), max_new_tokens=new_tokens,
+                   min_new_tokens=new_tokens, do_sample=False, stopping_criteria=StoppingCriteriaList([clock]))
+    if clock.cuda:
+        torch.cuda.synchronize()
+    total = time.perf_counter() - t0
+    steps = [(b - a) * 1e3 for a, b in zip(clock.times, clock.times[1:])]
+    out = {"ttft_ms": (clock.times[0] - t0) * 1e3, "step_ms": statistics.median(steps) if steps else 0.0,
+           "total_ms": total * 1e3, "event": None}
+    if cache is not None:
+        (event,) = cache.events
+        t = dict(event.timings)
+        t["prefill"] = t["prefill"] - t.get("encoder", 0.0)
+        out["event"] = {"timings": t, "kind": str(event.kind), "recomputed": event.recomputed, "reused": event.reused,
+                        "masked": event.masked, "n_tokens": event.n_tokens, "bytes_read": event.bytes_read,
+                        "plan": event.plan}
+    return out
+
+
+def _cases(model, plain, miss_in, edit_in, seeded: VisMemoStore, policies):
+    """(kind, policy) -> what runs it: ``(model, inputs, cache factory)``."""
+    cases = {("plain", "-"): (plain, miss_in, lambda: None),
+             ("miss", "-"): (model, miss_in, lambda: VisMemoCache(store=VisMemoStore())),
+             ("exact", "-"): (model, miss_in, lambda: VisMemoCache(store=seeded))}
+    for policy in policies:  # store_misses off: a complete plan would store the edited page and make it exact
+        cases[("approximate", policy)] = (model, edit_in, lambda p=policy: VisMemoCache(store=seeded, policy=p,
+                                                                                         store_misses=False))
+    return cases
+
+
+def _run_case(case, kind: str, n: int, new_tokens: int) -> dict:
+    runner, inputs, make = case
+    cache = make()
+    out = timed_generate(runner, inputs, cache, new_tokens)
+    if cache is not None:
+        cache.store.flush()  # the miss's entry lands before the next timed run starts
+        if out["event"]["kind"] != kind:
+            raise RuntimeError(f"expected a {kind} hit at {n} tokens, got {out['event']['kind']}")
+    return out
+
+
+def run(model, plain, processor, lengths, policies, repeats: int, new_tokens: int = 32, long_tokens: int = 256,
+        progress=None) -> list[dict]:
     family = model.config.model_type
     patch = model.config.vision_config.patch_size
     records = []
@@ -90,43 +160,75 @@ def run(model, processor, lengths, policies, repeats: int, progress=None) -> lis
         base, edited = page_pair(n, patch)
         miss_in, edit_in = request_inputs(processor, base), request_inputs(processor, edited)
         seeded = VisMemoStore()
-        timed_prefill(model, miss_in, VisMemoCache(store=seeded))  # the alias entry every hit reads
-        runs = {("miss", "-"): [], ("exact", "-"): []}
-        for policy in policies:
-            runs[("approximate", policy)] = []
+        timed_generate(model, miss_in, VisMemoCache(store=seeded), 1)  # the alias entry every hit reads
+        seeded.flush()
+        cases = _cases(model, plain, miss_in, edit_in, seeded, policies)
+        runs = {c: [] for c in cases}
         for rep in range(repeats + 1):  # round 0 warms up
-            for (kind, policy) in runs:
-                if kind == "miss":
-                    out = timed_prefill(model, miss_in, VisMemoCache(store=VisMemoStore(), store_misses=False))
-                elif kind == "exact":
-                    out = timed_prefill(model, miss_in, VisMemoCache(store=seeded))
-                else:
-                    out = timed_prefill(model, edit_in, VisMemoCache(store=seeded, policy=policy, store_misses=False))
-                if out["kind"] != kind:
-                    raise RuntimeError(f"expected a {kind} hit at {n} tokens, got {out['kind']}")
+            for (kind, policy), case in cases.items():
+                out = _run_case(case, kind, n, new_tokens)
                 if rep:
                     runs[(kind, policy)].append(out)
                 if progress is not None:
                     progress.update(1)
-        ids = miss_in["input_ids"][0]
-        is_image = ids == model.config.image_token_id
-        n_text, start = int((~is_image).sum()), int(is_image.nonzero()[0])
-        n_visual = runs[("miss", "-")][0]["n_tokens"]
-        miss_ms = statistics.median(r["timings"]["prefill"] for r in runs[("miss", "-")])
-        miss_flops = plan_flops(model.config, ids.numel(), start, runs[("miss", "-")][0]["plan"])
-        for (kind, policy), outs in runs.items():
-            first = outs[0]
-            r, b = first["recomputed"], first["reused"]
-            floor = plan_flops(model.config, ids.numel(), start, first["plan"]) / miss_flops
-            median = {s: statistics.median(o["timings"].get(s, 0.0) for o in outs) for s in STAGES + ("prefill",)}
-            records.append({
-                "visual_tokens": n_visual, "text_tokens": n_text, "family": family, "kind": kind, "policy": policy,
-                "prefill_ms": median["prefill"], "ratio_to_miss": median["prefill"] / miss_ms, "floor_ratio": floor,
-                "recomputed": r, "reused": b, "masked": first["masked"], "bytes_read": first["bytes_read"],
-                "breakdown_ms": {s: median[s] for s in STAGES},
-                "repeats": len(outs),
-            })
+        long = {}
+        for (kind, policy), case in cases.items():
+            long[(kind, policy)] = _run_case(case, kind, n, long_tokens)["total_ms"] if long_tokens else None
+            if progress is not None:
+                progress.update(1)
+        records += _records(model.config, miss_in, runs, long, family, new_tokens, long_tokens)
     return records
+
+
+def _records(config, miss_in, runs: dict, long: dict, family: str, new_tokens: int, long_tokens: int) -> list[dict]:
+    ids = miss_in["input_ids"][0]
+    is_image = ids == config.image_token_id
+    n_text, start = int((~is_image).sum()), int(is_image.nonzero()[0])
+    miss = runs[("miss", "-")]
+    n_visual = miss[0]["event"]["n_tokens"]
+    miss_ms = statistics.median(r["event"]["timings"]["prefill"] for r in miss)
+    miss_flops = plan_flops(config, ids.numel(), start, miss[0]["event"]["plan"])
+    med = lambda outs, key: statistics.median(o[key] for o in outs)  # noqa: E731
+    plain = runs[("plain", "-")]
+    plain_ttft, plain_step, plain_total = med(plain, "ttft_ms"), med(plain, "step_ms"), med(plain, "total_ms")
+    out = []
+    for (kind, policy), outs in runs.items():
+        record = {"visual_tokens": n_visual, "text_tokens": n_text, "family": family, "kind": kind, "policy": policy,
+                  "ttft_ms": med(outs, "ttft_ms"), "decode_step_ms": med(outs, "step_ms"),
+                  "generate_ms": med(outs, "total_ms"), "new_tokens": new_tokens,
+                  "generate_long_ms": long[(kind, policy)], "long_tokens": long_tokens, "repeats": len(outs)}
+        record["ratio_to_plain"] = record["ttft_ms"] / plain_ttft
+        record["decode_ratio_to_plain"] = record["decode_step_ms"] / plain_step
+        record["generate_ratio_to_plain"] = record["generate_ms"] / plain_total
+        if long_tokens:
+            record["generate_long_ratio_to_plain"] = record["generate_long_ms"] / long[("plain", "-")]
+        if kind != "plain":
+            first = outs[0]["event"]
+            flops = plan_flops(config, ids.numel(), start, first["plan"])
+            median = {s: statistics.median(o["event"]["timings"].get(s, 0.0) for o in outs) for s in STAGES + ("prefill",)}
+            record.update({"prefill_ms": median["prefill"], "ratio_to_miss": median["prefill"] / miss_ms,
+                           "floor_ratio": flops / miss_flops, "plan_gflops": flops / 1e9,
+                           "recomputed": first["recomputed"], "reused": first["reused"], "masked": first["masked"],
+                           "bytes_read": first["bytes_read"], "breakdown_ms": {s: median[s] for s in STAGES}})
+        out.append(record)
+    return out
+
+
+def fixed_cost_per_layer(records, layers: int) -> dict | None:
+    """Least-squares fit of the enabled prefills' time against their plan's FLOPs: the intercept per layer is the
+    loop's fixed cost (ms per layer, what a faster chip does not shrink), the slope the time per GFLOP."""
+    points = [(r["plan_gflops"], r["prefill_ms"]) for r in records if r["kind"] in ("exact", "approximate")]
+    if len(points) < 3:
+        return None
+    x = torch.tensor([p[0] for p in points], dtype=torch.float64)
+    y = torch.tensor([p[1] for p in points], dtype=torch.float64)
+    design = torch.stack([torch.ones_like(x), x], 1)
+    intercept, slope = torch.linalg.lstsq(design, y[:, None]).solution.flatten().tolist()
+    return {"ms_per_layer": intercept / layers, "ms_per_gflop": slope, "points": len(points)}
+
+
+def _label(r) -> str:
+    return r["kind"] if r["kind"] != "approximate" else f"approximate ({r['policy']})"
 
 
 def _plot(records, path: Path) -> None:
@@ -136,19 +238,22 @@ def _plot(records, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(10, 3.6))
-    series = sorted({(r["kind"], r["policy"]) for r in records})
+    series = sorted({(r["kind"], r["policy"]) for r in records if r["kind"] != "plain"})
     for kind, policy in series:
         rs = sorted((r for r in records if (r["kind"], r["policy"]) == (kind, policy)), key=lambda r: r["visual_tokens"])
-        label = kind if kind != "approximate" else f"approximate ({policy})"
-        ax.plot([r["visual_tokens"] for r in rs], [r["prefill_ms"] for r in rs], marker="o", label=label)
+        xs = [r["visual_tokens"] for r in rs]
+        line = ax.plot(xs, [r["ratio_to_plain"] for r in rs], marker="o", label=f"{_label(rs[0])}: TTFT")[0]
+        ax.plot(xs, [r["decode_ratio_to_plain"] for r in rs], marker="x", ls="--", color=line.get_color(),
+                label=f"{_label(rs[0])}: decode step")
+    ax.axhline(1.0, color="k", lw=0.8)
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("visual tokens")
-    ax.set_ylabel("prefill ms (median, encoder excluded)")
-    ax.legend(fontsize=7)
+    ax.set_ylabel("time / plain transformers (median)")
+    ax.legend(fontsize=6)
     ax.grid(alpha=0.3)
     longest = max(r["visual_tokens"] for r in records)
-    rows = [r for r in records if r["visual_tokens"] == longest]
+    rows = [r for r in records if r["visual_tokens"] == longest and r["kind"] != "plain"]
     bottom = [0.0] * len(rows)
     for stage in STAGES:
         vals = [r["breakdown_ms"][stage] for r in rows]
@@ -157,7 +262,7 @@ def _plot(records, path: Path) -> None:
     bx.set_xticks(range(len(rows)), [r["kind"] if r["kind"] != "approximate" else r["policy"] for r in rows],
                   rotation=30, fontsize=7)
     bx.set_ylabel("ms")
-    bx.set_title(f"breakdown at {longest} visual tokens", fontsize=9)
+    bx.set_title(f"prefill breakdown at {longest} visual tokens", fontsize=9)
     bx.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -168,41 +273,65 @@ def main(args) -> int:
     from tqdm import tqdm
 
     dtype = getattr(torch, args.dtype)
-    model, processor = load_model(args.preset, args.family, dtype=dtype, device=args.device)
+    plain, processor = load_model(args.preset, args.family, dtype=dtype, device=args.device)
+    model = copy.deepcopy(plain)  # the same weights; only this copy is enabled
     enable(model)
     if hasattr(processor, "image_processor"):
         patch = model.config.vision_config.patch_size
         processor.image_processor.size = {"shortest_edge": 4 * (2 * patch) ** 2, "longest_edge": 20000 * (2 * patch) ** 2}
     lengths = [int(x) for x in args.lengths.split(",")]
     policies = args.policies.split(",")
-    total = len(lengths) * (args.repeats + 1) * (2 + len(policies))
+    total = len(lengths) * (args.repeats + 2) * (3 + len(policies))
     with tqdm(total=total, desc="latency") as bar:
-        records = run(model, processor, lengths, policies, args.repeats, bar)
+        records = run(model, plain, processor, lengths, policies, args.repeats, args.new_tokens, args.long_tokens, bar)
+    fixed = fixed_cost_per_layer(records, model.config.text_config.num_hidden_layers)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    command = report_command("bench latency", args, ["preset", "lengths", "policies", "repeats", "dtype", "device"])
+    command = report_command("bench latency", args, ["preset", "lengths", "policies", "repeats", "new_tokens",
+                                                      "long_tokens", "dtype", "device"])
     mach = machine(args.device)
-    (out / "latency.json").write_text(json.dumps({"command": command, "machine": mach, "records": records}, indent=2))
+    (out / "latency.json").write_text(json.dumps({"command": command, "machine": mach, "records": records,
+                                                  "fixed_cost": fixed}, indent=2))
     _plot(records, out / "latency.png")
-    lines = header(f"Prefill latency by hit kind ({args.preset})", command, mach) + [
-             "Median prefill of the language model (vision encoder excluded for every kind; its time is in the "
-             f"`encoder` column) over {args.repeats} interleaved runs after a warm-up round; random weights. "
-             "`floor` is the plan's analytic FLOP ratio to a miss (`bench.latency.plan_flops`: projections and MLP of "
-             "the computed tokens, attention over exactly the keys each query sees); `/ floor`: measured over floor; "
-             "`R / B / M`: "
-             "visual tokens recomputed, reused and masked; `MB read`: alias K/V the hit read from the store.", "",
-             "| visual tokens | kind | policy | prefill ms | / miss | floor | / floor | R / B / M | MB read | lookup | "
-             "encoder | warmup | fetch wait | plan | recompute |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    (out / "latency.md").write_text("\n".join(_report(records, fixed, args, command, mach)) + "\n")
+    print((out / "latency.md").read_text())
+    return 0
+
+
+def _report(records, fixed, args, command, mach) -> list[str]:
+    long = f" and {args.long_tokens}" if args.long_tokens else ""
+    lines = header(f"Latency against plain transformers ({args.preset})", command, mach) + [
+        f"Each kind runs greedy `generate` of exactly {args.new_tokens}{long} new tokens; `plain` is a never-enabled "
+        "copy of the same random weights with a DynamicCache. Medians over "
+        f"{args.repeats} interleaved rounds after a warm-up round (the {args.long_tokens}-token runs: one round). "
+        "TTFT: vision encoder, prefill and first token; `decode`: the median step after it; `gen`: the whole "
+        "generate. Ratios are to plain at the same length.", "",
+        "| visual tokens | kind | policy | TTFT ms | TTFT / plain | decode ms | decode / plain | "
+        f"gen {args.new_tokens} / plain | gen {args.long_tokens or '-'} / plain |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in records:
+        gl = f"{r['generate_long_ratio_to_plain']:.3f}" if args.long_tokens else "-"
+        lines.append(f"| {r['visual_tokens']} | {r['kind']} | {r['policy'] if r['kind'] == 'approximate' else '-'} | "
+                     f"{r['ttft_ms']:.1f} | {r['ratio_to_plain']:.3f} | {r['decode_step_ms']:.2f} | "
+                     f"{r['decode_ratio_to_plain']:.3f} | {r['generate_ratio_to_plain']:.3f} | {gl} |")
+    lines += ["", "## Prefill by hit kind (cache events, vision encoder excluded)", "",
+              "`floor` is the plan's analytic FLOP ratio to a miss (`bench.latency.plan_flops`: projections and MLP of "
+              "the computed tokens, attention over exactly the keys each query sees); `/ floor`: measured over floor; "
+              "`R / B / M`: visual tokens recomputed, reused and masked; `MB read`: alias K/V the hit read.", "",
+              "| visual tokens | kind | policy | prefill ms | / miss | floor | / floor | R / B / M | MB read | lookup | "
+              "encoder | warmup | fetch wait | plan | recompute |",
+              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in records:
+        if r["kind"] == "plain":
+            continue
         b = r["breakdown_ms"]
         lines.append(f"| {r['visual_tokens']} | {r['kind']} | {r['policy'] if r['kind'] == 'approximate' else '-'} | "
                      f"{r['prefill_ms']:.1f} | {r['ratio_to_miss']:.3f} | {r['floor_ratio']:.3f} | "
                      f"{r['ratio_to_miss'] / r['floor_ratio']:.2f} | {r['recomputed']} / {r['reused']} / {r['masked']} | "
-                     f"{r['bytes_read'] / 2**20:.1f} | {b['lookup']:.1f} | "
-                     f"{b['encoder']:.1f} | {b['warmup']:.1f} | {b['fetch_wait']:.1f} | {b['plan']:.1f} | "
-                     f"{b['recompute']:.1f} |")
-    lines += ["", "![latency](latency.png)"]
-    (out / "latency.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
-    return 0
+                     f"{r['bytes_read'] / 2**20:.1f} | {b['lookup']:.1f} | {b['encoder']:.1f} | {b['warmup']:.1f} | "
+                     f"{b['fetch_wait']:.1f} | {b['plan']:.1f} | {b['recompute']:.1f} |")
+    if fixed is not None:
+        lines += ["", f"Fixed cost of the prefill loop: {fixed['ms_per_layer']:.2f} ms per layer, "
+                  f"{fixed['ms_per_gflop']:.2f} ms per GFLOP (least squares of the {fixed['points']} hit prefills' time "
+                  "against their plan's FLOPs, `bench.latency.fixed_cost_per_layer`)."]
+    return lines + ["", "![latency](latency.png)"]
