@@ -1,4 +1,5 @@
-"""cProfile of one approximate hit (default routing, or --policy) on the latency bench's default preset.
+"""cProfile of one approximate hit (default routing, or --policy; --exact: an exact hit) on the latency bench's
+default preset.
 
     python benchmarks/profile_approximate_hit.py --tokens 2048 --threads 1
 
@@ -24,6 +25,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--top", type=int, default=12)
     parser.add_argument("--policy", default=None, help="routing of the hit (default: VisMemoCache's)")
+    parser.add_argument("--exact", action="store_true", help="profile an exact hit (the stored page itself)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     model, processor = load_model(args.preset)
@@ -33,7 +35,7 @@ def main() -> None:
     base, edited = page_pair(args.tokens, patch)
     store = VisMemoStore()
     timed_prefill(model, request_inputs(processor, base), VisMemoCache(store=store))  # the alias entry
-    edit_in = request_inputs(processor, edited)
+    edit_in = request_inputs(processor, base if args.exact else edited)
     routing = {"policy": args.policy} if args.policy else {}
     timed_prefill(model, edit_in, VisMemoCache(store=store, store_misses=False, **routing))  # warm-up
     profile = cProfile.Profile()

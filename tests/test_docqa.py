@@ -67,6 +67,23 @@ def test_quality_report_writes_table_and_sweeps(tmp_path):
     assert set(cells) == {"R", "B", "M"} and abs(sum(cells.values()) - 1.0) < 1e-9
 
 
+def test_quality_report_takes_seeds_the_default_policy_and_no_sweeps(tmp_path):
+    import json
+
+    from vismemo_hf.cli import main
+    from vismemo_hf.runtime.cache import DEFAULT_POLICY
+
+    args = ["report", "quality", "--seeds", "7123,7124", "--bases", "1", "--policies", "full,default", "--no-sweeps",
+            "--heldout", "0", "--heldout-bases", "0", "--out", str(tmp_path)]
+    assert main(args) == 0
+    data = json.loads((tmp_path / "quality.json").read_text())
+    assert data["seeds"] == [7123, 7124] and set(data["policies"]) == {"full", DEFAULT_POLICY}
+    assert all(not sweep for sweep in data["sweeps"].values()) and not list(tmp_path.glob("sweep_*.png"))
+    assert data["visual_tokens"] == data["policies"]["full"]["visual_tokens"] > 0
+    assert "--seeds 7123,7124" in data["command"] and "--no-sweeps" in data["command"]
+    assert main(args[:2] + ["--seeds", "a,b", "--out", str(tmp_path)]) == 2
+
+
 def test_demo_hit_kinds_with_the_reading_model(capsys):
     import json
 
@@ -91,3 +108,22 @@ def test_answer_cell_routing_counts_the_asked_cells():
     plan = ImagePlan(HitKind.APPROXIMATE, 48, 3, torch.tensor(cells[:3]), torch.tensor([cells[3]] + others[:5]),
                      torch.tensor(others[5:]), "alias")
     assert answer_cell_routing(request, plan) == {"R": 3, "B": 1, "M": 0}
+
+
+def test_pareto_report_sweeps_policies_and_marks_the_front(tmp_path):
+    import json
+
+    from vismemo_hf.cli import main
+
+    args = ["report", "pareto", "--seeds", "7200", "--bases", "2", "--policies", "full,naive,cacheblend",
+            "--floor-preset", "tiny", "--floor-tokens", "64", "--out", str(tmp_path)]
+    assert main(args) == 0
+    data = json.loads((tmp_path / "pareto.json").read_text())
+    points = data["readers"]["vismemo-docqa-tiny"]["points"]
+    assert [p["label"] for p in points][:3] == ["full", "naive", "cacheblend recompute=0.05"]
+    assert len(points) == 2 + 5 and any(p["front"] for p in points)
+    naive = points[1]
+    assert naive["anls_edited_value"] < 0.5 and naive["stale_rate"] > 0  # naive reuse answers the old value
+    assert all(p["floor_ratio"] is None or 0 < p["floor_ratio"] <= 1.0 for p in points)
+    assert points[0]["floor_ratio"] == 1.0 and points[1]["floor_ratio"] < points[-1]["floor_ratio"]
+    assert (tmp_path / "pareto.png").stat().st_size > 1000 and "| naive |" in (tmp_path / "pareto.md").read_text()

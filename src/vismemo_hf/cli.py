@@ -165,6 +165,13 @@ def calibrate(args) -> int:
     return 0
 
 
+def _int_list(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"comma-separated integers expected, got {text!r}") from None
+
+
 def _bench(name: str):
     def run(args) -> int:
         import importlib
@@ -420,9 +427,12 @@ def _add_report(sub) -> None:
     report_sub = report.add_subparsers(dest="report", required=True)
     p = report_sub.add_parser("quality", help="Table 1: every policy on the same synthetic streams, ANLS and fidelity")
     p.add_argument("--model", default="vismemo-docqa-tiny", help="packaged model name, preset or checkpoint folder")
-    p.add_argument("--streams", type=int, default=2, help="request streams (seeds 0..N-1)")
+    p.add_argument("--streams", type=int, default=2, help="request streams (the first N of the default seeds)")
+    p.add_argument("--seeds", default=None, help="explicit stream seeds, comma-separated (instead of --streams)")
     p.add_argument("--bases", type=int, default=20, help="new pages per stream (each with 4 follow-ups)")
-    p.add_argument("--policies", default="all", help="comma-separated policies, or all")
+    p.add_argument("--policies", default="all",
+                   help="comma-separated policies (default: the library's default policy), or all")
+    p.add_argument("--no-sweeps", action="store_true", help="skip the recompute and reuse ratio sweeps")
     p.add_argument("--sweep-rho", default="0.1,0.2,0.3,0.5,0.8", help="recompute ratios of the sweep")
     p.add_argument("--sweep-beta", default="0,0.05,0.1,0.2,0.4", help="reuse ratios of the sweep")
     p.add_argument("--max-new-tokens", type=int, default=6, help="tokens generated per answer")
@@ -431,6 +441,16 @@ def _add_report(sub) -> None:
                    help="new pages per held-out stream (seeds that informed no design choice); 0 skips them")
     _out_option(p, "results/quality")
     p.set_defaults(func=_bench("table1"))
+    p = report_sub.add_parser("pareto", help="quality against speed: every policy swept over its budget, per reader")
+    p.add_argument("--models", default="vismemo-docqa-tiny", help="comma-separated readers (names or folders)")
+    p.add_argument("--seeds", type=_int_list, default=[7000], help="stream seeds, comma-separated")
+    p.add_argument("--bases", type=int, default=12, help="new pages per stream (each with 4 follow-ups)")
+    p.add_argument("--policies", default="all", help="comma-separated policies of bench/pareto.py SWEEPS, or all")
+    p.add_argument("--max-new-tokens", type=int, default=6, help="tokens generated per answer")
+    p.add_argument("--floor-preset", default="qwen3-vl-8b-narrow", help="model preset of the FLOP floor")
+    p.add_argument("--floor-tokens", type=int, default=4096, help="visual tokens of the FLOP floor (0: none)")
+    _out_option(p, "results/quality")
+    p.set_defaults(func=_bench("pareto"))
     p = report_sub.add_parser("prefix", help="exact hits after another text before the image vs a full prefill")
     p.add_argument("--pages", type=int, default=20, help="pages per family")
     p.add_argument("--lengths", default="0,10,50,100,200,400", help="token counts of the changed text")

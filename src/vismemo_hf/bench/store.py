@@ -151,7 +151,7 @@ def remote_vs_disk(geometry: dict, beta: float, warmup: int, repeats: int, urls:
         store.flush()
         if store.tier_of(entry.key) != tier:
             raise RuntimeError(f"the entry did not reach the {tier} tier (is {safe_url(url or '')} reachable?)")
-        cluster = tier == "remote" and store.remote.counters["cluster"]
+        cluster = tier == "remote" and store.remote.link.is_cluster
         server = (RedisCluster if cluster else redis.Redis).from_url(url) if url else None
         row = {"tier": tier if not url else f"remote ({'cluster' if cluster else 'one server'})",
                "url": safe_url(url) if url else None, "blob_bytes": len(blob.encode(entry)), "tokens_read": len(tokens)}

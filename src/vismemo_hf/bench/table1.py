@@ -16,6 +16,7 @@ from vismemo_hf import enable
 from vismemo_hf.bench.report import machine
 from vismemo_hf.eval import synthdoc
 from vismemo_hf.eval.quality import evaluate, reading_by_type, summarise
+from vismemo_hf.runtime.cache import DEFAULT_POLICY
 from vismemo_hf.store.store import VisMemoStore
 
 POLICIES = ["full", "naive", "cacheblend", "vlcache", "attention-only", "pixel-patch", "vismemo",
@@ -102,7 +103,8 @@ def run(model, processor, requests, policies, sweep_rho, sweep_beta, max_new_tok
                  **{p: scored_by[p][i].prediction for p in ("full", "naive", "vismemo", "attend-deviate")
                     if p in scored_by}}
                 for i, s in enumerate(reference) if s.request.about_edit][:8]
-    return {"reader": reading, "policies": results, "sweeps": sweeps, "edited_examples": examples, "heldout": held}
+    return {"reader": reading, "policies": results, "sweeps": sweeps, "edited_examples": examples, "heldout": held,
+            "visual_tokens": summarise(reference)["visual_tokens"]}
 
 
 def _fmt(x, digits=3):
@@ -139,18 +141,22 @@ def main(args) -> int:
     torch.manual_seed(0)
     model, processor = load_model(args.model)
     enable(model)
-    requests = [r for seed in range(args.streams) for r in synthdoc.stream(STREAM_SEEDS + seed, n_bases=args.bases)]
-    policies = POLICIES if args.policies == "all" else args.policies.split(",")
-    rho = [float(x) for x in args.sweep_rho.split(",")] if args.sweep_rho else []
-    beta = [float(x) for x in args.sweep_beta.split(",")] if args.sweep_beta else []
+    seeds = _seeds(args)
+    requests = [r for seed in seeds for r in synthdoc.stream(seed, n_bases=args.bases)]
+    policies = POLICIES if args.policies == "all" else [DEFAULT_POLICY if p == "default" else p
+                                                         for p in args.policies.split(",")]
+    rho = [float(x) for x in args.sweep_rho.split(",")] if args.sweep_rho and not args.no_sweeps else []
+    beta = [float(x) for x in args.sweep_beta.split(",")] if args.sweep_beta and not args.no_sweeps else []
     t0 = time.time()
     result = run(model, processor, requests, policies, rho, beta, args.max_new_tokens, args.heldout,
                  args.heldout_bases)
-    command = (f"vismemo report quality --model {args.model} --streams {args.streams} --bases {args.bases} "
-               f"--policies {args.policies} --sweep-rho {args.sweep_rho} --sweep-beta {args.sweep_beta} "
+    streams = f"--seeds {args.seeds}" if args.seeds else f"--streams {args.streams}"
+    sweeps = " --no-sweeps" if args.no_sweeps else f" --sweep-rho {args.sweep_rho} --sweep-beta {args.sweep_beta}"
+    command = (f"vismemo report quality --model {args.model} {streams} --bases {args.bases} "
+               f"--policies {args.policies}{sweeps} "
                f"--max-new-tokens {args.max_new_tokens} --heldout {args.heldout} --heldout-bases {args.heldout_bases}")
     kinds = {k: sum(r.intended == k for r in requests) for k in ("miss", "exact", "approximate")}
-    result.update(command=command, model=args.model, requests=len(requests), intended=kinds,
+    result.update(command=command, model=args.model, requests=len(requests), intended=kinds, seeds=seeds,
                   machine=machine(note="fp32"), seconds=round(time.time() - t0))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -163,6 +169,16 @@ def main(args) -> int:
     return 0
 
 
+def _seeds(args) -> list[int]:
+    """The stream seeds: ``--seeds`` (explicit, comma-separated), else ``--streams`` from the default seed."""
+    if not args.seeds:
+        return [STREAM_SEEDS + i for i in range(args.streams)]
+    try:
+        return [int(x) for x in args.seeds.split(",")]
+    except ValueError:
+        raise ValueError(f"--seeds takes comma-separated integers, got {args.seeds!r}") from None
+
+
 def _intro(result, args) -> list[str]:
     kinds = result["intended"]
     return [
@@ -171,8 +187,9 @@ def _intro(result, args) -> list[str]:
         f"synthetic pages), {result['machine']}; {result['requests']} requests in stream order ({kinds['miss']} new "
         f"pages of the five page types, {kinds['exact']} same page with another question or another text before the "
         f"image, {kinds['approximate']} near-duplicates: edited value, shift, JPEG / brightness, switched status "
-        "light), one store per policy, greedy answers. Reference for fidelity: `full`. Stream seeds "
-        f"{STREAM_SEEDS}-{STREAM_SEEDS + args.streams - 1}; the default policy (`attend-deviate`) was designed on "
+        f"light; {_fmt(result['visual_tokens'], 1)} visual tokens per request), one store per policy, greedy answers. "
+        "Reference for fidelity: `full`. Stream seeds "
+        f"{', '.join(map(str, result['seeds']))}; the default policy (`attend-deviate`) was designed on "
         f"these and its recompute ratio chosen on seeds {', '.join(map(str, STREAM_TUNING_SEEDS))}; the section "
         "\"Held-out streams\" uses seeds that informed nothing. Rows `NAME@int8` / `NAME@fp8`: the store keeps "
         "8-bit K/V (`VisMemoStore(kv_format=...)`), so every exact and approximate hit is served from 8-bit "

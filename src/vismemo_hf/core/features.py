@@ -7,9 +7,12 @@ All functions take one image's slice of the processor output: ``pixels`` are its
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
+import os
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 from functools import lru_cache
 
 import torch
@@ -59,8 +62,23 @@ def exact_key(fingerprint: str, pixels: torch.Tensor, grid: tuple[int, int, int]
     h = hashlib.sha256()
     h.update(fingerprint.encode())
     h.update(repr((tuple(int(g) for g in grid), str(data.dtype), tuple(data.shape))).encode())
-    h.update(data.reshape(-1).view(torch.uint8).numpy())  # the buffer itself: no copy
+    flat = memoryview(data.reshape(-1).view(torch.uint8).numpy())  # the buffer itself: no copy
+    chunks = [flat[i : i + _HASH_CHUNK] for i in range(0, len(flat), _HASH_CHUNK)]
+    for digest in (_hashers().map(_sha256, chunks) if len(chunks) > 1 else map(_sha256, chunks)):
+        h.update(digest)  # a hash of the chunks' SHA-256s: the chunks hash in parallel (hashlib drops the GIL)
     return h.hexdigest()
+
+
+_HASH_CHUNK = 4 << 20
+
+
+def _sha256(chunk) -> bytes:
+    return hashlib.sha256(chunk).digest()
+
+
+@functools.cache
+def _hashers() -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1), thread_name_prefix="vismemo-hash")
 
 
 def patch_hashes(pixels: torch.Tensor, merge: int) -> torch.Tensor:

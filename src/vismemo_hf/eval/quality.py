@@ -8,10 +8,11 @@ every policy on the same streams and writes ``results/quality/``.
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass, field
 
 import torch
-from transformers import DynamicCache
+from transformers import DynamicCache, StoppingCriteria, StoppingCriteriaList
 
 from vismemo_hf.eval import synthdoc
 from vismemo_hf.runtime.cache import DEFAULT_POLICY, VisMemoCache
@@ -50,6 +51,20 @@ class Scored:
     tokens: list[int] = field(default_factory=list)
     #: approximate hits: how many of the asked value's cells the plan put in R, B and M
     answer_cells: dict | None = None
+    visual_tokens: int = 0  # the request's visual tokens (every image)
+    ttft_ms: float = 0.0  # time to the first token (vision encoder, prefill, first token)
+
+
+class _FirstToken(StoppingCriteria):
+    """The time ``generate`` produced its first token (stopping criteria run once per new token)."""
+
+    def __init__(self) -> None:
+        self.at = None
+
+    def __call__(self, input_ids, scores, **kwargs) -> torch.BoolTensor:
+        if self.at is None:
+            self.at = time.perf_counter()
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
 
 def answer_cell_routing(request: synthdoc.Request, plan) -> dict:
@@ -66,11 +81,16 @@ def answer(model, processor, request: synthdoc.Request, cache, max_new_tokens: i
 
     text = processor.apply_chat_template(messages(request.question, request.prefix), add_generation_prompt=True)
     inputs = processor(text=[text], images=[synthdoc.render(request.page)], return_tensors="pt").to(model.device)
+    clock = _FirstToken()
+    t0 = time.perf_counter()
     out = model.generate(**inputs, cache=cache, max_new_tokens=max_new_tokens, do_sample=False,
-                         output_scores=True, return_dict_in_generate=True)
+                         output_scores=True, return_dict_in_generate=True,
+                         stopping_criteria=StoppingCriteriaList([clock]))
     tokens = out.sequences[0, inputs["input_ids"].shape[1]:].tolist()
     prediction = processor.tokenizer.decode(tokens, skip_special_tokens=True).strip()
-    return prediction, tokens, torch.log_softmax(out.scores[0][0].float(), -1).cpu()
+    visual = int((inputs["input_ids"] == model.config.image_token_id).sum())
+    ttft = (clock.at - t0) * 1e3
+    return prediction, tokens, torch.log_softmax(out.scores[0][0].float(), -1).cpu(), visual, ttft
 
 
 def evaluate(model, processor, requests, policy: str = DEFAULT_POLICY, store: VisMemoStore | None = None,
@@ -80,10 +100,11 @@ def evaluate(model, processor, requests, policy: str = DEFAULT_POLICY, store: Vi
     scored = []
     for request in requests:
         cache = DynamicCache() if policy == "plain" else VisMemoCache(store=store, policy=policy, **options)
-        prediction, tokens, logprobs = answer(model, processor, request, cache, max_new_tokens)
+        prediction, tokens, logprobs, visual, ttft = answer(model, processor, request, cache, max_new_tokens)
         kind = "miss" if policy == "plain" else str(cache.events[0].kind)
         routing = answer_cell_routing(request, cache.events[0].plan) if kind == "approximate" else None
-        scored.append(Scored(request, prediction, kind, anls(prediction, request.answers), logprobs, tokens, routing))
+        scored.append(Scored(request, prediction, kind, anls(prediction, request.answers), logprobs, tokens, routing,
+                             visual, ttft))
         if progress is not None:
             progress.update(1)
     return scored
@@ -95,7 +116,8 @@ def summarise(scored: list[Scored], reference: list[Scored] | None = None) -> di
     def mean(xs):
         return sum(xs) / len(xs) if xs else float("nan")
 
-    out = {"n": len(scored), "anls": mean([s.anls for s in scored])}
+    out = {"n": len(scored), "anls": mean([s.anls for s in scored]),
+           "visual_tokens": mean([s.visual_tokens for s in scored])}
     for kind in ("exact", "approximate", "miss"):
         subset = [s.anls for s in scored if s.kind == kind]
         out[f"anls_{kind}"] = mean(subset)

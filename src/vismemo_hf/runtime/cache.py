@@ -24,6 +24,12 @@ from vismemo_hf.runtime.schedule import positions_of, slot_mask
 from vismemo_hf.store.store import VisMemoStore, default_store
 
 
+def _is_run(slots: torch.Tensor) -> bool:
+    """Whether ``slots`` (1-D) are consecutive and increasing."""
+    return slots.numel() > 0 and int(slots[-1]) - int(slots[0]) == slots.numel() - 1 and (
+        slots.numel() == 1 or bool((slots[1:] - slots[:-1] == 1).all()))
+
+
 class VisMemoLayer(DynamicLayer):
     """One decoder layer's K/V slots; ``columns is None`` means slot i holds request column i (the plain layout),
     else ``columns`` (B, S) names the request column of every slot (-1: an empty slot).
@@ -71,6 +77,12 @@ class VisMemoLayer(DynamicLayer):
         slots = self._slot_of.gather(1, columns.clamp(min=0))[ok]
         if bool((slots < 0).any()):
             raise RuntimeError("K/V written to a column the layer's layout does not hold")
+        if columns.shape[0] == 1 and bool(ok.all()) and _is_run(slots):  # one row into consecutive slots: a copy
+            s0, s1 = int(slots[0]), int(slots[-1]) + 1
+            self.keys[:, :, s0:s1] = keys.to(self.keys.dtype)
+            self.values[:, :, s0:s1] = values.to(self.values.dtype)
+            self._filled[:, s0:s1] = True
+            return
         where = torch.arange(columns.shape[1], device=columns.device)[None].expand_as(columns)[ok]
         device = self.keys.device
         rows, slots, where = rows.to(device), slots.to(device), where.to(device)

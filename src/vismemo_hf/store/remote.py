@@ -97,6 +97,139 @@ def scrub(text: str, secrets: list[str]) -> str:
     return text
 
 
+class RedisLink:
+    """The connection to one Redis server or cluster, and which of it may be used now: an unreachable, slow or
+    failing server is left alone for ``retry_s`` (on a cluster only the failing node: the others serve on), and a
+    reconnect or a node's return calls ``on_back`` (what it held may be gone)."""
+
+    def __init__(self, url: str, timeout_s: float, retry_s: float, cluster: bool | None, secrets: list[str],
+                 on_back) -> None:
+        import redis
+
+        self._redis = redis
+        self.url = safe_url(url)
+        self._raw_url, self._options = url, dict(socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+        self.retry_s, self.cluster, self._secrets, self._on_back = retry_s, cluster, secrets, on_back
+        try:
+            self.client = redis.Redis.from_url(url, **self._options)  # parsed now: a bad URL is an error here
+        except Exception as err:  # noqa: BLE001 - the parser's message may quote the URL
+            raise ValueError(f"invalid remote_url {self.url} ({type(err).__name__}: "
+                             f"{scrub(str(err), secrets)})") from None
+        self.counters = {"errors": 0, "reconnects": 0, "connected": False, "cluster": False, "nodes_down": 0}
+        self.connected = False
+        self._down_until = 0.0
+        self._nodes_down: dict[str, float] = {}  # cluster node -> until when it is left alone
+        self._state = threading.RLock()
+
+    @property
+    def is_cluster(self) -> bool:
+        return self.counters["cluster"]
+
+    def scrub(self, err: Exception) -> str:
+        return scrub(str(err), self._secrets)
+
+    def fault(self, what: str, err: Exception, name: str | None = None) -> None:
+        """A failed call: on a cluster the node of ``name`` (a Redis key) is left alone for ``retry_s``, the other
+        nodes serve on; on one server (or when the node is not known) the whole link is."""
+        node = self._node(name) if name is not None and self.is_cluster else None
+        with self._state:
+            self.counters["errors"] += 1
+            if node is not None:
+                was_up = node not in self._nodes_down
+                self._nodes_down[node] = time.monotonic() + self.retry_s
+                self.counters["nodes_down"] = len(self._nodes_down)
+            else:
+                was_up = self.connected
+                self.connected = self.counters["connected"] = False
+                self._down_until = time.monotonic() + self.retry_s
+        if was_up or self.counters["errors"] == 1:
+            where = f"node {node} of " if node is not None else ""
+            logger.warning("vismemo: remote tier %s%s failed on %s (%s: %s); serving from local tiers, retrying in "
+                           "%.0f s", where, self.url, what, type(err).__name__, self.scrub(err), self.retry_s)
+
+    def _node(self, name: str) -> str | None:
+        try:
+            return self.client.get_node_from_key(name).name
+        except Exception:  # noqa: BLE001 - slots not known yet
+            return None
+
+    def up(self, name: str) -> bool:
+        """Whether the node holding Redis key ``name`` may be used now (always, on one server)."""
+        if not self._nodes_down:
+            return True
+        node = self._node(name)
+        until = self._nodes_down.get(node)
+        if until is None:
+            return True
+        if time.monotonic() < until:
+            return False
+        with self._state:  # its time is up: try it again
+            self._nodes_down.pop(node, None)
+            self.counters["nodes_down"] = len(self._nodes_down)
+        self._on_back()
+        return True
+
+    def available(self) -> bool:
+        """Whether the server can be used now (reconnects once ``retry_s`` has passed)."""
+        if self.connected:
+            return True
+        if time.monotonic() < self._down_until:
+            return False
+        try:
+            self._connect()
+        except Exception as err:  # noqa: BLE001 - down, refused, auth, TLS
+            self.fault("connect", err)
+            return False
+        with self._state:
+            if self.counters["reconnects"] or self.counters["errors"]:
+                logger.warning("vismemo: remote tier %s reachable again", self.url)
+            self.counters["reconnects"] += 1
+            self.connected = self.counters["connected"] = True
+            self._nodes_down.clear()
+            self.counters["nodes_down"] = 0
+        self._on_back()
+        return True
+
+    def _connect(self) -> None:
+        """Ping the server; on the first success find out whether it is a cluster and, if so, use a cluster client."""
+        self.client.ping()
+        if self.is_cluster:
+            return
+        if self.cluster is None:
+            try:
+                self.cluster = bool(self.client.info("cluster").get("cluster_enabled"))
+            except self._redis.ResponseError:  # INFO not allowed here: a plain server
+                self.cluster = False
+        if self.cluster:
+            from redis.cluster import RedisCluster
+
+            plain, self.client = self.client, RedisCluster.from_url(self._raw_url, **self._options)
+            plain.close()
+            self.counters["cluster"] = True
+            self.client.ping()
+
+    def call(self, fn, name: str):
+        """``fn()`` against the node of Redis key ``name``; a connection fault is ``RemoteUnavailable``."""
+        if not self.up(name):
+            raise RemoteUnavailable("the node holding this entry is down")
+        try:
+            return fn()
+        except (self._redis.ConnectionError, self._redis.TimeoutError, OSError) as err:
+            self.fault("read", err, name)
+            raise RemoteUnavailable(self.scrub(err)) from None
+        except self._redis.RedisError as err:  # a cluster that cannot route the key now (CLUSTERDOWN, TRYAGAIN)
+            if isinstance(err, self._redis.ResponseError) and not str(err).startswith(("CLUSTERDOWN", "TRYAGAIN")):
+                raise
+            self.fault("read", err, name)
+            raise RemoteUnavailable(self.scrub(err)) from None
+
+    def close(self) -> None:
+        try:
+            self.client.close()
+        except Exception:  # noqa: BLE001
+            pass
+
+
 class RemoteTier:
     """Blobs in a Redis server or cluster shared by every process that points at it."""
 
@@ -114,30 +247,22 @@ class RemoteTier:
         if not 1 <= int(shards) <= 1024 or int(read_threads) < 1:
             raise ValueError("shards must lie in [1, 1024] and read_threads be >= 1")
         self._redis = redis
-        self.url, self.prefix = safe_url(url), prefix  # the URL with credentials lives only in the client
-        self._secrets = url_secrets(url)
-        self._raw_url, self._options = url, dict(socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+        self.prefix, self._secrets = prefix, url_secrets(url)
         self.timeout_s, self.retry_s, self.ttl_s, self.stream_len, self.refresh_s = (
             timeout_s, retry_s, ttl_s, stream_len, refresh_s)
-        self.shards, self.read_threads, self.cluster = int(shards), int(read_threads), cluster
-        try:
-            self.client = redis.Redis.from_url(url, **self._options)  # parsed now: a bad URL is an error here
-        except Exception as err:  # noqa: BLE001 - the parser's message may quote the URL
-            raise ValueError(f"invalid remote_url {self.url} ({type(err).__name__}: "
-                             f"{scrub(str(err), self._secrets)})") from None
+        self.shards, self.read_threads = int(shards), int(read_threads)
+        self._reload: set[int] = set(range(self.shards))  # shards whose index is read whole on the next sync
+        self.link = RedisLink(url, timeout_s, retry_s, cluster, self._secrets,
+                              on_back=lambda: self._reload.update(range(self.shards)))
+        self.url = self.link.url  # the URL with credentials lives only in the client
         self.budget = None  # capacity is the server's (maxmemory)
         self.lru: OrderedDict[str, int] = OrderedDict()  # every key the index knows, with its blob size
         self.fingerprints: dict[str, str] = {}  # key -> model fingerprint its record was published with
         self.bytes = 0
-        self.counters = {"errors": 0, "writes": 0, "write_failures": 0, "writes_refused": 0, "writes_skipped": 0,
-                         "bytes_written": 0, "bytes_read": 0, "range_reads": 0, "reconnects": 0,
-                         "records_forged": 0, "connected": False, "cluster": False, "nodes_down": 0}
-        self._down_until = 0.0
-        self._nodes_down: dict[str, float] = {}  # cluster node -> until when it is left alone
+        self.counters = {"writes": 0, "write_failures": 0, "writes_refused": 0, "writes_skipped": 0,
+                         "bytes_written": 0, "bytes_read": 0, "range_reads": 0, "records_forged": 0}
         self._stream_ids = ["0-0"] * self.shards
-        self._reload: set[int] = set(range(self.shards))  # shards whose index is read whole on the next sync
         self._next_refresh = 0.0
-        self._connected = False
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vismemo-remote")
         self._readers = ThreadPoolExecutor(max_workers=self.read_threads, thread_name_prefix="vismemo-remote-read")
         self._pending: list = []
@@ -146,8 +271,15 @@ class RemoteTier:
         self.reader = BlobReader(self, seal)
 
     @property
+    def client(self):
+        return self.link.client
+
+    @property
     def needs_reload(self) -> bool:
         return bool(self._reload)
+
+    def available(self) -> bool:
+        return self.link.available()
 
     def _blob_key(self, key: str) -> str:
         return f"{self.prefix}:blob:{key}"
@@ -160,89 +292,6 @@ class RemoteTier:
 
     def _stream_key(self, shard: int) -> str:
         return f"{self.prefix}:published:{shard}"
-
-    # -- availability ------------------------------------------------------------------------------
-    def _fault(self, what: str, err: Exception, name: str | None = None) -> None:
-        """A failed call: on a cluster the node of ``name`` (a Redis key) is left alone for ``retry_s``, the other
-        nodes serve on; on one server (or when the node is not known) the whole tier is."""
-        node = self._node(name) if name is not None and self.counters["cluster"] else None
-        with self._state:
-            self.counters["errors"] += 1
-            if node is not None:
-                was_up = node not in self._nodes_down
-                self._nodes_down[node] = time.monotonic() + self.retry_s
-                self.counters["nodes_down"] = len(self._nodes_down)
-            else:
-                was_up = self._connected
-                self._connected = self.counters["connected"] = False
-                self._down_until = time.monotonic() + self.retry_s
-        if was_up or self.counters["errors"] == 1:
-            where = f"node {node} of " if node is not None else ""
-            logger.warning("vismemo: remote tier %s%s failed on %s (%s: %s); serving from local tiers, retrying in "
-                           "%.0f s", where, self.url, what, type(err).__name__, scrub(str(err), self._secrets),
-                           self.retry_s)
-
-    def _node(self, name: str) -> str | None:
-        try:
-            return self.client.get_node_from_key(name).name
-        except Exception:  # noqa: BLE001 - slots not known yet
-            return None
-
-    def _node_up(self, name: str) -> bool:
-        """Whether the node holding Redis key ``name`` may be used now (always, on one server)."""
-        if not self._nodes_down:
-            return True
-        node = self._node(name)
-        until = self._nodes_down.get(node)
-        if until is None:
-            return True
-        if time.monotonic() < until:
-            return False
-        with self._state:  # its time is up: try it again, and re-read the index it may have lost
-            self._nodes_down.pop(node, None)
-            self.counters["nodes_down"] = len(self._nodes_down)
-            self._reload.update(range(self.shards))
-        return True
-
-    def available(self) -> bool:
-        """Whether the server can be used now (reconnects, re-reading the index, once ``retry_s`` has passed)."""
-        if self._connected:
-            return True
-        if time.monotonic() < self._down_until:
-            return False
-        try:
-            self._connect()
-        except Exception as err:  # noqa: BLE001 - down, refused, auth, TLS
-            self._fault("connect", err)
-            return False
-        with self._state:
-            if self.counters["reconnects"] or self.counters["errors"]:
-                logger.warning("vismemo: remote tier %s reachable again", self.url)
-            self.counters["reconnects"] += 1
-            self._connected = self.counters["connected"] = True
-            self._nodes_down.clear()
-            self.counters["nodes_down"] = 0
-            self._reload.update(range(self.shards))
-        return True
-
-    def _connect(self) -> None:
-        """Ping the server; on the first success find out whether it is a cluster and, if so, use a cluster client."""
-        if self.counters["cluster"]:
-            self.client.ping()
-            return
-        self.client.ping()
-        if self.cluster is None:
-            try:
-                self.cluster = bool(self.client.info("cluster").get("cluster_enabled"))
-            except self._redis.ResponseError:  # INFO not allowed here: a plain server
-                self.cluster = False
-        if self.cluster:
-            from redis.cluster import RedisCluster
-
-            plain, self.client = self.client, RedisCluster.from_url(self._raw_url, **self._options)
-            plain.close()
-            self.counters["cluster"] = True
-            self.client.ping()
 
     # -- index -------------------------------------------------------------------------------------
     def _load_shard(self, shard: int) -> list:
@@ -264,13 +313,13 @@ class RemoteTier:
             return []
         out = []
         for shard in sorted(self._reload):
-            if not self._node_up(self._index_key(shard)):
+            if not self.link.up(self._index_key(shard)):
                 continue
             try:
                 out.extend(self._load_shard(shard))
             except Exception as err:  # noqa: BLE001
-                self._fault("index", err, self._index_key(shard))
-                if not self.counters["cluster"]:
+                self.link.fault("index", err, self._index_key(shard))
+                if not self.link.is_cluster:
                     return out
         self._next_refresh = time.monotonic() + self.refresh_s
         return out
@@ -281,13 +330,13 @@ class RemoteTier:
         on a cluster)."""
         if self._reload:
             return self.load_index()
-        if not self._connected or time.monotonic() < self._next_refresh:
+        if not self.link.connected or time.monotonic() < self._next_refresh:
             return []
         self._next_refresh = time.monotonic() + self.refresh_s
         out = []
-        groups = [[s] for s in range(self.shards)] if self.counters["cluster"] else [list(range(self.shards))]
+        groups = [[s] for s in range(self.shards)] if self.link.is_cluster else [list(range(self.shards))]
         for shards in groups:
-            if not self._node_up(self._stream_key(shards[0])):
+            if not self.link.up(self._stream_key(shards[0])):
                 continue
             try:
                 while True:
@@ -300,8 +349,8 @@ class RemoteTier:
                             self._stream_ids[shard] = msg_id.decode() if isinstance(msg_id, bytes) else str(msg_id)
                             out.extend(self._parse(fields.get(b"k", b""), fields.get(b"r", b"")))
             except Exception as err:  # noqa: BLE001
-                self._fault("refresh", err, self._stream_key(shards[0]))
-                if not self.counters["cluster"]:
+                self.link.fault("refresh", err, self._stream_key(shards[0]))
+                if not self.link.is_cluster:
                     return out
         return out
 
@@ -328,13 +377,13 @@ class RemoteTier:
             self.bytes += size
 
     def __contains__(self, key: str) -> bool:
-        return key in self.lru and self.available() and self._node_up(self._blob_key(key))
+        return key in self.lru and self.available() and self.link.up(self._blob_key(key))
 
     # -- writing -----------------------------------------------------------------------------------
     def write_async(self, key: str, encode, descriptors: torch.Tensor) -> None:
         """Encode (``encode()`` -> blob bytes) and publish in the background: nothing waits for it. The blob lands
         before its record (on a cluster they sit on different nodes), so a record always names a blob."""
-        if not self.available() or not self._node_up(self._blob_key(key)):
+        if not self.available() or not self.link.up(self._blob_key(key)):
             self.counters["writes_skipped"] += 1
             return
 
@@ -344,9 +393,9 @@ class RemoteTier:
                 data = encode()
                 record = _record(data, descriptors)
                 shard = self._shard(key)
-                pipe = self.client.pipeline(transaction=not self.counters["cluster"])
+                pipe = self.client.pipeline(transaction=not self.link.is_cluster)
                 pipe.set(name, data, ex=self.ttl_s)
-                if self.counters["cluster"]:
+                if self.link.is_cluster:
                     pipe.execute()
                     name = self._index_key(shard)
                     pipe = self.client.pipeline(transaction=False)
@@ -365,11 +414,11 @@ class RemoteTier:
                     first = self.counters["writes_refused"] == 1
                 if first:
                     logger.warning("vismemo: remote tier %s refused a write (%s: %s); reads continue",
-                                   self.url, type(err).__name__, scrub(str(err), self._secrets))
+                                   self.url, type(err).__name__, self.link.scrub(err))
             except Exception as err:  # noqa: BLE001
                 with self._state:
                     self.counters["write_failures"] += 1
-                self._fault("write", err, name)
+                self.link.fault("write", err, name)
 
         self._pending.append(self._writer.submit(write))
 
@@ -385,7 +434,7 @@ class RemoteTier:
 
     def _delete(self, key: str, blob_too: bool) -> None:
         """Delete the index record of ``key`` (and its blob) on the server when reachable."""
-        if not self._connected:
+        if not self.link.connected:
             return
         name = self._blob_key(key) if blob_too else self._index_key(self._shard(key))
         try:
@@ -395,7 +444,7 @@ class RemoteTier:
             pipe.hdel(self._index_key(self._shard(key)), key)
             pipe.execute()
         except Exception as err:  # noqa: BLE001
-            self._fault("delete", err, name)
+            self.link.fault("delete", err, name)
 
     def discard(self, key: str) -> None:
         """Forget ``key`` here and delete it (blob and index record) on the server when reachable."""
@@ -422,21 +471,10 @@ class RemoteTier:
         return len(data)
 
     def stats(self) -> dict:
-        return {"bytes": self.bytes, "budget": None, "entries": len(self.lru), **dict(self.counters)}
+        return {"bytes": self.bytes, "budget": None, "entries": len(self.lru), **dict(self.counters),
+                **dict(self.link.counters)}
 
     # -- reading (KeyError: not on the server; ConnectionError & co. are faults, see VisMemoStore) ----
-    def _call(self, fn, name: str):
-        if not self._node_up(name):
-            raise RemoteUnavailable("the node holding this entry is down")
-        try:
-            return fn()
-        except (self._redis.ConnectionError, self._redis.TimeoutError, OSError) as err:
-            self._fault("read", err, name)
-            raise RemoteUnavailable(scrub(str(err), self._secrets)) from None
-        except self._redis.RedisError as err:  # a cluster that cannot route the key now (CLUSTERDOWN, TRYAGAIN)
-            self._fault("read", err, name)
-            raise RemoteUnavailable(scrub(str(err), self._secrets)) from None
-
     # -- ByteSource (ranges.py): pipelined GETRANGEs ------------------------------------------------------
     def ranges(self, key: str, spans: list[tuple[int, int]]) -> list[bytes]:
         name = self._blob_key(key)
@@ -447,7 +485,7 @@ class RemoteTier:
                 pipe.getrange(name, start, start + length - 1)
             return pipe.execute()
 
-        chunks = self._call(fetch, name)
+        chunks = self.link.call(fetch, name)
         with self._state:
             self.counters["bytes_read"] += sum(len(c) for c in chunks)
         if len(spans) == 1 and not chunks[0]:
@@ -510,10 +548,7 @@ class RemoteTier:
         self.flush()
         self._writer.shutdown(wait=True)
         self._readers.shutdown(wait=True)
-        try:
-            self.client.close()
-        except Exception:  # noqa: BLE001
-            pass
+        self.link.close()
 
 
 class RemoteUnavailable(RuntimeError):

@@ -442,15 +442,7 @@ class VisMemoStore:
         self._drain()
         self.placement.settle_writes()
         with self._lock:
-            tiers = {name: {"bytes": 0, "budget": 0, "entries": 0} for name in TIERS}
-            for tier in (self.device, self.disk, self.remote):
-                if tier is not None:
-                    tiers[tier.name] = tier.stats()
-            host, victim = self.host.stats(), self.victim.stats()
-            tiers["host"] = {"bytes": host["bytes"] + victim["bytes"],
-                             "budget": None if host["budget"] is None else host["budget"] + victim["budget"],
-                             "entries": host["entries"] + victim["entries"], "victim_entries": victim["entries"],
-                             "victim_bytes": victim["bytes"]}
+            tiers = _tier_stats(self.device, self.host, self.victim, self.disk, self.remote)
             out = {k: (dict(v) if isinstance(v, dict) else v) for k, v in self._stats.items()}
             if self.remote is not None:  # index records whose header MAC failed
                 out["forged"] += self.remote.counters["records_forged"]
@@ -464,6 +456,20 @@ class VisMemoStore:
         for tier in (self.disk, self.remote):
             if tier is not None:
                 tier.close()
+
+
+def _tier_stats(device, host, victim, disk, remote) -> dict:
+    """Every tier's stats by name (the victim share counted in the host tier's)."""
+    tiers = {name: {"bytes": 0, "budget": 0, "entries": 0} for name in TIERS}
+    for tier in (device, disk, remote):
+        if tier is not None:
+            tiers[tier.name] = tier.stats()
+    main, share = host.stats(), victim.stats()
+    tiers["host"] = {"bytes": main["bytes"] + share["bytes"],
+                     "budget": None if main["budget"] is None else main["budget"] + share["budget"],
+                     "entries": main["entries"] + share["entries"], "victim_entries": share["entries"],
+                     "victim_bytes": share["bytes"]}
+    return tiers
 
 
 def store_call(what: str, fn, default):

@@ -1,0 +1,201 @@
+"""``vismemo report pareto``: quality against speed for every policy swept over its budget (docs/METHOD.md §6).
+
+Each point is a policy with one budget: approximate-hit ANLS, edited-value ANLS, stale answers and first-token KL
+against plain transformers on a reader's streams, the measured time to the first token of its approximate hits
+against plain transformers on the same requests (the reader's geometry), and the plan's FLOP floor on a
+large-model geometry (``--floor-preset`` at ``--floor-tokens`` visual tokens, random weights: the share of a
+miss's FLOPs the point's plan computes there). A point is on the front when no other point of the same reader is
+at least as good on approximate-hit ANLS and at least as fast, and better on one.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from pathlib import Path
+
+from vismemo_hf import VisMemoCache, VisMemoStore, enable
+from vismemo_hf.bench.report import machine
+from vismemo_hf.eval import synthdoc
+from vismemo_hf.eval.quality import evaluate, summarise
+from vismemo_hf.runtime.cache import DEFAULT_POLICY
+
+#: every policy's budget grid: (policy, options) points
+SWEEPS: dict[str, list[dict]] = {
+    "full": [{}],
+    "naive": [{}],
+    "pixel-patch": [{}],
+    "cacheblend": [{"recompute_ratio": r} for r in (0.05, 0.1, 0.15, 0.3, 0.5)],
+    "vlcache": [{"recompute_ratio": r} for r in (0.05, 0.1, 0.2, 0.3, 0.5)],
+    "attend-deviate": [{"recompute_ratio": r} for r in (0.05, 0.1, 0.2, 0.3, 0.5)],
+    "vismemo": ([{"recompute_ratio": r, "reuse_ratio": 0.1} for r in (0.1, 0.2, 0.3, 0.5)]
+                + [{"recompute_ratio": 0.3, "reuse_ratio": b} for b in (0.0, 0.4)]
+                + [{"recompute_ratio": 0.3, "reuse_ratio": 0.1, "warmup_layers": w} for w in (1, 2)]),
+}
+
+
+def _label(policy: str, options: dict) -> str:
+    return policy + "".join(f" {k.split('_')[0]}={v}" for k, v in options.items())
+
+
+def floors(preset: str, tokens: int, points: list[tuple[str, dict]]) -> dict:
+    """Each point's plan FLOPs over a miss's on ``preset`` (random weights) at about ``tokens`` visual tokens."""
+    from vismemo_hf.bench.latency import page_pair, plan_flops, request_inputs, timed_prefill
+    from vismemo_hf.eval.loading import load_model
+
+    model, processor = load_model(preset)
+    enable(model)
+    patch = model.config.vision_config.patch_size
+    processor.image_processor.size = {"shortest_edge": 4 * (2 * patch) ** 2, "longest_edge": 20000 * (2 * patch) ** 2}
+    base, edited = page_pair(tokens, patch)
+    miss_in, edit_in = request_inputs(processor, base), request_inputs(processor, edited)
+    store = VisMemoStore()
+    miss = timed_prefill(model, miss_in, VisMemoCache(store=store))
+    store.flush()
+    ids = miss_in["input_ids"][0]
+    start = int((ids == model.config.image_token_id).nonzero()[0])
+    miss_flops = plan_flops(model.config, ids.numel(), start, miss["plan"])
+    out = {}
+    for policy, options in points:
+        if policy == "full":
+            out[_label(policy, options)] = 1.0
+            continue
+        hit = timed_prefill(model, edit_in, VisMemoCache(store=store, policy=policy, store_misses=False, **options))
+        out[_label(policy, options)] = (plan_flops(model.config, ids.numel(), start, hit["plan"]) / miss_flops
+                                        if hit["kind"] == "approximate" else None)
+    return {"preset": preset, "visual_tokens": miss["n_tokens"], "floor": out}
+
+
+def reader_points(model, processor, requests, points, max_new_tokens: int) -> dict:
+    """Quality and measured speed of every point on one reader's requests, against plain transformers."""
+    plain = evaluate(model, processor, requests, "plain", max_new_tokens=max_new_tokens)
+    full = summarise(plain)
+    rows = []
+    for policy, options in points:
+        scored = evaluate(model, processor, requests, policy, max_new_tokens=max_new_tokens, **options)
+        summary = summarise(scored, plain)
+        approximate = [i for i, s in enumerate(scored) if s.kind == "approximate"]
+        speed = (statistics.median(scored[i].ttft_ms for i in approximate)
+                 / statistics.median(plain[i].ttft_ms for i in approximate)) if approximate else None
+        rows.append({"label": _label(policy, options), "policy": policy, "options": options,
+                     "anls_approximate": summary["anls_approximate"], "anls_edited_value": summary["anls_edited_value"],
+                     "stale_rate": summary["stale_rate"], "first_token_kl": summary["first_token_kl"],
+                     "n_approximate": summary["n_approximate"], "ttft_ratio_to_plain": speed})
+    _mark_front(rows)
+    return {"full_anls": full["anls"], "full_anls_approximate": full["anls_approximate"],
+            "visual_tokens": full["visual_tokens"], "requests": len(requests), "points": rows}
+
+
+def _mark_front(rows: list[dict]) -> None:
+    scored = [r for r in rows if r["anls_approximate"] is not None and r["ttft_ratio_to_plain"] is not None]
+    for r in rows:
+        r["front"] = r in scored and not any(
+            o is not r and o["anls_approximate"] >= r["anls_approximate"]
+            and o["ttft_ratio_to_plain"] <= r["ttft_ratio_to_plain"]
+            and (o["anls_approximate"] > r["anls_approximate"] or o["ttft_ratio_to_plain"] < r["ttft_ratio_to_plain"])
+            for o in scored)
+
+
+def choice(reader: dict) -> dict | None:
+    """The fastest point whose approximate-hit ANLS is within 0.01 of plain's with no stale answer."""
+    ok = [r for r in reader["points"] if r["anls_approximate"] is not None and r["ttft_ratio_to_plain"] is not None
+          and r["anls_approximate"] >= (reader["full_anls_approximate"] or 0) - 0.01 and not r["stale_rate"]]
+    return min(ok, key=lambda r: r["ttft_ratio_to_plain"]) if ok else None
+
+
+def ordering(reader: dict) -> list[str]:
+    """Whether VisMemo > VLCache > CacheBlend on approximate-hit ANLS holds at each shared recompute ratio."""
+    by = {(r["policy"], r["options"].get("recompute_ratio")): r["anls_approximate"] for r in reader["points"]
+          if set(r["options"]) <= {"recompute_ratio", "reuse_ratio"} and r["options"].get("reuse_ratio", 0.1) == 0.1}
+    lines = []
+    for rho in sorted({k[1] for k in by if k[1] is not None}):
+        v, lc, cb = (by.get((p, rho)) for p in ("vismemo", "vlcache", "cacheblend"))
+        if None in (v, lc, cb):
+            continue
+        holds = v > lc > cb
+        lines.append(f"recompute ratio {rho}: vismemo {v:.3f}, vlcache {lc:.3f}, cacheblend {cb:.3f}: the paper's "
+                     f"ordering {'holds' if holds else 'does not hold'}")
+    return lines
+
+
+def _plot(readers: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(readers), figsize=(5.5 * len(readers), 3.8), squeeze=False)
+    for ax, (name, reader) in zip(axes[0], readers.items()):
+        for policy in SWEEPS:
+            pts = sorted((r for r in reader["points"] if r["policy"] == policy and r["ttft_ratio_to_plain"] is not None
+                          and r["anls_approximate"] is not None), key=lambda r: r["ttft_ratio_to_plain"])
+            if pts:
+                ax.plot([r["ttft_ratio_to_plain"] for r in pts], [r["anls_approximate"] for r in pts], marker="o",
+                        label=policy + (" (default)" if policy == DEFAULT_POLICY else ""))
+        ax.axhline(reader["full_anls_approximate"] or 0, color="k", lw=0.8, ls="--")
+        ax.set_xlabel("approximate-hit TTFT / plain transformers")
+        ax.set_ylabel("approximate-hit ANLS")
+        ax.set_title(name, fontsize=9)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(args) -> int:
+    from vismemo_hf.eval.loading import load_model
+
+    points = [(p, o) for p in (args.policies.split(",") if args.policies != "all" else SWEEPS) for o in SWEEPS[p]]
+    t0 = time.time()
+    readers = {}
+    for name in args.models.split(","):
+        model, processor = load_model(name)
+        enable(model)
+        requests = [r for seed in args.seeds for r in synthdoc.stream(seed, n_bases=args.bases)]
+        readers[name] = reader_points(model, processor, requests, points, args.max_new_tokens)
+    floor = floors(args.floor_preset, args.floor_tokens, points) if args.floor_tokens else None
+    for reader in readers.values():
+        for r in reader["points"]:
+            r["floor_ratio"] = floor["floor"].get(r["label"]) if floor else None
+    command = (f"vismemo report pareto --models {args.models} --seeds {','.join(map(str, args.seeds))} "
+               f"--bases {args.bases} --policies {args.policies} --floor-preset {args.floor_preset} "
+               f"--floor-tokens {args.floor_tokens}")
+    result = {"command": command, "machine": machine(note="fp32"), "readers": readers, "floor": floor,
+              "choice": {n: choice(r) for n, r in readers.items()}, "seconds": round(time.time() - t0)}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "pareto.json").write_text(json.dumps(result, indent=2))
+    _plot(readers, out / "pareto.png")
+    (out / "pareto.md").write_text("\n".join(_report(result)) + "\n")
+    print((out / "pareto.md").read_text())
+    return 0
+
+
+def _fmt(x, digits=3):
+    return "-" if x is None else f"{x:.{digits}f}"
+
+
+def _report(result) -> list[str]:
+    floor = result["floor"]
+    lines = ["# Quality against speed: every policy over its budget", "", f"Command: `{result['command']}`  ",
+             f"{result['machine']}. Speed: median time to the first token of the approximate hits over plain "
+             "transformers on the same requests (the reader's geometry); floor: the point's plan FLOPs over a miss's "
+             + (f"on `{floor['preset']}` at {floor['visual_tokens']} visual tokens (random weights)" if floor else
+                "(not computed)") + ". Quality against plain transformers; `front`: on the reader's Pareto front.",
+             "", "![pareto](pareto.png)", ""]
+    for name, reader in result["readers"].items():
+        lines += [f"## {name} ({reader['requests']} requests, {_fmt(reader['visual_tokens'], 1)} visual tokens each; "
+                  f"plain approximate-hit ANLS {_fmt(reader['full_anls_approximate'])})", "",
+                  "| point | approximate ANLS | edited value | stale | first-token KL | TTFT / plain | floor | front |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+        for r in reader["points"]:
+            lines.append(f"| {r['label']} | {_fmt(r['anls_approximate'])} | {_fmt(r['anls_edited_value'])} | "
+                         f"{_fmt(r['stale_rate'])} | {_fmt(r['first_token_kl'], 4)} | {_fmt(r['ttft_ratio_to_plain'])} | "
+                         f"{_fmt(r['floor_ratio'])} | {'yes' if r['front'] else ''} |")
+        pick = result["choice"][name]
+        lines += ["", "Fastest point within 0.01 of plain's approximate-hit ANLS with no stale answer: "
+                  + (f"`{pick['label']}` ({_fmt(pick['ttft_ratio_to_plain'])} x plain)." if pick else "none."), ""]
+        lines += [f"- {line}" for line in ordering(reader)] + [""]
+    return lines
