@@ -94,23 +94,26 @@ def test_a_sealed_entry_moved_to_another_key_is_a_miss(tmp_path):
 def test_every_block_of_a_sparse_read_is_authenticated(tmp_path):
     """One token's block rewritten with a recomputed CRC (what a forger can do): a sparse read of it fails its
     MAC; a read of other tokens does not touch it and serves."""
-    entry = _entry("k", n=8, layers=4)
-    store = _disk(tmp_path, secret=SECRET)
-    store.put(entry)
-    store.flush()
-    header = store.disk.header("k")
-    start, _ = header.token_range(5, 2)
-    with store.disk._open("k") as handle:
-        data = bytearray(handle.read())
-    payload = slice(start + blob.HASH_BYTES, start + header.layer_bytes)
-    data[payload] = bytes(len(data[payload]))
     from crc32c import crc32c
 
-    data[start : start + blob.HASH_BYTES] = crc32c(bytes(data[payload])).to_bytes(8, "little")
-    store.disk.write("k", bytes(data))
+    entry = _entry("k", n=8, layers=4)
+    store = _disk(tmp_path, secret=SECRET)
+    for key in ("k", "whole"):
+        store.put(replace(entry, key=key))
+        store.flush()
+        header = store.disk.header(key)
+        start, _ = header.token_range(5, 2)
+        with store.disk._open(key) as handle:
+            data = bytearray(handle.read())
+        payload = slice(start + blob.HASH_BYTES, start + header.layer_bytes)
+        data[payload] = bytes(len(data[payload]))
+        data[start : start + blob.HASH_BYTES] = crc32c(bytes(data[payload])).to_bytes(8, "little")
+        store.disk.write(key, bytes(data))
     assert torch.equal(store.get_tokens("k", "fp", torch.tensor([1, 3]), 2), entry.kv[[1, 3], 2:])
     assert store.get_tokens("k", "fp", torch.tensor([3, 5]), 2) is None
     assert store.stats()["forged"] == 1 and "k" not in store
+    assert store.get("whole", "fp") is None  # a full read checks the whole K/V region's MAC
+    assert store.stats()["forged"] == 2
     store.close()
 
 

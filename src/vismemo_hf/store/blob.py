@@ -37,7 +37,7 @@ from vismemo_hf.store.entry import Entry
 
 MAGIC = b"VMEM"
 LAYOUT_VERSION = 5
-_FIELDS = struct.Struct("<4sHBB" + "I" * 11 + "q32s64s16sQQ16s16s16s16s")  # the MAC last (zeros while computed)
+_FIELDS = struct.Struct("<4sHBB" + "I" * 11 + "q32s64s16sQQ16s16s16s16s16s")  # the MAC last (zeros while computed)
 MAC_BYTES = 16
 SEALED = 32  # header flag: MACs in place of checksums
 _HEADER_CRC = struct.Struct("<I")
@@ -162,6 +162,7 @@ class BlobHeader:
     sketch_dim: int = 0
     lookup_digest: bytes = b""
     kv_count: int = 0  # token blocks: n_tokens, or fewer for a compressed entry (flag 16: their tokens in the metadata)
+    kv_mac: bytes = b""  # sealed: the MAC of the whole K/V region (what a full read checks instead of every block's)
     seal: BlobSeal | None = field(default=None, compare=False, repr=False)  # a sealed blob's, once its MAC checked
 
     def digest(self, name: bytes, region) -> bytes:
@@ -215,7 +216,7 @@ def parse_header(data: bytes, seal: Seal | None = None) -> BlobHeader:
     if zlib.crc32(raw[: _FIELDS.size]) != _HEADER_CRC.unpack(raw[_FIELDS.size :])[0]:
         raise BlobError("header checksum mismatch")
     (magic, version, dtype, flags, n, layers, heads, hdim, edim, levels, t, h, w, sketch_dim, kv_count, offset, fp, key,
-     digest, meta, total, prefix, lookup_digest, salt, mac) = _FIELDS.unpack(raw[: _FIELDS.size])
+     digest, meta, total, prefix, lookup_digest, salt, kv_mac, mac) = _FIELDS.unpack(raw[: _FIELDS.size])
     if magic != MAGIC:
         raise BlobError("not a vismemo blob")
     if version != LAYOUT_VERSION:
@@ -239,7 +240,7 @@ def parse_header(data: bytes, seal: Seal | None = None) -> BlobHeader:
         raise BlobError("header names are not ascii") from err
     header = BlobHeader(DTYPES[dtype], flags, n, layers, heads, hdim, edim, levels, (t, h, w), offset,
                         fingerprint, key, digest, meta, total, prefix.hex() if any(prefix) else "", sketch_dim,
-                        lookup_digest, kv_count, sealed)
+                        lookup_digest, kv_count, kv_mac, sealed)
     if header.meta_start + meta != total or header.lookup_bytes > meta:
         raise BlobError("header sizes disagree")
     return header
@@ -290,6 +291,7 @@ def encode(entry: Entry, kv_format: str | None = None, seal: Seal | None = None)
         *entry.grid, entry.sketch.shape[-1], n, int(entry.offset), entry.fingerprint.encode("ascii"),
         entry.key.encode("ascii"), digest(b"M", meta), len(meta), body_start + len(meta),
         bytes.fromhex(entry.prefix) if entry.prefix else bytes(16), digest(b"L", parts[0] + parts[1]), salt,
+        sealing.region(b"K", memoryview(blocks.numpy()).cast("B")) if sealing is not None else bytes(16),
         bytes(MAC_BYTES),
     )
     if seal is not None:
@@ -361,8 +363,11 @@ def decode_entry(header: BlobHeader, data: torch.Tensor) -> Entry:
     """The whole entry, K/V included, from a whole blob (uint8 tensor, whose memory the entry then shares);
     checks the digest and every hash."""
     entry = decode_meta(header, data[header.meta_start :])
-    region = data[HEADER_SIZE : header.meta_start].view(header.kv_count, header.token_bytes)
-    entry.kv = decode_blocks(header, region, 0)
+    region = data[HEADER_SIZE : header.meta_start]
+    if header.seal is not None and not hmac.compare_digest(header.digest(b"K", region), header.kv_mac):
+        raise ForgedBlob("K/V region MAC mismatch")
+    entry.kv = decode_blocks(header, region.view(header.kv_count, header.token_bytes), 0,
+                             checked=header.seal is not None)
     entry.n_layers = header.n_layers
     return entry
 
@@ -381,19 +386,21 @@ def _mismatch(header: BlobHeader, what: str) -> BlobError:
     return ForgedBlob(what.replace("digest", "MAC").replace("hash", "MAC")) if header.seal is not None else BlobError(what)
 
 
-def decode_blocks(header: BlobHeader, data: torch.Tensor, first_layer: int, rows=None) -> torch.Tensor:
+def decode_blocks(header: BlobHeader, data: torch.Tensor, first_layer: int, rows=None, checked: bool = False
+                  ) -> torch.Tensor:
     """(T, L - first_layer, 2, H, D) K/V from T token ranges of layers >= ``first_layer``; checks each layer hash
-    (MAC when sealed).
+    (MAC when sealed) unless the caller ``checked`` the whole region already.
 
     ``data`` is a uint8 tensor (T, (L - first_layer) * layer_bytes); ``rows``: their stored rows (default 0..T-1)."""
     t = data.shape[0]
     layers = header.n_layers - first_layer
     blocks = data.reshape(t, layers, header.layer_bytes)
     payload = blocks[..., HASH_BYTES:]
-    stored = blocks[..., :HASH_BYTES].clone().view(torch.int64).reshape(t, layers)
-    rows = range(t) if rows is None else rows.tolist() if isinstance(rows, torch.Tensor) else rows
-    if not torch.equal(header.sums(blocks, HASH_BYTES, rows, first_layer), stored):  # read in place
-        raise _mismatch(header, "K/V block hash mismatch")
+    if not checked:
+        stored = blocks[..., :HASH_BYTES].clone().view(torch.int64).reshape(t, layers)
+        rows = range(t) if rows is None else rows.tolist() if isinstance(rows, torch.Tensor) else rows
+        if not torch.equal(header.sums(blocks, HASH_BYTES, rows, first_layer), stored):  # read in place
+            raise _mismatch(header, "K/V block hash mismatch")
     shape = (t, layers, 2, header.kv_heads, header.head_dim)
     if header.kv_format is not None:
         split = 2 * header.kv_heads * header.head_dim
