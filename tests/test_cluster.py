@@ -36,12 +36,18 @@ def _remote_only(url, **options):
     return store
 
 
-def test_a_cluster_is_found_and_its_keys_spread_over_every_node(cluster):
-    a = _store(cluster.url)
-    entries = [_entry(f"key{i}", n=5, layers=2, seed=i) for i in range(24)]
+def _published(url, n: int = 24):
+    """A store that put ``n`` small entries into the cluster, and the entries."""
+    store = _store(url)
+    entries = [_entry(f"key{i}", n=5, layers=2, seed=i) for i in range(n)]
     for e in entries:
-        a.put(e)
-    a.flush()
+        store.put(e)
+    store.flush()
+    return store, entries
+
+
+def test_a_cluster_is_found_and_its_keys_spread_over_every_node(cluster):
+    a, entries = _published(cluster.url)
     remote = a.stats()["tiers"]["remote"]
     assert remote["cluster"] and remote["writes"] == 24 and remote["write_failures"] == 0
     names = [a.remote._blob_key(e.key) for e in entries]
@@ -71,11 +77,7 @@ def test_two_processes_share_exact_and_approximate_hits_through_a_cluster(cluste
 
 
 def test_a_killed_node_costs_the_misses_of_its_slots_only(cluster):
-    writer = _store(cluster.url)
-    entries = [_entry(f"key{i}", n=5, layers=2, seed=i) for i in range(24)]
-    for e in entries:
-        writer.put(e)
-    writer.flush()
+    _, entries = _published(cluster.url)
     reader = _remote_only(cluster.url)
     assert len(reader) == 24
     cluster.kill(1)
