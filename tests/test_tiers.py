@@ -14,6 +14,7 @@ from vismemo_hf import Entry, HitKind, VisMemoStore
 from vismemo_hf.store import blob
 
 from conftest import build_inputs, generate
+from test_store import _entry
 
 
 def make_entry(key: str, fp: str = "fp", layers: int = 3, dtype=torch.float32) -> Entry:
@@ -331,3 +332,26 @@ def test_an_entry_moving_down_is_not_forgotten_when_its_disk_copy_is_evicted(tmp
         store.put(e)
         check_invariants(store)
     assert store.tier_of("key3") == "host" and store.get("key3", "fp") is not None
+
+
+def test_every_device_keeps_its_own_budget():
+    """device_bytes per device (a model split over devices): entries fill the first device, move one device down
+    when evicted, then to the host tier; budgets hold on each; a hit on any device serves from where it is, and a
+    hit from the host tier promotes to the first device with room."""
+    size = _entry("x").nbytes
+    store = VisMemoStore(device_bytes={"cpu": size, "cpu:0": 2 * size}, host_bytes=10**7)
+    for i in range(4):
+        assert store.put(_entry(f"k{i}", seed=i))
+    per = store.stats()["tiers"]["device"]["devices"]
+    assert per["cpu"]["entries"] == 1 and per["cpu:0"]["entries"] == 2
+    assert all(d["bytes"] <= d["budget"] for d in per.values())
+    assert store.stats()["tiers"]["device"]["budget"] == 3 * size and store.tier_of("k0") == "host"
+    assert store.devices[0].lru.keys() == {"k3"} and store.devices[1].lru.keys() == {"k1", "k2"}
+    assert torch.equal(store.get("k1", "fp").kv, _entry("k1", seed=1).kv) and "k1" in store.devices[1].lru
+    assert torch.equal(store.get("k0", "fp").kv, _entry("k0", seed=0).kv)  # from the host tier: promoted
+    assert "k0" in store.devices[0].lru and store.devices[1].lru.keys() == {"k1", "k3"}  # k3 one device down
+    assert store.tier_of("k2") == "host"
+    with pytest.raises(ValueError, match="device_bytes of cpu"):
+        VisMemoStore(device_bytes={"cpu": -1})
+    with pytest.raises(ValueError, match="does not exist"):
+        VisMemoStore(device_bytes={"cuda:7": 10})

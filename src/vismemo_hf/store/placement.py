@@ -20,8 +20,10 @@ class Placement:
     def __init__(self, chain: list, remote, catalog: Catalog, eviction: ExactPriorityLRU, stats: dict,
                  kv_format: str | None, priors: dict, seal=None) -> None:
         self.chain, self.remote, self.catalog, self.eviction, self.stats = chain, remote, catalog, eviction, stats
-        self.device, self.host, self.victim = chain[0], chain[1], chain[2]
-        self.disk = chain[3] if len(chain) > 3 else None
+        self.devices = [t for t in chain if t.name == "device"]  # one per device, each with its own budget
+        k = len(self.devices)
+        self.host, self.victim = chain[k], chain[k + 1]
+        self.disk = chain[k + 2] if len(chain) > k + 2 else None
         self.kv_format, self.priors, self.seal = kv_format, priors, seal
         self.reuse: dict[str, int] = {}
         self.moving: set[str] = set()  # keys between two tiers during a demotion
@@ -45,6 +47,10 @@ class Placement:
         tier.put(key, item)
         return True
 
+    def place_on_device(self, key: str, entry: Entry) -> bool:
+        """On the first device tier with room for it (each device has its own budget)."""
+        return any(self.place(tier, key, entry, tier.sizeof(entry)) for tier in self.devices)
+
     def make_room(self, tier, size: int) -> None:
         while tier.budget is not None and tier.bytes + size > tier.budget and tier.lru:
             self.evict(tier, self.eviction.victim(tier.lru))
@@ -56,18 +62,19 @@ class Placement:
         if tier is self.disk:  # the last tier: gone
             self.forget_if_gone(key)
             return
-        data = self.encode(item) if isinstance(item, Entry) else item
         at = self.chain.index(tier)
         lower = self.chain[at + 1] if at + 1 < len(self.chain) else None
+        to_device = lower in self.devices  # device tiers hold entries, the others blobs
+        data = self.encode(item) if isinstance(item, Entry) and not to_device else item
         if lower is not None and lower is not self.disk:
             with self.in_transit(key):  # making room below may evict its write-through copy: not a reason to forget it
-                admitted = self.admit(lower, key, len(data))
+                admitted = self.admit(lower, key, lower.sizeof(data))
                 if admitted:
                     lower.put(key, data)
             if admitted:
                 self.stats["demotions"] += 1
                 return
-        self.to_disk_or_drop(key, data)
+        self.to_disk_or_drop(key, self.encode(data) if isinstance(data, Entry) else data)
 
     def admit(self, tier, key: str, size: int) -> bool:
         """Whether ``tier`` takes an entry moving down: the host tier takes any that fits; the victim share keeps the

@@ -46,6 +46,16 @@ _OPTIONS = {"device_bytes", "host_bytes", "disk_dir", "disk_bytes", "device", "p
 SECRET_ENV = "VISMEMO_STORE_SECRET"
 
 
+def _device_budgets(device_bytes, device) -> dict:
+    """{device: budget} of the device tiers: ``device_bytes`` as one budget on ``device``, or a mapping of devices
+    to budgets (a model split over several GPUs keeps entries on each, each within its own budget)."""
+    if isinstance(device_bytes, dict):
+        if not device_bytes:
+            raise ValueError("device_bytes as a mapping needs at least one device")
+        return {str(name): parse_bytes(budget) for name, budget in device_bytes.items()}
+    return {str(device): parse_bytes(device_bytes)}
+
+
 def _checked_device(device) -> torch.device:
     """``device`` as a torch device that exists on this machine (else a ValueError now, not at the first put)."""
     try:
@@ -115,8 +125,10 @@ class VisMemoStore:
     """Entries of any number of models in a chain of tiers with byte budgets that are never exceeded.
 
     ``device_bytes`` / ``host_bytes``: RAM (GPU memory for ``device`` when ``device`` is a CUDA
-    device) budgets, ``None`` = unbounded, ``0`` = tier off. ``disk_dir`` + ``disk_bytes``: the
-    disk tier (``diskcache`` directory, shareable between processes, persistent). ``protect``:
+    device) budgets, ``None`` = unbounded, ``0`` = tier off; ``device_bytes={"cuda:0": "8GiB", "cuda:1": "8GiB"}``
+    gives every device its own budget (entries go to the first with room, and one device down when evicted; a hit
+    moves each layer's K/V to the device that layer runs on, as accelerate's device map says). ``disk_dir`` +
+    ``disk_bytes``: the disk tier (``diskcache`` directory, shareable between processes, persistent). ``protect``:
     second chances of an entry that served an exact hit. ``victim_share`` of ``host_bytes`` is
     reserved for entries ranked by ``priors`` (JSON file ``{key: weight}``) plus online reuse counts.
     ``remote_url`` (``redis://[:password@]host:port/db``, ``rediss://`` for TLS): the shared remote
@@ -140,10 +152,12 @@ class VisMemoStore:
                  remote_url: str | None = None, remote_options: dict | None = None, kv_format: str | None = None,
                  keep_ratio: float | None = None, thresholds=None, secret: str | bytes | bool | None = None,
                  namespace: str | None = None):
-        device_bytes, host_bytes, disk_bytes = (parse_bytes(v) for v in (device_bytes, host_bytes, disk_bytes))
-        for name, v in (("device_bytes", device_bytes), ("host_bytes", host_bytes), ("disk_bytes", disk_bytes)):
+        budgets = _device_budgets(device_bytes, device)
+        host_bytes, disk_bytes = parse_bytes(host_bytes), parse_bytes(disk_bytes)
+        for name, v in (("host_bytes", host_bytes), ("disk_bytes", disk_bytes), *budgets.items()):
             if v is not None and v < 0:
-                raise ValueError(f"{name} must be >= 0 or None")
+                raise ValueError(f"{'device_bytes of ' if name not in ('host_bytes', 'disk_bytes') else ''}{name} "
+                                 "must be >= 0 or None")
         if not 0.0 <= victim_share < 1.0:
             raise ValueError("victim_share must lie in [0, 1)")
         if kv_format not in (None, *blob.KV_FORMATS):
@@ -158,13 +172,14 @@ class VisMemoStore:
         self.namespace = checked_namespace(namespace) if namespace is not None else None
         self.catalog = Catalog(thresholds)
         self.eviction = ExactPriorityLRU(protect)
-        self.device = DeviceTier(device_bytes, _checked_device(device))
+        self.devices = [DeviceTier(budget, _checked_device(name)) for name, budget in budgets.items()]
+        self.device = self.devices[0]
         main_host = None if host_bytes is None else int(host_bytes * (1 - victim_share))
         self.host = HostTier(main_host, seal=seal)
         self.victim = HostTier(None if host_bytes is None else host_bytes - main_host, name="host", seal=seal)
         self.disk = _open_disk(disk_dir, disk_bytes, seal)
         self.remote = RemoteTier(remote_url, **(remote_options or {}), seal=seal) if remote_url else None
-        self.chain: list[Tier] = [t for t in (self.device, self.host, self.victim, self.disk) if t is not None]
+        self.chain: list[Tier] = [*self.devices, *(t for t in (self.host, self.victim, self.disk) if t is not None)]
         self._stats = _new_stats()
         self.placement = Placement(self.chain, self.remote, self.catalog, self.eviction, self._stats, kv_format,
                                    json.loads(Path(priors).read_text()) if priors else {}, seal)
@@ -238,7 +253,7 @@ class VisMemoStore:
                     encoded.append(self.placement.encode(entry))
                 return encoded[0]
 
-            placed = self.placement.place(self.device, entry.key, entry, self.device.sizeof(entry))
+            placed = self.placement.place_on_device(entry.key, entry)
             if not placed:
                 placed = self.placement.place(self.host, entry.key, data(), len(data()))
             if self.disk is not None and (self.write_through or not placed):
@@ -339,14 +354,14 @@ class VisMemoStore:
             self._stats["hits_by_tier"][tier.name] += 1
             self.eviction.exact_hit(key)
             self.placement.used(key)
-            if tier is self.device:
+            if tier in self.devices:
                 tier.touch(key)
                 return entry
             if not tier.shared:
                 tier.pop(key)
-            if self.placement.place(self.device, key, entry, self.device.sizeof(entry)):
+            if self.placement.place_on_device(key, entry):
                 self._stats["promotions"] += 1
-                return self.device.full(key)
+                return self.placement.tier_of(key).full(key)
             if not tier.shared:  # no room above: put it back where it was
                 data = self.placement.encode(entry)
                 if not self.placement.place(tier, key, data, len(data)):
@@ -442,7 +457,7 @@ class VisMemoStore:
         self._drain()
         self.placement.settle_writes()
         with self._lock:
-            tiers = _tier_stats(self.device, self.host, self.victim, self.disk, self.remote)
+            tiers = _tier_stats(self.devices, self.host, self.victim, self.disk, self.remote)
             out = {k: (dict(v) if isinstance(v, dict) else v) for k, v in self._stats.items()}
             if self.remote is not None:  # index records whose header MAC failed
                 out["forged"] += self.remote.counters["records_forged"]
@@ -458,12 +473,18 @@ class VisMemoStore:
                 tier.close()
 
 
-def _tier_stats(device, host, victim, disk, remote) -> dict:
-    """Every tier's stats by name (the victim share counted in the host tier's)."""
+def _tier_stats(devices, host, victim, disk, remote) -> dict:
+    """Every tier's stats by name (the device tiers summed, with each device's own; the victim share counted in the
+    host tier's)."""
     tiers = {name: {"bytes": 0, "budget": 0, "entries": 0} for name in TIERS}
-    for tier in (device, disk, remote):
+    for tier in (disk, remote):
         if tier is not None:
             tiers[tier.name] = tier.stats()
+    each = {str(t.device): t.stats() for t in devices}
+    budgets = [s["budget"] for s in each.values()]
+    tiers["device"] = {"bytes": sum(s["bytes"] for s in each.values()),
+                       "budget": None if None in budgets else sum(budgets),
+                       "entries": sum(s["entries"] for s in each.values()), "devices": each}
     main, share = host.stats(), victim.stats()
     tiers["host"] = {"bytes": main["bytes"] + share["bytes"],
                      "budget": None if main["budget"] is None else main["budget"] + share["budget"],
