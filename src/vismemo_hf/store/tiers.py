@@ -43,6 +43,14 @@ def token_rows(kv: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     return kv[tokens.to(kv.device)]
 
 
+def layer_major(kv: torch.Tensor | None) -> torch.Tensor | None:
+    """The same (N, L, 2, H, D) K/V, laid out layer by layer in memory (a view of an (L, 2, H, N, D) tensor): one
+    layer's keys (or values) of every token are then one block, what a prefill copies into that layer whole."""
+    if kv is None or kv.permute(1, 2, 3, 0, 4).is_contiguous():
+        return kv
+    return kv.permute(1, 2, 3, 0, 4).contiguous().permute(3, 0, 1, 2, 4)
+
+
 @runtime_checkable
 class Tier(Protocol):
     """What the store asks of a tier. ``lru``: its keys, least recently used first (values are the tier's own);
@@ -107,7 +115,7 @@ class DeviceTier(_Local):
         def move(t):  # asynchronous from pinned host memory (blobs read by the host, disk and remote tiers)
             return None if t is None else t.to(self.device, non_blocking=True)
 
-        moved = replace(entry, embeds=move(entry.embeds), kv=move(entry.kv), deepstack=move(entry.deepstack))
+        moved = replace(entry, embeds=move(entry.embeds), kv=layer_major(move(entry.kv)), deepstack=move(entry.deepstack))
         self.lru[key] = moved
         self.bytes += moved.nbytes
 
