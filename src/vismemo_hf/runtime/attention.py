@@ -22,7 +22,7 @@ from contextlib import contextmanager
 
 import torch
 from transformers import AttentionInterface
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
@@ -110,12 +110,14 @@ def blocked_sdpa(module, query, key, value, mask, blocks, scaling=None, **kwargs
     keys left out being masked for every row of the block."""
     if len(blocks) <= 1:
         return sdpa_attention_forward(module, query, key, value, mask, scaling=scaling, **kwargs)
-    outs = []
-    for r0, r1, end in blocks:
-        out, _ = sdpa_attention_forward(module, query[:, :, r0:r1], key[:, :, :end], value[:, :, :end],
-                                        mask[:, :, r0:r1, :end], scaling=scaling, **kwargs)
-        outs.append(out)
-    return torch.cat(outs, dim=1), None
+    groups = getattr(module, "num_key_value_groups", 1)
+    if groups > 1:  # grouped K/V heads repeated once for every block (per SDPA call they would be copied again)
+        key, value = repeat_kv(key, groups), repeat_kv(value, groups)
+    dropout = kwargs.get("dropout", 0.0)
+    outs = [torch.nn.functional.scaled_dot_product_attention(
+        query[:, :, r0:r1], key[:, :, :end], value[:, :, :end], attn_mask=mask[:, :, r0:r1, :end], dropout_p=dropout,
+        scale=scaling) for r0, r1, end in blocks]
+    return torch.cat(outs, dim=2).transpose(1, 2).contiguous(), None
 
 
 def vismemo_attention_forward(module, query, key, value, attention_mask, scaling=None, **kwargs):
