@@ -277,3 +277,32 @@ def test_a_refused_write_degrades_writes_only(server):
     fresh = _store(server.url)  # a third process reads what the server holds
     assert fresh.get("small", "fp") is not None and fresh.stats()["hits_by_tier"]["remote"] == 1
     assert fresh.tier_of("big") is None
+
+
+def test_a_header_naming_a_huge_size_is_a_miss_without_a_buffer_for_it(server, monkeypatch):
+    """A planted header with valid checksums that claims 1 TB: refused by the value's length, nothing allocated."""
+    writer = _store(server.url)
+    entry = _entry("big", n=5, layers=2)
+    writer.put(entry)
+    writer.flush()
+    client = server.client()
+    data = bytearray(client.get("vismemo:blob:big"))
+    header = blob.parse_header(bytes(data[: blob.HEADER_SIZE]))
+    forged = blob._FIELDS.unpack(bytes(data[: blob._FIELDS.size]))
+    fields = list(forged)
+    fields[20] += 10**12  # total bytes (and the metadata size with it, so the header's sizes agree)
+    fields[19] += 10**12
+    raw = blob._FIELDS.pack(*fields)
+    import zlib
+
+    data[: blob.HEADER_SIZE] = raw + blob._HEADER_CRC.pack(zlib.crc32(raw))
+    assert blob.parse_header(bytes(data[: blob.HEADER_SIZE])).total_bytes == header.total_bytes + 10**12
+    client.set("vismemo:blob:big", bytes(data))
+    from vismemo_hf.store import ranges
+
+    asked = []
+    real = ranges.read_buffer
+    monkeypatch.setattr(ranges, "read_buffer", lambda size: asked.append(size) or real(size))
+    reader = _store(server.url)
+    assert reader.get("big", "fp") is None and reader.stats()["corrupt"] == 1
+    assert not asked  # refused before any buffer was made

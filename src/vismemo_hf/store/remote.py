@@ -514,9 +514,13 @@ class RemoteTier:
             done.result()
 
     def check(self, key: str, header: blob.BlobHeader) -> None:
-        """The blob is the one its index record announced: same model."""
+        """The blob is the one its index record announced (same model) and as long as its header says (a header
+        naming a huge size is refused before any buffer is made for it)."""
         if header.fingerprint != self.fingerprints.get(key, header.fingerprint):
             raise blob.BlobError("blob stored under another key or model")
+        name = self._blob_key(key)
+        if self.link.call(lambda: self.client.strlen(name), name) != header.total_bytes:
+            raise blob.BlobError("blob size does not match its header")
 
     # -- reads --------------------------------------------------------------------------------------------
     def header(self, key: str) -> blob.BlobHeader:
