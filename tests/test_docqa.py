@@ -127,3 +127,28 @@ def test_pareto_report_sweeps_policies_and_marks_the_front(tmp_path):
     assert all(p["floor_ratio"] is None or 0 < p["floor_ratio"] <= 1.0 for p in points)
     assert points[0]["floor_ratio"] == 1.0 and points[1]["floor_ratio"] < points[-1]["floor_ratio"]
     assert (tmp_path / "pareto.png").stat().st_size > 1000 and "| naive |" in (tmp_path / "pareto.md").read_text()
+
+
+def test_docpage_streams_hold_every_near_duplicate_kind_and_run_through_the_evaluation():
+    import vismemo_hf
+    from vismemo_hf.eval import docpage, docqa_base, docstream
+
+    rows = docstream.stream(11, n_bases=10)
+    by_id = {r.id: r for r in rows}
+    assert len(rows) == 50 and {r.variant for r in rows} >= set(docstream.KINDS)
+    assert rows[0].intended == "miss" and {r.intended for r in rows} == {"miss", "exact", "approximate"}
+    for r in rows:
+        base = by_id[r.id.split("v")[0]]
+        assert r.answers == [r.asked.answer] and r.prefix == r.asked.instruction
+        if r.variant in ("same", "instruction"):
+            assert r.page == base.page and r.intended == "exact"
+        if r.variant == "instruction":
+            assert r.prefix and r.prefix != base.prefix
+        if r.variant.startswith("edit"):
+            assert r.stale is not None and r.stale != r.answers[0] and r.about_edit
+        assert docpage.render(r.page).size == (docpage.SIZE, docpage.SIZE) and r.answer_tokens()
+    processor = docqa_base.new_processor()
+    model = docqa_base.new_model(processor.tokenizer).eval()
+    vismemo_hf.enable(model)
+    scored = evaluate(model, processor, rows[:6], "full", max_new_tokens=2)
+    assert [s.kind for s in scored][0] == "miss" and all(s.visual_tokens == 256 for s in scored)

@@ -443,6 +443,8 @@ def _add_report(sub) -> None:
     p.set_defaults(func=_bench("table1"))
     p = report_sub.add_parser("pareto", help="quality against speed: every policy swept over its budget, per reader")
     p.add_argument("--models", default="vismemo-docqa-tiny", help="comma-separated readers (names or folders)")
+    p.add_argument("--pages", default="auto", choices=["auto", "synthdoc", "docpage"],
+                   help="the streams' pages (auto: docpage for vismemo-docqa-base and its checkpoints)")
     p.add_argument("--seeds", type=_int_list, default=[7000], help="stream seeds, comma-separated")
     p.add_argument("--bases", type=int, default=12, help="new pages per stream (each with 4 follow-ups)")
     p.add_argument("--policies", default="all", help="comma-separated policies of bench/pareto.py SWEEPS, or all")

@@ -121,6 +121,18 @@ def ordering(reader: dict) -> list[str]:
     return lines
 
 
+def reader_stream(model: str, pages: str = "auto"):
+    """The stream builder of a reader's pages: ``docstream`` (``docpage`` pages) for ``vismemo-docqa-base`` and
+    checkpoints of it, ``synthdoc`` for the tiny reader (``pages`` names one instead)."""
+    from vismemo_hf.eval import docstream
+
+    if pages == "auto":
+        pages = "docpage" if "docqa-base" in str(model) else "synthdoc"
+    if pages not in ("docpage", "synthdoc"):
+        raise ValueError(f"pages must be auto, docpage or synthdoc, got {pages!r}")
+    return docstream.stream if pages == "docpage" else synthdoc.stream
+
+
 def _plot(readers: dict, path: Path) -> None:
     import matplotlib
 
@@ -155,13 +167,14 @@ def main(args) -> int:
     for name in args.models.split(","):
         model, processor = load_model(name)
         enable(model)
-        requests = [r for seed in args.seeds for r in synthdoc.stream(seed, n_bases=args.bases)]
+        requests = [r for seed in args.seeds for r in reader_stream(name, args.pages)(seed, n_bases=args.bases)]
         readers[name] = reader_points(model, processor, requests, points, args.max_new_tokens)
     floor = floors(args.floor_preset, args.floor_tokens, points) if args.floor_tokens else None
     for reader in readers.values():
         for r in reader["points"]:
             r["floor_ratio"] = floor["floor"].get(r["label"]) if floor else None
-    command = (f"vismemo report pareto --models {args.models} --seeds {','.join(map(str, args.seeds))} "
+    command = (f"vismemo report pareto --models {args.models} --pages {args.pages} "
+               f"--seeds {','.join(map(str, args.seeds))} "
                f"--bases {args.bases} --policies {args.policies} --floor-preset {args.floor_preset} "
                f"--floor-tokens {args.floor_tokens}")
     result = {"command": command, "machine": machine(note="fp32"), "readers": readers, "floor": floor,

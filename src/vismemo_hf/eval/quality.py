@@ -68,9 +68,8 @@ class _FirstToken(StoppingCriteria):
 
 
 def answer_cell_routing(request: synthdoc.Request, plan) -> dict:
-    """Where the plan put the visual tokens that hold the asked value (one token per glyph)."""
-    row = [k for k, _ in request.page.rows].index(request.question.rstrip("?"))
-    cells = [row * synthdoc.COLS + synthdoc.VALUE_COL + j for j in range(synthdoc.VALUE_LEN)]
+    """Where the plan put the visual tokens that hold the asked value."""
+    cells = request.answer_tokens()
     sets = {"R": plan.recompute, "B": plan.reuse, "M": plan.mask}
     return {name: len(set(cells) & set(tokens.tolist())) for name, tokens in sets.items()}
 
@@ -80,7 +79,7 @@ def answer(model, processor, request: synthdoc.Request, cache, max_new_tokens: i
     from vismemo_hf.eval.docqa import messages
 
     text = processor.apply_chat_template(messages(request.question, request.prefix), add_generation_prompt=True)
-    inputs = processor(text=[text], images=[synthdoc.render(request.page)], return_tensors="pt").to(model.device)
+    inputs = processor(text=[text], images=[request.image()], return_tensors="pt").to(model.device)
     clock = _FirstToken()
     t0 = time.perf_counter()
     out = model.generate(**inputs, cache=cache, max_new_tokens=max_new_tokens, do_sample=False,

@@ -204,6 +204,14 @@ class Request:
     stale: str | None = None  # for such questions: the value before the edit (what naive reuse may answer)
     prefix: str = ""  # text before the image (another prefix on a seen page: an exact hit at another offset)
 
+    def image(self):
+        return render(self.page)
+
+    def answer_tokens(self) -> list[int]:
+        """The visual tokens that hold the asked value (one token per glyph)."""
+        row = [k for k, _ in self.page.rows].index(self.question.rstrip("?"))
+        return [row * COLS + VALUE_COL + j for j in range(VALUE_LEN)]
+
 
 def question_for(key: str) -> str:
     return f"{key}?"
