@@ -107,6 +107,6 @@ def test_backend_model_args_reach_the_store_and_the_cache():
     from vismemo_hf.eval.lmms import VisMemoLMM
 
     lmm = VisMemoLMM(pretrained="vismemo-docqa-tiny", kv_format="int8", keep_ratio="0.5",
-                     thresholds="vismemo-docqa-tiny", missing="recompute")
-    assert (lmm.store.kv_format, lmm.store.keep_ratio) == ("int8", 0.5)
+                     thresholds="vismemo-docqa-tiny", missing="recompute", namespace="2024")
+    assert (lmm.store.kv_format, lmm.store.keep_ratio, lmm.store.namespace) == ("int8", 0.5, "2024")
     assert lmm.options == {"thresholds": "vismemo-docqa-tiny", "missing": "recompute"}
