@@ -14,7 +14,7 @@ import pstats
 import torch
 
 from vismemo_hf import VisMemoCache, VisMemoStore, enable
-from vismemo_hf.bench.latency import page_pair, request_inputs, timed_prefill
+from vismemo_hf.bench.latency import any_size, page_pair, request_inputs, timed_prefill
 from vismemo_hf.eval.loading import load_model
 
 
@@ -31,7 +31,7 @@ def main() -> None:
     model, processor = load_model(args.preset)
     enable(model)
     patch = model.config.vision_config.patch_size
-    processor.image_processor.size = {"shortest_edge": 4 * (2 * patch) ** 2, "longest_edge": 20000 * (2 * patch) ** 2}
+    any_size(processor, model)
     base, edited = page_pair(args.tokens, patch)
     store = VisMemoStore()
     timed_prefill(model, request_inputs(processor, base), VisMemoCache(store=store))  # the alias entry

@@ -18,13 +18,14 @@ import time
 from pathlib import Path
 
 import torch
-from transformers import StoppingCriteria, StoppingCriteriaList
+from transformers import StoppingCriteriaList
 
 from vismemo_hf import VisMemoCache, VisMemoStore, enable
 from vismemo_hf.bench.report import command as report_command
 from vismemo_hf.bench.report import header, machine
 from vismemo_hf.eval import synthetic
 from vismemo_hf.eval.loading import load_model
+from vismemo_hf.eval.quality import TokenClock
 
 STAGES = ("lookup", "encoder", "warmup", "fetch_wait", "plan", "recompute")
 
@@ -70,6 +71,12 @@ def page_pair(tokens: int, family_patch: int, seed: int = 1):
     return synthetic.page(seed, size=(width, height)), synthetic.edited(seed, row=2, value="9999", size=(width, height))
 
 
+def any_size(processor, model) -> None:
+    """Let the processor keep an image's size (up to 20,000 tokens): the benchmarks choose their visual lengths."""
+    patch = model.config.vision_config.patch_size
+    processor.image_processor.size = {"shortest_edge": 4 * (2 * patch) ** 2, "longest_edge": 20000 * (2 * patch) ** 2}
+
+
 def request_inputs(processor, image, question="What is the value of the third row?"):
     messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]}]
     text = processor.apply_chat_template(messages, add_generation_prompt=True)
@@ -89,24 +96,11 @@ def timed_prefill(model, inputs, cache) -> dict:
             "masked": event.masked, "n_tokens": event.n_tokens, "bytes_read": event.bytes_read, "plan": event.plan}
 
 
-class _Clock(StoppingCriteria):
-    """The time of every token ``generate`` produces (stopping criteria run once per new token)."""
-
-    def __init__(self, device) -> None:
-        self.cuda, self.times = torch.device(device).type == "cuda", []
-
-    def __call__(self, input_ids, scores, **kwargs) -> torch.BoolTensor:
-        if self.cuda:
-            torch.cuda.synchronize()
-        self.times.append(time.perf_counter())
-        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
-
-
 @torch.no_grad()
 def timed_generate(model, inputs, cache, new_tokens: int) -> dict:
     """TTFT, median decoding step and whole time (ms) of one greedy ``generate`` of exactly ``new_tokens``, and the
     cache's event (None for plain transformers: ``cache=None``)."""
-    clock = _Clock(model.device)
+    clock = TokenClock(model.device)
     inputs = inputs.to(model.device)
     if clock.cuda:
         torch.cuda.synchronize()
@@ -277,8 +271,7 @@ def main(args) -> int:
     model = copy.deepcopy(plain)  # the same weights; only this copy is enabled
     enable(model)
     if hasattr(processor, "image_processor"):
-        patch = model.config.vision_config.patch_size
-        processor.image_processor.size = {"shortest_edge": 4 * (2 * patch) ** 2, "longest_edge": 20000 * (2 * patch) ** 2}
+        any_size(processor, model)
     lengths = [int(x) for x in args.lengths.split(",")]
     policies = args.policies.split(",")
     total = len(lengths) * (args.repeats + 2) * (3 + len(policies))

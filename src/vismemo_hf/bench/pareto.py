@@ -43,13 +43,13 @@ def _label(policy: str, options: dict) -> str:
 
 def floors(preset: str, tokens: int, points: list[tuple[str, dict]]) -> dict:
     """Each point's plan FLOPs over a miss's on ``preset`` (random weights) at about ``tokens`` visual tokens."""
-    from vismemo_hf.bench.latency import page_pair, plan_flops, request_inputs, timed_prefill
+    from vismemo_hf.bench.latency import any_size, page_pair, plan_flops, request_inputs, timed_prefill
     from vismemo_hf.eval.loading import load_model
 
     model, processor = load_model(preset)
     enable(model)
     patch = model.config.vision_config.patch_size
-    processor.image_processor.size = {"shortest_edge": 4 * (2 * patch) ** 2, "longest_edge": 20000 * (2 * patch) ** 2}
+    any_size(processor, model)
     base, edited = page_pair(tokens, patch)
     miss_in, edit_in = request_inputs(processor, base), request_inputs(processor, edited)
     store = VisMemoStore()

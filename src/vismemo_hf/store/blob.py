@@ -18,8 +18,9 @@
 
 A *sealed* blob (a store with a secret, ``Seal``; docs/METHOD.md §5) carries MACs where the checksums are: the
 header an HMAC-SHA256 under a key derived from the secret, the regions and every (token, layer) block an AES-GMAC
-tag under a key of the blob's own (derived from its random salt), each block's nonce its (row, layer). Checksums
-catch corruption; MACs catch anyone without the secret, so a sparse read checks exactly the blocks it read.
+tag under a key of the blob's own (derived from its random salt), each block's nonce its (row, layer), and the whole
+K/V region one more tag. Checksums catch corruption; MACs catch anyone without the secret: a sparse read checks the
+tags of exactly the blocks it read, a full read the region's in one pass.
 """
 
 from __future__ import annotations
@@ -278,7 +279,7 @@ def encode(entry: Entry, kv_format: str | None = None, seal: Seal | None = None)
     blocks = torch.cat([hashes.unsqueeze(-1).view(torch.uint8), per_layer], dim=-1)
     parts = [_raw(t) for t in _meta_tensors(entry)]
     meta = b"".join(parts)
-    digest = (lambda name, data: sealing.region(name, data)) if sealing is not None else (lambda _, data: meta_digest(data))
+    digest = sealing.region if sealing is not None else (lambda _, data: meta_digest(data))
     flags = (1 if entry.deepstack is not None else 0) | (2 if entry.patch_hashes is not None else 0)
     flags |= SEALED if seal is not None else 0
     flags |= KV_FORMATS[kv_format][0] if kv_format is not None else 0

@@ -74,9 +74,9 @@ class BlobReader:
     def full(self, key: str) -> Entry:
         return self.read_full(key)[1]
 
-    def read_full(self, key: str) -> tuple[blob.BlobHeader, Entry]:
-        """The header and the whole entry, read into one buffer (the entry's memory)."""
-        header = self.header(key)
+    def read_full(self, key: str, header: blob.BlobHeader | None = None) -> tuple[blob.BlobHeader, Entry]:
+        """The header (read now unless given) and the whole entry, read into one buffer (the entry's memory)."""
+        header = header if header is not None else self.header(key)
         data = read_buffer(header.total_bytes)
         self.source.read_into(key, memoryview(data.numpy()))
         if blob.parse_header(data[: blob.HEADER_SIZE].numpy().tobytes(), self.seal) != header:

@@ -514,13 +514,9 @@ class RemoteTier:
             done.result()
 
     def check(self, key: str, header: blob.BlobHeader) -> None:
-        """The blob is the one its index record announced (same model) and as long as its header says (a header
-        naming a huge size is refused before any buffer is made for it)."""
+        """The blob is the one its index record announced: same model."""
         if header.fingerprint != self.fingerprints.get(key, header.fingerprint):
             raise blob.BlobError("blob stored under another key or model")
-        name = self._blob_key(key)
-        if self.link.call(lambda: self.client.strlen(name), name) != header.total_bytes:
-            raise blob.BlobError("blob size does not match its header")
 
     # -- reads --------------------------------------------------------------------------------------------
     def header(self, key: str) -> blob.BlobHeader:
@@ -538,7 +534,12 @@ class RemoteTier:
         return self.reader.lookup(key)
 
     def full(self, key: str) -> Entry:
-        header, entry = self.reader.read_full(key)
+        """The whole blob, once the value's length agrees with its header (a header naming a huge size is refused
+        before any buffer is made for it; partial reads are bounded by the ranges they ask for)."""
+        header, name = self.reader.header(key), self._blob_key(key)
+        if self.link.call(lambda: self.client.strlen(name), name) != header.total_bytes:
+            raise blob.BlobError("blob size does not match its header")
+        header, entry = self.reader.read_full(key, header)
         self.track(key, header)  # known now, even if its index record has not been read yet
         return entry
 
