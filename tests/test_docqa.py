@@ -152,3 +152,57 @@ def test_docpage_streams_hold_every_near_duplicate_kind_and_run_through_the_eval
     vismemo_hf.enable(model)
     scored = evaluate(model, processor, rows[:6], "full", max_new_tokens=2)
     assert [s.kind for s in scored][0] == "miss" and all(s.visual_tokens == 256 for s in scored)
+
+
+def test_the_joint_choice_is_the_cheapest_point_acceptable_on_every_reader():
+    from vismemo_hf.bench.pareto import choice, joint_choice
+
+    def point(label, anls, stale, floor):
+        return {"label": label, "policy": label.split()[0], "options": {}, "anls_approximate": anls,
+                "stale_rate": stale, "floor_ratio": floor}
+
+    a = {"full_anls_approximate": 1.0, "points": [point("full", 1.0, 0.0, 1.0), point("cheap", 1.0, 0.0, 0.1),
+                                                  point("mid", 0.995, 0.0, 0.3), point("stale", 1.0, 0.25, 0.05)]}
+    b = {"full_anls_approximate": 0.9, "points": [point("full", 0.9, 0.0, 1.0), point("cheap", 0.85, 0.0, 0.1),
+                                                  point("mid", 0.9, 0.0, 0.35), point("stale", 0.9, 0.0, 0.05)]}
+    assert choice(a, "floor_ratio")["label"] == "cheap" and choice(b, "floor_ratio")["label"] == "stale"
+    pick = joint_choice({"a": a, "b": b}, "floor_ratio")
+    assert pick["label"] == "mid" and pick["floor_ratio"] == 0.35  # the dearer of its two readers' costs
+
+
+def test_calibration_pairs_on_docpage_pages_hold_every_near_duplicate_kind_of_its_streams(tmp_path):
+    import json
+
+    from vismemo_hf.cli import main
+    from vismemo_hf.eval.calibrate import docpage_pairs
+
+    pairs = docpage_pairs(3, 2)
+    kinds = {what for _, _, near, what in pairs if near}
+    assert kinds == {f"docpage {k}" for k in ("edit cell", "edit cells", "scroll", "crop", "popup", "widget",
+                                              "rescan", "shift")}
+    assert all(a.size == b.size for a, b, _, _ in pairs) and sum(not near for *_, near, _ in pairs) == 2
+    assert all(a.tobytes() != b.tobytes() for a, b, _, _ in pairs)
+    out = tmp_path / "preset.yaml"
+    assert main(["calibrate", "--model", "tiny", "--family", "qwen2_5_vl", "--pages", "docpage", "--pairs-per-kind",
+                 "1", "--out", str(out), "--report-dir", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "tiny-qwen2_5_vl.json").read_text())
+    assert "docpage" in report["heldout"]["by_source"] and "--pages docpage" in report["command"]
+    assert "docpage scroll" in report["heldout"]["recall_by_kind"] and out.is_file()
+
+
+def test_the_prefix_report_measures_docpage_pages_and_their_questions():
+    import vismemo_hf
+    from vismemo_hf.bench.prefix import docpage_question, measure, random_text
+    from vismemo_hf.eval import docpage, docqa_base
+
+    processor = docqa_base.new_processor()
+    model = docqa_base.new_model(processor.tokenizer).eval()
+    vismemo_hf.enable(model)
+    pages = [docpage.random_page(5, layout="table"), docpage.random_page(6, layout="form")]
+    assert docpage_question(pages[0], 0).endswith("?") and " " in docpage_question(pages[0], 0)  # a cell
+    assert docpage_question(pages[1], 0).startswith("=")  # one column: value -> key
+    out = measure(model, processor, pages, [0, 12], lambda n, i: (random_text(8, i), random_text(n, 9 + i)),
+                  docpage_question)
+    for routing in ("reuse", "check"):
+        assert set(out[routing]) == {0, 12} and all(r["pages"] == 2 for r in out[routing].values())
+    assert out["check"][12]["recomputed"] > 0  # the changed text is checked, not reused blindly

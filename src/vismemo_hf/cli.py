@@ -120,15 +120,17 @@ def calibrate(args) -> int:
 
     from vismemo_hf.bench.report import header, machine
     from vismemo_hf.eval.calibrate import calibrate as measure
+    from vismemo_hf.eval.docstream import reader_pages
     from vismemo_hf.eval.loading import load_model
 
     model, _ = load_model(args.model, args.family, seed=args.seed)
-    report = measure(model, per_kind=args.pairs_per_kind)
+    pages, _ = reader_pages(args.model, args.pages)
+    report = measure(model, per_kind=args.pairs_per_kind, pages=pages)
     name = args.name or (Path(args.model).name if args.family is None else f"{Path(args.model).name}-{args.family}")
     out = Path(args.out) if args.out else Path("configs") / "lookup" / f"{name}.yaml"
     out.parent.mkdir(parents=True, exist_ok=True)
     command = (f"vismemo calibrate --model {args.model}" + (f" --family {args.family}" if args.family else "")
-               + f" --pairs-per-kind {args.pairs_per_kind} --seed {args.seed}")
+               + f" --pages {args.pages} --pairs-per-kind {args.pairs_per_kind} --seed {args.seed}")
     summary = {k: report[k] for k in ("calibration", "heldout", "heldout_from_sketches", "defaults", "uncentred_rule")}
     preset = {"tau": report["tau"], "tau_fine": report["tau_fine"], "fingerprint": report["fingerprint"],
               "calibration": {"model": args.model, "family": model.config.model_type, "command": command,
@@ -145,7 +147,9 @@ def calibrate(args) -> int:
     lines = header(f"Lookup thresholds for {args.model}" + (f" ({args.family})" if args.family else ""), command,
                    machine()) + [
         f"Preset: `{out.name}` (tau {report['tau']}, tau_fine {report['tau_fine']}). Pairs: synthetic documents "
-        "(five page styles), text pages, forms of one template, screens, photos and textures; near-duplicates are "
+        + ("(`docpage` pages of the five layouts with the near-duplicate kinds of `docstream`, and `synthdoc` "
+           "forms of five page styles)" if pages == "docpage" else "(five page styles)")
+        + ", text pages, forms of one template, screens, photos and textures; near-duplicates are "
         "small changes of one image, unrelated pairs two images of the same kind and size. Calibration seed 1, "
         "held-out seed 2. Sketch agreement: the fine "
         f"decision from 32-d token sketches equals the full-width one on {report['sketch_agreement']:.3f} of pairs.",
@@ -156,6 +160,10 @@ def calibrate(args) -> int:
                        ("uncentred cosines at 0.8 / 0.8 (docs/METHOD.md §1), held-out", "uncentred_rule")):
         r = summary[key]
         lines.append(f"| {label} | {r['near_pairs']} + {r['unrelated_pairs']} | {r['recall']:.3f} | {r['fpr']:.3f} |")
+    lines += ["", "Held-out pairs by source (calibrated thresholds):", "",
+              "| source | pairs | recall | false-positive rate |", "| --- | --- | --- | --- |"]
+    lines += [f"| {k} | {v['near_pairs']} + {v['unrelated_pairs']} | {v['recall']:.3f} | {v['fpr']:.3f} |"
+              for k, v in summary["heldout"]["by_source"].items()]
     lines += ["", "Held-out recall by kind of change (calibrated thresholds):", "",
               "| change | recall |", "| --- | --- |"]
     lines += [f"| {k} | {v:.2f} |" for k, v in summary["heldout"]["recall_by_kind"].items()]
@@ -319,6 +327,8 @@ def _add_calibrate(sub) -> None:
     p = sub.add_parser("calibrate", help="measure lookup thresholds for one model and write a lookup preset")
     _model_options(p)
     p.add_argument("--seed", type=int, default=0, help="weight seed of random-weight presets")
+    p.add_argument("--pages", default="auto", choices=("auto", "synthdoc", "docpage"),
+                   help="document pairs (auto: docpage pages too for vismemo-docqa-base and its checkpoints)")
     p.add_argument("--pairs-per-kind", type=int, default=10, help="image pairs per kind of change")
     p.add_argument("--name", default=None, help="preset name (default: the model's)")
     p.add_argument("--out", default=None, help="output YAML (default ./configs/lookup/NAME.yaml)")
@@ -427,6 +437,8 @@ def _add_report(sub) -> None:
     report_sub = report.add_subparsers(dest="report", required=True)
     p = report_sub.add_parser("quality", help="Table 1: every policy on the same synthetic streams, ANLS and fidelity")
     p.add_argument("--model", default="vismemo-docqa-tiny", help="packaged model name, preset or checkpoint folder")
+    p.add_argument("--pages", default="auto", choices=("auto", "synthdoc", "docpage"),
+                   help="the streams' pages (auto: docpage for vismemo-docqa-base and its checkpoints)")
     p.add_argument("--streams", type=int, default=2, help="request streams (the first N of the default seeds)")
     p.add_argument("--seeds", default=None, help="explicit stream seeds, comma-separated (instead of --streams)")
     p.add_argument("--bases", type=int, default=20, help="new pages per stream (each with 4 follow-ups)")
@@ -457,6 +469,8 @@ def _add_report(sub) -> None:
     p.add_argument("--pages", type=int, default=20, help="pages per family")
     p.add_argument("--lengths", default="0,10,50,100,200,400", help="token counts of the changed text")
     p.add_argument("--seed", type=int, default=4000, help="page seed")
+    p.add_argument("--base-model", default="vismemo-docqa-base",
+                   help="the docpage reader (packaged name or checkpoint folder)")
     _out_option(p, "results/quality")
     p.set_defaults(func=_bench("prefix"))
 

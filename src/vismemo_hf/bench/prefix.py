@@ -4,8 +4,10 @@ An entry's K/V from layer 1 on carry the context of the text that preceded the i
 computed. This report stores each page after one text, asks about it after another text of 0-400
 tokens, and compares the first generated token with a full prefill of the new request: agreement
 of the greedy token and KL(full || hit) of its distribution, for exact reuse (`reuse`, docs/METHOD.md §2's
-exact hit) and for the check-layer routing (`check`, the default policy's), on the packaged reader
-and on tiny random models of the three families.
+exact hit) and for the check-layer routing (`check`, the default policy's), on both packaged readers
+and on tiny random models of the four families. On ``vismemo-docqa-base`` the image's K/V depend on the text
+before it by training (an instruction naming a column selects what its cells hold), so there a swapped column
+instruction changes the answer an exact reuse gives.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from transformers import DynamicCache
 from vismemo_hf import VisMemoCache, VisMemoStore, enable
 from vismemo_hf.bench.report import command as report_command
 from vismemo_hf.bench.report import header, machine
-from vismemo_hf.eval import synthdoc
+from vismemo_hf.eval import docpage, synthdoc
 from vismemo_hf.eval.docqa import messages
 from vismemo_hf.families import FAMILIES
 
@@ -43,28 +45,47 @@ def random_text(n_tokens: int, seed: int) -> str:
 
 @torch.no_grad()
 def first_token(model, processor, page, question: str, prefix: str, cache) -> torch.Tensor:
-    """Log-probabilities of the first generated token (one forward of the whole request)."""
+    """Log-probabilities of the first generated token (one forward of the whole request); ``page`` is a
+    ``synthdoc`` page, a ``docpage`` page or an image."""
     text = processor.apply_chat_template(messages(question, prefix), add_generation_prompt=True)
-    inputs = processor(text=[text], images=[synthdoc.render(page)], return_tensors="pt")
+    inputs = processor(text=[text], images=[_image(page)], return_tensors="pt")
     out = model(**inputs, cache=cache, use_cache=True)
     return torch.log_softmax(out.logits[0, -1].float(), -1)
 
 
-def measure(model, processor, pages, lengths, prefix_pairs) -> dict:
-    """Per routing and changed-prefix length: first-token agreement and mean KL against a full prefill."""
+def _image(page):
+    if isinstance(page, synthdoc.FormPage):
+        return synthdoc.render(page)
+    if isinstance(page, docpage.DocPage):
+        return docpage.render(page)
+    return page
+
+
+def synthdoc_question(page, i: int) -> str:
+    return synthdoc.question_for(page.rows[i % len(page.rows)][0])
+
+
+def docpage_question(page, i: int) -> str:
+    """A question whose answer no instruction chooses (a cell, or a key from its value)."""
+    kind = "cell" if len(page.columns) > 1 and i % 2 == 0 else "key"
+    return docpage.ask(page, kind, i % page.n_rows, (i // 2) % len(page.columns)).text
+
+
+def measure(model, processor, pages, lengths, prefix_pairs, question=synthdoc_question) -> dict:
+    """Per routing and changed-prefix length: first-token agreement and mean KL against a full prefill;
+    ``prefix_pairs(n, i)`` gives page i's old and new text, ``question(page, i)`` what is asked."""
     out = {name: {} for name in ROUTINGS}
     for n in lengths:
         rows = {name: [] for name in ROUTINGS}
         for i, page in enumerate(pages):
-            key = page.rows[i % len(page.rows)][0]
-            question = synthdoc.question_for(key)
+            q = question(page, i)
             old, new = prefix_pairs(n, i)
-            ref = first_token(model, processor, page, question, new, DynamicCache())
+            ref = first_token(model, processor, page, q, new, DynamicCache())
             for name, options in ROUTINGS.items():
                 store = VisMemoStore()
-                first_token(model, processor, page, question, old, VisMemoCache(store=store, **options))
+                first_token(model, processor, page, q, old, VisMemoCache(store=store, **options))
                 cache = VisMemoCache(store=store, **options)
-                hit = first_token(model, processor, page, question, new, cache)
+                hit = first_token(model, processor, page, q, new, cache)
                 event = cache.events[0]
                 if str(event.kind) != "exact" or event.prefix_changed != (old != new):
                     raise RuntimeError(f"expected an exact hit after another prefix, got {event.kind}")
@@ -75,6 +96,37 @@ def measure(model, processor, pages, lengths, prefix_pairs) -> dict:
                             "first_token_kl": sum(x[1] for x in r) / len(r),
                             "recomputed": sum(x[2] for x in r) / len(r), "pages": len(r)}
     return out
+
+
+def base_reader(args, lengths, random_pair) -> dict:
+    """``vismemo-docqa-base`` on ``docpage`` pages: its training texts swapped (neutral ones, or none), a column
+    instruction swapped for another column's (the answer changes with it), and random texts of ``lengths``."""
+    from vismemo_hf.eval.loading import load_model
+
+    model, processor = load_model(args.base_model)
+    enable(model)
+    layouts = docpage.LAYOUTS
+    pages = [docpage.random_page(2**31 + args.seed + i, layout=layouts[i % len(layouts)]) for i in range(args.pages)]
+    many = [docpage.random_page(2**31 + args.seed + 10_000 + i, layout=layouts[i % len(layouts)])
+            for i in range(5 * args.pages)]
+    options = ("",) + docpage.NEUTRAL
+
+    def trained(n, i):
+        return tuple(random.Random(args.seed * 7919 + i).sample(options, 2))
+
+    columns = [docpage.random_page(2**31 + args.seed + 20_000 + i, layout=("table", "invoice")[i % 2])
+               for i in range(5 * args.pages)]
+
+    def column_question(page, i):
+        return docpage.ask(page, "value", i % page.n_rows, 0).text
+
+    def column_pair(n, i):  # stored after an instruction naming column 1; asked about column 0
+        return docpage.use_column(columns[i].columns[1]), docpage.use_column(columns[i].columns[0])
+
+    name = "vismemo-docqa-base"
+    return {f"{name} (training prefixes)": measure(model, processor, many, [0], trained, docpage_question),
+            f"{name} (column instruction)": measure(model, processor, columns, [0], column_pair, column_question),
+            name: measure(model, processor, pages, lengths, random_pair, docpage_question)}
 
 
 def main(args) -> int:
@@ -104,11 +156,12 @@ def main(args) -> int:
         return random_text(8, 2 * i), random_text(n, 2 * i + 1) if n else ""
 
     results["vismemo-docqa-tiny"] = measure(model, processor, pages, lengths, random_pair)
+    results.update(base_reader(args, lengths, random_pair))
     for family in FAMILIES:
         model, processor = load_model("tiny", family)
         enable(model)
         results[f"tiny {family} (random weights)"] = measure(model, processor, pages, lengths, random_pair)
-    command = report_command("report prefix", args, ["pages", "lengths", "seed"])
+    command = report_command("report prefix", args, ["pages", "lengths", "seed", "base_model"])
     report = {"command": command, "machine": machine(note="fp32"),
               "seconds": round(time.time() - t0), "results": results}
     out = Path(args.out)
@@ -124,14 +177,19 @@ def main(args) -> int:
              "token and KL(full || hit) of the first token's distribution, averaged over the pages. "
              "`changed prefix` is the length in tokens of the new text (0: the page was stored after a short text "
              "and is asked with none). The first row keeps the reader within its training range: the old and "
-             "new texts are two different ones of the texts it was trained with (or none).", "",
+             "new texts are two different ones of the texts it was trained with (or none). `column instruction swapped` "
+             "(vismemo-docqa-base): the page, a table or invoice, was stored after `Use COL.` naming its second "
+             "column and is asked about its first; the text changes the answer, and the stored cells hold the "
+             "other column's selection.", "",
              "| model | changed prefix (tokens) | reuse: agreement | reuse: KL | check: agreement | check: KL | "
              "check: recomputed tokens | pages |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for model_name, by_routing in results.items():
         for n in by_routing["reuse"]:
             r, c = by_routing["reuse"][n], by_routing["check"][n]
-            label = "training texts" if "training" in model_name else str(n)
-            lines.append(f"| {model_name.replace(' (training prefixes)', '')} | {label} | "
+            name, _, case = model_name.partition(" (")
+            label = {"training prefixes)": "training texts", "column instruction)": "column instruction swapped"}.get(
+                case, str(n))
+            lines.append(f"| {name if 'random' not in case else model_name} | {label} | "
                          f"{r['first_token_agreement']:.3f} | {r['first_token_kl']:.4f} | "
                          f"{c['first_token_agreement']:.3f} | {c['first_token_kl']:.4f} | {c['recomputed']:.1f} | "
                          f"{r['pages']} |")

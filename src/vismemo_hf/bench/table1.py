@@ -14,7 +14,7 @@ import torch
 
 from vismemo_hf import enable
 from vismemo_hf.bench.report import machine
-from vismemo_hf.eval import synthdoc
+from vismemo_hf.eval import docstream, synthdoc
 from vismemo_hf.eval.quality import evaluate, reading_by_type, summarise
 from vismemo_hf.runtime.cache import DEFAULT_POLICY
 from vismemo_hf.store.store import VisMemoStore
@@ -55,8 +55,11 @@ def _progress(total: int, desc: str):
     return tqdm(total=total, desc=desc, leave=False)
 
 
-def heldout_streams(bases: int) -> dict[str, list]:
-    """Streams no design choice looked at: ``synthdoc.stream`` and ``synthdoc.perturbation_stream`` seeds."""
+def heldout_streams(bases: int, pages: str = "synthdoc") -> dict[str, list]:
+    """Streams no design choice looked at: ``synthdoc.stream`` and ``synthdoc.perturbation_stream`` seeds, or
+    ``docstream.stream`` seeds on ``docpage`` pages."""
+    if pages == "docpage":
+        return {"stream": [r for s in HELDOUT_STREAM_SEEDS for r in docstream.stream(s, n_bases=bases)]}
     return {
         "stream": [r for s in HELDOUT_STREAM_SEEDS for r in synthdoc.stream(s, n_bases=bases)],
         "perturbations": [r for s in HELDOUT_PERTURBATION_SEEDS
@@ -65,10 +68,10 @@ def heldout_streams(bases: int) -> dict[str, list]:
 
 
 def run(model, processor, requests, policies, sweep_rho, sweep_beta, max_new_tokens: int, heldout: int = 0,
-        heldout_bases: int = 0) -> dict:
+        heldout_bases: int = 0, pages: str = "synthdoc") -> dict:
     results, scored_by = {}, {}
-    reading = reading_by_type(model, processor, heldout, max_new_tokens,
-                              progress=_progress(heldout * len(synthdoc.STYLES), "reader")) if heldout else None
+    reading = reading_by_type(model, processor, heldout, max_new_tokens, progress=_progress(0, "reader"),
+                              pages=pages) if heldout else None
     reference = evaluate(model, processor, requests, "full", max_new_tokens=max_new_tokens,
                          progress=_progress(len(requests), "full (reference)"))
     scored_by["full"] = reference
@@ -89,7 +92,7 @@ def run(model, processor, requests, policies, sweep_rho, sweep_beta, max_new_tok
                           progress=_progress(len(requests), f"vismemo beta={beta}"))
         sweeps["reuse_ratio"][beta] = summarise(scored, reference)
     held = {}
-    for name, stream in (heldout_streams(heldout_bases).items() if heldout_bases else []):
+    for name, stream in (heldout_streams(heldout_bases, pages).items() if heldout_bases else []):
         ref = evaluate(model, processor, stream, "full", max_new_tokens=max_new_tokens,
                        progress=_progress(len(stream), f"{name} full"))
         held[name] = {"requests": len(stream), "policies": {}}
@@ -142,21 +145,22 @@ def main(args) -> int:
     model, processor = load_model(args.model)
     enable(model)
     seeds = _seeds(args)
-    requests = [r for seed in seeds for r in synthdoc.stream(seed, n_bases=args.bases)]
+    pages, stream = docstream.reader_pages(args.model, args.pages)
+    requests = [r for seed in seeds for r in stream(seed, n_bases=args.bases)]
     policies = POLICIES if args.policies == "all" else [DEFAULT_POLICY if p == "default" else p
                                                          for p in args.policies.split(",")]
     rho = [float(x) for x in args.sweep_rho.split(",")] if args.sweep_rho and not args.no_sweeps else []
     beta = [float(x) for x in args.sweep_beta.split(",")] if args.sweep_beta and not args.no_sweeps else []
     t0 = time.time()
     result = run(model, processor, requests, policies, rho, beta, args.max_new_tokens, args.heldout,
-                 args.heldout_bases)
+                 args.heldout_bases, pages)
     streams = f"--seeds {args.seeds}" if args.seeds else f"--streams {args.streams}"
     sweeps = " --no-sweeps" if args.no_sweeps else f" --sweep-rho {args.sweep_rho} --sweep-beta {args.sweep_beta}"
-    command = (f"vismemo report quality --model {args.model} {streams} --bases {args.bases} "
+    command = (f"vismemo report quality --model {args.model} --pages {args.pages} {streams} --bases {args.bases} "
                f"--policies {args.policies}{sweeps} "
                f"--max-new-tokens {args.max_new_tokens} --heldout {args.heldout} --heldout-bases {args.heldout_bases}")
     kinds = {k: sum(r.intended == k for r in requests) for k in ("miss", "exact", "approximate")}
-    result.update(command=command, model=args.model, requests=len(requests), intended=kinds, seeds=seeds,
+    result.update(command=command, model=args.model, pages=pages, requests=len(requests), intended=kinds, seeds=seeds,
                   machine=machine(note="fp32"), seconds=round(time.time() - t0))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -181,17 +185,25 @@ def _seeds(args) -> list[int]:
 
 def _intro(result, args) -> list[str]:
     kinds = result["intended"]
+    if result.get("pages") == "docpage":
+        what = (f"Qwen2.5-VL architecture, trained here to read `docpage` pages), {result['machine']}; "
+                f"{result['requests']} requests of `docstream.stream` in stream order ({kinds['miss']} new pages of "
+                f"the five layouts, {kinds['exact']} same page with another question or another instruction before "
+                f"the image, {kinds['approximate']} near-duplicates: one or several edited cells, scroll, crop, popup, "
+                f"widget switch, rescan, shift")
+    else:
+        what = (f"Qwen2-VL architecture, trained here to read synthetic pages), {result['machine']}; "
+                f"{result['requests']} requests in stream order ({kinds['miss']} new pages of the five page types, "
+                f"{kinds['exact']} same page with another question or another text before the image, "
+                f"{kinds['approximate']} near-duplicates: edited value, shift, JPEG / brightness, switched status "
+                "light")
     return [
-        "# Table 1: quality of each policy on synthetic document streams", "",
-        f"Command: `{result['command']}`  ", f"Model: `{args.model}` (Qwen2-VL architecture, trained here to read "
-        f"synthetic pages), {result['machine']}; {result['requests']} requests in stream order ({kinds['miss']} new "
-        f"pages of the five page types, {kinds['exact']} same page with another question or another text before the "
-        f"image, {kinds['approximate']} near-duplicates: edited value, shift, JPEG / brightness, switched status "
-        f"light; {_fmt(result['visual_tokens'], 1)} visual tokens per request), one store per policy, greedy answers. "
+        f"# Table 1: quality of each policy on {args.model}'s streams", "",
+        f"Command: `{result['command']}`  ", f"Model: `{args.model}` ({what}; "
+        f"{_fmt(result['visual_tokens'], 1)} visual tokens per request), one store per policy, greedy answers. "
         "Reference for fidelity: `full`. Stream seeds "
-        f"{', '.join(map(str, result['seeds']))}; the default policy (`attend-deviate`) was designed on "
-        f"these and its recompute ratio chosen on seeds {', '.join(map(str, STREAM_TUNING_SEEDS))}; the section "
-        "\"Held-out streams\" uses seeds that informed nothing. Rows `NAME@int8` / `NAME@fp8`: the store keeps "
+        f"{', '.join(map(str, result['seeds']))}; the section \"Held-out streams\" uses seeds that informed "
+        "nothing. Rows `NAME@int8` / `NAME@fp8`: the store keeps "
         "8-bit K/V (`VisMemoStore(kv_format=...)`), so every exact and approximate hit is served from 8-bit "
         "entries; `@keep0.5`: compressed entries holding the K/V of the half of each image's tokens VL-Cache ranks "
         "first for the question that stored it, the others masked on hits (`+recompute`: recomputed).", ""]
@@ -245,13 +257,17 @@ def _reader_section(result, args) -> list[str]:
 def _heldout_section(result, args) -> list[str]:
     if not result["heldout"]:
         return []
-    lines = ["## Held-out streams", "",
-             f"Seeds that no design choice looked at: `synthdoc.stream` seeds "
-             f"{', '.join(map(str, HELDOUT_STREAM_SEEDS))} and `synthdoc.perturbation_stream` seeds "
-             f"{', '.join(map(str, HELDOUT_PERTURBATION_SEEDS))} ({args.heldout_bases} new pages each). The "
-             "perturbation stream's near-duplicates are of kinds Table 1's streams never make: two values "
-             "edited, a renamed key, two rows swapped, an edited value on a page shifted by 1 px, pixel noise, "
-             "a dimmed page, a 1-px shift.", "",
+    if result.get("pages") == "docpage":
+        intro = (f"Seeds that no design choice looked at: `docstream.stream` seeds "
+                 f"{', '.join(map(str, HELDOUT_STREAM_SEEDS))} ({args.heldout_bases} new pages each).")
+    else:
+        intro = (f"Seeds that no design choice looked at: `synthdoc.stream` seeds "
+                 f"{', '.join(map(str, HELDOUT_STREAM_SEEDS))} and `synthdoc.perturbation_stream` seeds "
+                 f"{', '.join(map(str, HELDOUT_PERTURBATION_SEEDS))} ({args.heldout_bases} new pages each). The "
+                 "perturbation stream's near-duplicates are of kinds Table 1's streams never make: two values "
+                 "edited, a renamed key, two rows swapped, an edited value on a page shifted by 1 px, pixel noise, "
+                 "a dimmed page, a 1-px shift.")
+    lines = ["## Held-out streams", "", intro, "",
              "| stream | policy | ANLS | approximate | edited value | stale answers | first-token agree | "
              "requests (approximate) |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for stream, data in result["heldout"].items():

@@ -1,9 +1,11 @@
 """``vismemo calibrate``: lookup thresholds for one model, from near-duplicate and unrelated image pairs.
 
-Pairs are synthetic: document pages (``synthdoc``, five page styles) and text pages, forms of
-one template, screens, photos and textures (``thresholds.synthetic_image``). A near-duplicate is the same image
+Pairs are synthetic: document pages (``synthdoc``, five page styles, or with ``pages="docpage"`` the
+``docpage`` layouts of ``vismemo-docqa-base`` and the near-duplicate kinds of its streams) and text pages, forms
+of one template, screens, photos and textures (``thresholds.synthetic_image``). A near-duplicate is the same image
 with a small change (an edited value or key, swapped rows, a 1-3 px shift, JPEG, brightness,
-noise, a small pasted patch); an unrelated image is another one of the same kind and size.
+noise, a small pasted patch; on ``docpage`` pages one or several edited cells, a scroll, a crop, a popup, a
+switched widget, a rescan, a shift); an unrelated image is another one of the same kind and size.
 Each pair is scored exactly as the lookup scores it: the smallest centred regional cosine
 (coarse) and the mean centred token cosine (fine, full width and from sketches).
 
@@ -23,7 +25,7 @@ from PIL import Image, ImageDraw
 from vismemo_hf.core.features import region_descriptors, sketch_cosine, token_sketch
 from vismemo_hf.core.images import IMAGE_KINDS, synthetic_image
 from vismemo_hf.core.thresholds import LookupThresholds, regional_cosines, token_cosines
-from vismemo_hf.eval import synthdoc
+from vismemo_hf.eval import docpage, synthdoc
 from vismemo_hf.families import ModelAdapter
 from vismemo_hf.runtime.reference import encode_images, model_reference
 
@@ -38,11 +40,36 @@ def _patch(image: Image.Image, rng: random.Random) -> Image.Image:
     return out
 
 
-def pairs(seed: int, per_kind: int) -> list[tuple[Image.Image, Image.Image, bool, str]]:
-    """(image, other image, near-duplicate?, what changed) pairs: ``per_kind`` of each near-duplicate kind and as
-    many unrelated pairs, for documents and for each synthetic image kind."""
+def docpage_pairs(seed: int, per_kind: int) -> list[tuple[Image.Image, Image.Image, bool, str]]:
+    """``docpage`` pairs (layouts in turn): each kind of ``docstream``'s near-duplicates, and another page of the
+    same layout as the unrelated one."""
     rng = random.Random(seed)
     out = []
+    for i in range(per_kind):
+        layout = docpage.LAYOUTS[i % len(docpage.LAYOUTS)]
+        page = docpage.random_page(2**31 + seed * 1000 + i, layout=layout)
+        cells = [(r, c) for r in range(page.n_rows) for c in range(len(page.columns))]
+        ui = page if layout == "ui" else docpage.random_page(2**31 + seed * 1000 + 700 + i, layout="ui")
+        near = {"edit cell": (page, docpage.edit_cells(page, rng.sample(cells, 1), rng)),
+                "edit cells": (page, docpage.edit_cells(page, rng.sample(cells, min(3, len(cells))), rng)),
+                "scroll": (page, docpage.scroll(page, rng.choice([-14, 14, 28]))),
+                "crop": (page, docpage.crop(page, rng.choice([6, 10]))),
+                "popup": (page, docpage.popup(page, rng)),
+                "widget": (ui, docpage.toggle(ui, rng.randrange(ui.n_rows))),
+                "rescan": (page, docpage.rescan(page, rng)),
+                "shift": (page, docpage.shift(page, rng.choice([-3, -2, 2, 3]), rng.choice([-2, 0, 2])))}
+        out += [(docpage.render(a), docpage.render(b), True, f"docpage {kind}") for kind, (a, b) in near.items()]
+        other = docpage.random_page(2**31 + seed * 1000 + 500 + i, layout=layout)
+        out.append((docpage.render(page), docpage.render(other), False, "docpage unrelated"))
+    return out
+
+
+def pairs(seed: int, per_kind: int, pages: str = "synthdoc") -> list[tuple[Image.Image, Image.Image, bool, str]]:
+    """(image, other image, near-duplicate?, what changed) pairs: ``per_kind`` of each near-duplicate kind and as
+    many unrelated pairs, for documents (``synthdoc`` forms, or ``docpage`` pages as well) and for each synthetic
+    image kind."""
+    rng = random.Random(seed)
+    out = docpage_pairs(seed, per_kind) if pages == "docpage" else []
     for i in range(per_kind):
         style = synthdoc.STYLES[i % len(synthdoc.STYLES)]
         page = synthdoc.random_form(seed * 1000 + i, style=style)
@@ -101,6 +128,12 @@ def choose(rows: list[dict]) -> tuple[float, float]:
     return round(max(-1.0, tau), 4), round(tau_fine, 4)
 
 
+def rates_of(rows: list[dict], passes) -> dict:
+    near, far = [r for r in rows if r["near"]], [r for r in rows if not r["near"]]
+    return {"recall": sum(map(passes, near)) / max(1, len(near)), "fpr": sum(map(passes, far)) / max(1, len(far)),
+            "near_pairs": len(near), "unrelated_pairs": len(far)}
+
+
 def rates(rows: list[dict], tau: float, tau_fine: float, key: str = "fine", coarse: str = "coarse") -> dict:
     """Recall (near-duplicates found), false-positive rate (unrelated aliased), per-kind recall."""
     def passes(r):
@@ -109,20 +142,23 @@ def rates(rows: list[dict], tau: float, tau_fine: float, key: str = "fine", coar
     near = [r for r in rows if r["near"]]
     far = [r for r in rows if not r["near"]]
     kinds = sorted({r["what"] for r in near})
+    sources = sorted({r["what"].split()[0] for r in rows})
     return {"recall": sum(map(passes, near)) / max(1, len(near)), "fpr": sum(map(passes, far)) / max(1, len(far)),
             "near_pairs": len(near), "unrelated_pairs": len(far),
+            "by_source": {s: rates_of([r for r in rows if r["what"].split()[0] == s], passes) for s in sources},
             "recall_by_kind": {k: sum(passes(r) for r in near if r["what"] == k) / sum(r["what"] == k for r in near)
                                for k in kinds}}
 
 
-def calibrate(model, per_kind: int = 10, seed: int = 1, heldout_seed: int = 2) -> dict:
-    """Measure and choose thresholds for ``model``; the report holds what ``LookupThresholds`` needs."""
+def calibrate(model, per_kind: int = 10, seed: int = 1, heldout_seed: int = 2, pages: str = "synthdoc") -> dict:
+    """Measure and choose thresholds for ``model`` on ``pages``' pairs; the report holds what ``LookupThresholds``
+    needs."""
     adapter = ModelAdapter.for_model(model)
     get_image_features = model.model.get_image_features
     with torch.no_grad():
         reference = model_reference(adapter, get_image_features)
-        rows = score_pairs(adapter, get_image_features, pairs(seed, per_kind), reference)
-        heldout = score_pairs(adapter, get_image_features, pairs(heldout_seed, per_kind), reference)
+        rows = score_pairs(adapter, get_image_features, pairs(seed, per_kind, pages), reference)
+        heldout = score_pairs(adapter, get_image_features, pairs(heldout_seed, per_kind, pages), reference)
     tau, tau_fine = choose(rows)
     sketch_agree = [(r["fine"] >= tau_fine) == (r["fine_sketch"] >= tau_fine) for r in rows + heldout]
     return {

@@ -34,8 +34,9 @@ class PageRequest(Request):
         return docpage.answer_tokens(self.page, self.asked)
 
 
-def _row(rid: str, page: docpage.DocPage, q: docpage.Question, intended: str, variant: str,
-         stale: str | None = None) -> PageRequest:
+def request(rid: str, page: docpage.DocPage, q: docpage.Question, intended: str, variant: str,
+            stale: str | None = None) -> PageRequest:
+    """The row asking ``q`` about ``page`` (``stale``: the value an outdated reuse would answer)."""
     return PageRequest(rid, page, q.text, [q.answer], intended, variant, stale is not None, stale, q.instruction,
                        asked=q)
 
@@ -43,27 +44,27 @@ def _row(rid: str, page: docpage.DocPage, q: docpage.Question, intended: str, va
 def _follow_up(rng: random.Random, base: docpage.DocPage, first: docpage.Question, kind: str, rid: str):
     if kind == "same":
         q = docpage.random_question(rng, base, instruct=0.0)
-        return _row(rid, base, q, "exact", kind)
+        return request(rid, base, q, "exact", kind)
     if kind == "instruction":  # the first question after another text before the image
         if first.kind == "value" and len(base.columns) > 1:  # its instruction names the column: name another one
             q = docpage.ask(base, "value", first.row, (first.column + 1) % len(base.columns))
         else:
             q = docpage.ask(base, first.kind, first.row, first.column, rng.choice(INSTRUCTIONS))
-        return _row(rid, base, q, "exact", kind)
+        return request(rid, base, q, "exact", kind)
     if kind in ("edit_asked", "edit_several"):
         cells = [(r, c) for r in range(base.n_rows) for c in range(len(base.columns))]
         picked = rng.sample(cells, 1 if kind == "edit_asked" else min(len(cells), rng.randint(2, 3)))
         page = docpage.edit_cells(base, picked, rng)
         row, column = picked[0]
         q = docpage.ask(page, "cell" if len(page.columns) > 1 else "value", row, column)
-        return _row(rid, page, q, "approximate", kind, stale=base.values[row][column])
+        return request(rid, page, q, "approximate", kind, stale=base.values[row][column])
     page = {"scroll": lambda: docpage.scroll(base, rng.choice([-14, 14, 28])),
             "crop": lambda: docpage.crop(base, rng.choice([6, 10])),
             "popup": lambda: docpage.popup(base, rng),
             "widget": lambda: docpage.toggle(base, rng.randrange(base.n_rows)),
             "rescan": lambda: docpage.rescan(base, rng),
             "shift": lambda: docpage.shift(base, rng.choice([-3, -2, 2, 3]), rng.choice([-2, 0, 2]))}[kind]()
-    return _row(rid, page, docpage.random_question(rng, page, instruct=0.0), "approximate", kind)
+    return request(rid, page, docpage.random_question(rng, page, instruct=0.0), "approximate", kind)
 
 
 def stream(seed: int, n_bases: int = 12, follow_ups: int = 4) -> list[PageRequest]:
@@ -75,7 +76,7 @@ def stream(seed: int, n_bases: int = 12, follow_ups: int = 4) -> list[PageReques
         layout = docpage.LAYOUTS[b % len(docpage.LAYOUTS)]
         base = docpage.random_page(seed * 100_003 + b, layout=layout)
         first = docpage.random_question(rng, base, instruct=0.0)
-        out.append(_row(f"d{seed}b{b}", base, first, "miss", f"base-{layout}"))
+        out.append(request(f"d{seed}b{b}", base, first, "miss", f"base-{layout}"))
         for v in range(follow_ups):
             kind = KINDS[(b * follow_ups + v) % len(KINDS)]
             if layout == "ui" and v == 0:  # every ui page gets its widget switched once
@@ -88,3 +89,15 @@ def stream(seed: int, n_bases: int = 12, follow_ups: int = 4) -> list[PageReques
         pending = pending[len(release):]
         out.extend(release)
     return out + pending
+
+
+def reader_pages(model: str, pages: str = "auto"):
+    """``(pages, stream builder)`` of a reader: ``docpage`` pages (this module's streams) for
+    ``vismemo-docqa-base`` and checkpoints of it, ``synthdoc`` for the tiny reader; ``pages`` names one instead."""
+    from vismemo_hf.eval import synthdoc
+
+    if pages == "auto":
+        pages = "docpage" if "docqa-base" in str(model) else "synthdoc"
+    if pages not in ("docpage", "synthdoc"):
+        raise ValueError(f"pages must be auto, docpage or synthdoc, got {pages!r}")
+    return pages, (stream if pages == "docpage" else synthdoc.stream)

@@ -53,6 +53,7 @@ class Scored:
     answer_cells: dict | None = None
     visual_tokens: int = 0  # the request's visual tokens (every image)
     ttft_ms: float = 0.0  # time to the first token (vision encoder, prefill, first token)
+    recomputed_share: float | None = None  # hits: the share of the image's tokens the plan recomputed
 
 
 class TokenClock(StoppingCriteria):
@@ -103,9 +104,11 @@ def evaluate(model, processor, requests, policy: str = DEFAULT_POLICY, store: Vi
         cache = DynamicCache() if policy == "plain" else VisMemoCache(store=store, policy=policy, **options)
         prediction, tokens, logprobs, visual, ttft = answer(model, processor, request, cache, max_new_tokens)
         kind = "miss" if policy == "plain" else str(cache.events[0].kind)
-        routing = answer_cell_routing(request, cache.events[0].plan) if kind == "approximate" else None
+        event = None if policy == "plain" else cache.events[0]
+        routing = answer_cell_routing(request, event.plan) if kind == "approximate" else None
+        share = event.recomputed / event.n_tokens if kind in ("exact", "approximate") and event.n_tokens else None
         scored.append(Scored(request, prediction, kind, anls(prediction, request.answers), logprobs, tokens, routing,
-                             visual, ttft))
+                             visual, ttft, share))
         if progress is not None:
             progress.update(1)
     return scored
@@ -125,6 +128,8 @@ def summarise(scored: list[Scored], reference: list[Scored] | None = None) -> di
         out[f"n_{kind}"] = len(subset)
     variants = sorted({s.request.variant for s in scored})
     out["anls_by_variant"] = {v: mean([s.anls for s in scored if s.request.variant == v]) for v in variants}
+    shares = [s.recomputed_share for s in scored if s.kind == "approximate" and s.recomputed_share is not None]
+    out["recomputed_share_approximate"] = mean(shares)
     routed = [s.answer_cells for s in scored if s.answer_cells is not None]
     total = sum(sum(r.values()) for r in routed)
     out["answer_cells"] = {k: sum(r[k] for r in routed) / total for k in ("R", "B", "M")} if total else None
@@ -141,12 +146,23 @@ def summarise(scored: list[Scored], reference: list[Scored] | None = None) -> di
     return {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in out.items()}
 
 
-def heldout_pages(per_type: int = 40, seed: int = 900_000) -> list[synthdoc.Request]:
-    """Pages no training step drew (fixed seeds), ``per_type`` of every page type, one question each."""
+def heldout_pages(per_type: int = 40, seed: int = 900_000, pages: str = "synthdoc") -> list[synthdoc.Request]:
+    """Pages no training step drew (fixed seeds), ``per_type`` of every page type (``synthdoc`` styles, or
+    ``docpage`` layouts with questions of every kind and instructions), one question each; ``variant`` names the
+    type (``base-TYPE``)."""
     import random
 
     rng = random.Random(seed)
     out = []
+    if pages == "docpage":
+        from vismemo_hf.eval import docpage, docstream
+
+        for layout in docpage.LAYOUTS:  # seeds from 2**31 on: training draws page seeds below 2**31
+            for i in range(per_type):
+                page = docpage.random_page(2**31 + seed + len(out), layout=layout)
+                out.append(docstream.request(f"held-{layout}-{i}", page, docpage.random_question(rng, page),
+                                             "miss", f"base-{layout}"))
+        return out
     for style in synthdoc.STYLES:
         for i in range(per_type):
             page = synthdoc.random_form(seed + len(out), style=style)
@@ -156,17 +172,18 @@ def heldout_pages(per_type: int = 40, seed: int = 900_000) -> list[synthdoc.Requ
     return out
 
 
-def reading_by_type(model, processor, per_type: int = 40, max_new_tokens: int = 6, progress=None) -> dict:
+def reading_by_type(model, processor, per_type: int = 40, max_new_tokens: int = 6, progress=None,
+                    pages: str = "synthdoc") -> dict:
     """Full-prefill ANLS of the reader on held-out pages, per page type (``DynamicCache``: no VisMemo at all)."""
-    requests = heldout_pages(per_type)
+    requests = heldout_pages(per_type, pages=pages)
     scored = evaluate(model, processor, requests, policy="plain", max_new_tokens=max_new_tokens, progress=progress)
-    out = {}
-    for style in synthdoc.STYLES:
-        subset = [s for s in scored if s.request.page.style == style]
-        out[style] = {"anls": sum(s.anls for s in subset) / len(subset),
-                      "exact_match": sum(s.prediction == s.request.answers[0] for s in subset) / len(subset),
-                      "n": len(subset)}
-    out["all"] = {"anls": sum(s.anls for s in scored) / len(scored),
-                  "exact_match": sum(s.prediction == s.request.answers[0] for s in scored) / len(scored),
-                  "n": len(scored)}
+
+    def rates(subset):
+        return {"anls": sum(s.anls for s in subset) / len(subset),
+                "exact_match": sum(s.prediction == s.request.answers[0] for s in subset) / len(subset),
+                "n": len(subset)}
+
+    types = dict.fromkeys(s.request.variant for s in scored)
+    out = {t.removeprefix("base-"): rates([s for s in scored if s.request.variant == t]) for t in types}
+    out["all"] = rates(scored)
     return out
