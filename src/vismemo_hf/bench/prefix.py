@@ -44,11 +44,17 @@ def random_text(n_tokens: int, seed: int) -> str:
 
 
 @torch.no_grad()
-def first_token(model, processor, page, question: str, prefix: str, cache) -> torch.Tensor:
+def first_token(model, processor, page, question: str, prefix: str | tuple, cache) -> torch.Tensor:
     """Log-probabilities of the first generated token (one forward of the whole request); ``page`` is a
-    ``synthdoc`` page, a ``docpage`` page or an image."""
-    text = processor.apply_chat_template(messages(question, prefix), add_generation_prompt=True)
-    inputs = processor(text=[text], images=[_image(page)], return_tensors="pt")
+    ``synthdoc`` page, a ``docpage`` page or an image; ``prefix`` the text before it, or ``(earlier page, text)``:
+    another image first."""
+    earlier, before = prefix if isinstance(prefix, tuple) else (None, prefix)
+    chat, images = messages(question, before), [_image(page)]
+    if earlier is not None:
+        chat[0]["content"].insert(0, {"type": "image"})
+        images.insert(0, _image(earlier))
+    text = processor.apply_chat_template(chat, add_generation_prompt=True)
+    inputs = processor(text=[text], images=images, return_tensors="pt")
     out = model(**inputs, cache=cache, use_cache=True)
     return torch.log_softmax(out.logits[0, -1].float(), -1)
 
@@ -86,7 +92,7 @@ def measure(model, processor, pages, lengths, prefix_pairs, question=synthdoc_qu
                 first_token(model, processor, page, q, old, VisMemoCache(store=store, **options))
                 cache = VisMemoCache(store=store, **options)
                 hit = first_token(model, processor, page, q, new, cache)
-                event = cache.events[0]
+                event = cache.events[-1]  # the page's (an earlier image comes first)
                 if str(event.kind) != "exact" or event.prefix_changed != (old != new):
                     raise RuntimeError(f"expected an exact hit after another prefix, got {event.kind}")
                 rows[name].append((float(hit.argmax() == ref.argmax()),
@@ -123,9 +129,13 @@ def base_reader(args, lengths, random_pair) -> dict:
     def column_pair(n, i):  # stored after an instruction naming column 1; asked about column 0
         return docpage.use_column(columns[i].columns[1]), docpage.use_column(columns[i].columns[0])
 
+    def earlier_image(n, i):  # stored alone, asked after another page
+        return "", (many[-1 - i], "")
+
     name = "vismemo-docqa-base"
     return {f"{name} (training prefixes)": measure(model, processor, many, [0], trained, docpage_question),
             f"{name} (column instruction)": measure(model, processor, columns, [0], column_pair, column_question),
+            f"{name} (earlier image)": measure(model, processor, pages, [0], earlier_image, docpage_question),
             name: measure(model, processor, pages, lengths, random_pair, docpage_question)}
 
 
@@ -180,15 +190,16 @@ def main(args) -> int:
              "new texts are two different ones of the texts it was trained with (or none). `column instruction swapped` "
              "(vismemo-docqa-base): the page, a table or invoice, was stored after `Use COL.` naming its second "
              "column and is asked about its first; the text changes the answer, and the stored cells hold the "
-             "other column's selection.", "",
+             "other column's selection. `another page before it`: the page was stored alone and is asked about after "
+             "another page (two images in the request).", "",
              "| model | changed prefix (tokens) | reuse: agreement | reuse: KL | check: agreement | check: KL | "
              "check: recomputed tokens | pages |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for model_name, by_routing in results.items():
         for n in by_routing["reuse"]:
             r, c = by_routing["reuse"][n], by_routing["check"][n]
             name, _, case = model_name.partition(" (")
-            label = {"training prefixes)": "training texts", "column instruction)": "column instruction swapped"}.get(
-                case, str(n))
+            label = {"training prefixes)": "training texts", "column instruction)": "column instruction swapped",
+                     "earlier image)": "another page before it"}.get(case, str(n))
             lines.append(f"| {name if 'random' not in case else model_name} | {label} | "
                          f"{r['first_token_agreement']:.3f} | {r['first_token_kl']:.4f} | "
                          f"{c['first_token_agreement']:.3f} | {c['first_token_kl']:.4f} | {c['recomputed']:.1f} | "

@@ -1,0 +1,58 @@
+"""The second packaged reader, vismemo-docqa-base: loads by name offline, reads held-out docpage pages of every
+layout, and tells stale reuse from a full prefill on its own streams."""
+
+import pytest
+
+from vismemo_hf.eval import docpage, docqa_base, docstream
+from vismemo_hf.eval.quality import evaluate, summarise
+
+#: issue K's bar for the reader's full-prefill ANLS on every layout
+BAR = 0.95
+
+pytestmark = pytest.mark.skipif(not (docqa_base.PACKAGED / "config.json").is_file(), reason="no packaged checkpoint")
+
+
+@pytest.fixture(scope="module")
+def reader():
+    import vismemo_hf
+    from vismemo_hf.eval.loading import load_model
+
+    model, processor = load_model(docqa_base.MODEL_NAME)
+    vismemo_hf.enable(model)
+    return model, processor
+
+
+def test_the_packaged_base_reader_is_small_deep_and_loads_by_name(reader):
+    size = sum(f.stat().st_size for f in docqa_base.PACKAGED.iterdir())
+    assert size <= 40 * 2**20
+    model, processor = reader
+    assert model.config.model_type == "qwen2_5_vl" and model.config.text_config.num_hidden_layers >= 8
+    assert model.config.vision_config.fullatt_block_indexes  # window attention with full-attention blocks
+    assert (docqa_base.PACKAGED / "README.md").is_file()
+    text = processor.apply_chat_template(docqa_base.messages("ABC?"), add_generation_prompt=True)
+    page = docpage.render(docpage.random_page(3))
+    inputs = processor(text=[text], images=[page], return_tensors="pt")
+    assert int((inputs["input_ids"] == model.config.image_token_id).sum()) == 256
+
+
+def test_full_prefill_reads_held_out_pages_of_every_layout(reader):
+    """Issue K's bar on pages no training step drew: full-prefill ANLS >= 0.95 on every layout."""
+    from vismemo_hf.eval.quality import reading_by_type
+
+    model, processor = reader
+    reading = reading_by_type(model, processor, per_type=8, pages="docpage")
+    assert set(reading) == set(docpage.LAYOUTS) | {"all"}
+    for layout, r in reading.items():
+        assert r["n"] > 0 and r["anls"] >= BAR, (layout, r)
+
+
+def test_on_its_streams_naive_reuse_goes_stale_and_the_default_does_not(reader):
+    model, processor = reader
+    rows = [r for r in docstream.stream(4242, n_bases=10) if r.variant in ("edit_asked", "edit_several")
+            or r.intended == "miss"]
+    full = evaluate(model, processor, rows, "full", max_new_tokens=6)
+    naive = summarise(evaluate(model, processor, rows, "naive", max_new_tokens=6), full)
+    default = summarise(evaluate(model, processor, rows, max_new_tokens=6), full)
+    assert summarise(full)["anls_edited_value"] >= 0.9
+    assert naive["stale_rate"] >= 0.5  # reusing every token answers the value before the edit
+    assert default["stale_rate"] == 0.0 and default["anls_edited_value"] >= summarise(full)["anls_edited_value"] - 0.01
