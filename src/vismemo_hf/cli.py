@@ -198,7 +198,8 @@ def train_docqa(args) -> int:
     if args.reader == "base":
         from vismemo_hf.eval.docqa_base import train
 
-        options = {k: v for k, v in (("batch_size", args.batch_size), ("lr", args.lr)) if v is not None}
+        options = {k: v for k, v in (("batch_size", args.batch_size), ("lr", args.lr),
+                                     ("total_steps", args.total_steps)) if v is not None}
         result = train(out, minutes=args.minutes, max_steps=args.max_steps, seed=args.seed, log=log, **options)
         print(f"step {result['step']}: latest state in {out}/state, best model in {out}/model "
               f"(held-out exact {result['best']:.3f})")
@@ -344,6 +345,8 @@ def _add_train(sub) -> None:
     p.add_argument("--max-steps", type=int, default=20000, help="stop at this step (counted over resumed runs for base)")
     p.add_argument("--batch-size", type=int, default=None, help="default: 32 (tiny), 16 (base)")
     p.add_argument("--threads", type=int, default=2, help="torch CPU threads")
+    p.add_argument("--total-steps", type=int, default=None,
+                   help="base: length of the cosine schedule (kept in the checkpoint; default 12000 for a new run)")
     p.add_argument("--lr", type=float, default=None, help="peak learning rate; default: 2e-3 (tiny), 1.5e-3 (base)")
     p.add_argument("--resume", default=None,
                    help="tiny: continue a saved checkpoint (all rows filled, fresh optimizer); base resumes from --out")

@@ -264,13 +264,14 @@ LEVEL_GATE, LEVEL_STEP = 0.7, 0.15
 
 # -- training ------------------------------------------------------------------------------------------------
 def train(out: str | Path, minutes: float = 55.0, max_steps: int = 20000, batch_size: int = 16, lr: float = 1.5e-3,
-          total_steps: int = 12000, seed: int = 0, eval_every: int = 250, log=print) -> dict:
+          total_steps: int | None = None, seed: int = 0, eval_every: int = 250, log=print) -> dict:
     """Train ``vismemo-docqa-base`` into ``out`` for ``minutes`` (or until step ``max_steps``); resumes from ``out``
     when it holds a checkpoint. The data of step s come from ``Random((seed, s))`` and the curriculum level is
     kept in the checkpoint, so a resumed run draws what an uninterrupted one would. The curriculum starts on small
     pages and moves on (more rows, more full pages) each time the small pages' held-out exact match passes
     ``LEVEL_GATE``. ``out`` keeps the latest state (``state/``) and the best model by held-out teacher-forced exact
-    match on full pages (``model/``)."""
+    match on full pages (``model/``). ``total_steps`` is the length of the cosine schedule (12,000 for a new run;
+    kept in the checkpoint, and a resumed run may shorten it to anneal sooner)."""
     out = Path(out)
     state_dir, model_dir = out / "state", out / "model"
     if (state_dir / "config.json").is_file():
@@ -283,7 +284,11 @@ def train(out: str | Path, minutes: float = 55.0, max_steps: int = 20000, batch_
         processor = new_processor()
         model = new_model(processor.tokenizer, seed)
         info = {"step": 0, "history": [], "best": -1.0, "seed": seed, "batch_size": batch_size, "lr": lr,
-                "total_steps": total_steps}
+                "total_steps": total_steps or 12000}
+    if total_steps and total_steps != info.get("total_steps"):
+        info.setdefault("schedule_changes", []).append({"step": info["step"], "total_steps": total_steps})
+        info["total_steps"] = total_steps
+    total_steps = info.get("total_steps", 12000)
     info.setdefault("level", 0.0)
     torch.manual_seed(seed + info["step"])
     probes = Probes(model.config.text_config.hidden_size)
