@@ -5,12 +5,14 @@ tokens than the prefill's window does, and early layers may not attend to the an
 all, so a token masked or reused on attention alone turns into a wrong or stale answer. This
 policy therefore:
 
-1. recomputes R = the tokens whose K/V deviate most from the alias's (changed content, or changed
-   context) united with the tokens the warmup window attends to most. ``recompute_ratio`` is R's
-   budget, ``deviation_share`` of it picked by deviation first. Deviation *outliers* (above
-   ``outlier_factor`` x the image's median deviation, and above ``min_deviation``) are recomputed
-   even past the budget, up to ``max_recompute_ratio``: an edit larger than the budget is not reused
-   stale, while a shift or re-encoding, which moves every token a little, stays within budget;
+1. recomputes R = the deviation *outliers*: tokens whose K/V deviate from the alias's (changed content, or
+   changed context) by more than ``outlier_factor`` x the image's median deviation and ``min_deviation``, up to
+   ``max_recompute_ratio``. By default that is all (``recompute_ratio=0``): the budget follows the evidence, so an
+   edit of a few cells recomputes few tokens and a larger edit is not reused stale, while a shift or
+   re-encoding, which moves every token a little, recomputes little. ``recompute_ratio`` > 0 adds a fixed share:
+   at least that many tokens, ``deviation_share`` of them by deviation and the rest by warmup attention
+   (``vismemo report pareto`` sweeps it; the default is its cheapest point at plain transformers' quality on
+   both readers);
 2. reuses every other token from the alias;
 3. masks only what attention confidently rules out: tokens whose normalised warmup attention is
    below ``mask_below`` x uniform (1/N), the least attended first and at most ``max_mask_ratio`` of
@@ -57,7 +59,7 @@ class AttendDeviatePolicy(RoutingPolicy):
     needs_check_kv: ClassVar[bool] = True
 
     warmup_layers: int = 1
-    recompute_ratio: float = 0.2
+    recompute_ratio: float = 0.0
     #: share of the recompute budget picked by deviation (the rest by attention)
     deviation_share: float = 0.5
     outlier_factor: float = 4.0
