@@ -242,7 +242,7 @@ class VisMemoCache(DynamicCache):
         store: VisMemoStore | None = None,
         policy: str | RoutingPolicy = DEFAULT_POLICY,
         warmup_layers: int = _UnsetInt(1),
-        recompute_ratio: float = _UnsetFloat(0.2),
+        recompute_ratio: float = _UnsetFloat(0.0),
         reuse_ratio: float = _UnsetFloat(0.1),
         thresholds: str | LookupThresholds | None = None,
         tau: float | None = None,
