@@ -157,14 +157,14 @@ def test_docpage_streams_hold_every_near_duplicate_kind_and_run_through_the_eval
 def test_the_joint_choice_is_the_cheapest_point_acceptable_on_every_reader():
     from vismemo_hf.bench.pareto import choice, joint_choice
 
-    def point(label, anls, stale, floor):
+    def point(label, anls, stale, floor, plain):
         return {"label": label, "policy": label.split()[0], "options": {}, "anls_approximate": anls,
-                "stale_rate": stale, "floor_ratio": floor}
+                "plain_anls_on_hits": plain, "stale_rate": stale, "floor_ratio": floor}
 
-    a = {"full_anls_approximate": 1.0, "points": [point("full", 1.0, 0.0, 1.0), point("cheap", 1.0, 0.0, 0.1),
-                                                  point("mid", 0.995, 0.0, 0.3), point("stale", 1.0, 0.25, 0.05)]}
-    b = {"full_anls_approximate": 0.9, "points": [point("full", 0.9, 0.0, 1.0), point("cheap", 0.85, 0.0, 0.1),
-                                                  point("mid", 0.9, 0.0, 0.35), point("stale", 0.9, 0.0, 0.05)]}
+    a = {"points": [point("full", 1.0, 0.0, 1.0, 1.0), point("cheap", 1.0, 0.0, 0.1, 1.0),
+                    point("mid", 0.995, 0.0, 0.3, 1.0), point("stale", 1.0, 0.25, 0.05, 1.0)]}
+    b = {"points": [point("full", 0.9, 0.0, 1.0, 0.9), point("cheap", 0.85, 0.0, 0.1, 0.9),
+                    point("mid", 0.9, 0.0, 0.35, 0.9), point("stale", 0.9, 0.0, 0.05, 0.9)]}
     assert choice(a, "floor_ratio")["label"] == "cheap" and choice(b, "floor_ratio")["label"] == "stale"
     pick = joint_choice({"a": a, "b": b}, "floor_ratio")
     assert pick["label"] == "mid" and pick["floor_ratio"] == 0.35  # the dearer of its two readers' costs

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from vismemo_hf import VisMemoCache, VisMemoStore, enable
 from vismemo_hf.bench.report import machine
-from vismemo_hf.eval import docstream
+from vismemo_hf.eval import docstream, synthdoc
 from vismemo_hf.eval.quality import evaluate, summarise
 from vismemo_hf.runtime.cache import DEFAULT_POLICY
 
@@ -48,19 +48,11 @@ FLOOR_CHANGES = ("edit", "shift", "rescan")
 
 
 def _changed(base, edited, change: str):
-    import io
-
-    from PIL import Image
-
     from vismemo_hf.eval import synthetic
 
     if change == "edit":
         return edited
-    if change == "shift":
-        return synthetic.shifted(base, 2, 0)
-    buf = io.BytesIO()
-    base.convert("RGB").save(buf, format="JPEG", quality=75)
-    return Image.open(io.BytesIO(buf.getvalue())).convert("RGB")
+    return synthetic.shifted(base, 2, 0) if change == "shift" else synthdoc.reencode_image(base, 75)
 
 
 def floors(preset: str, tokens: int, points: list[tuple[str, dict]]) -> dict:
@@ -128,17 +120,17 @@ def _mark_front(rows: list[dict], cost: str) -> None:
             and (o["anls_approximate"] > r["anls_approximate"] or o[cost] < r[cost]) for o in scored)
 
 
-def acceptable(reader: dict, point: dict) -> bool:
+def acceptable(point: dict) -> bool:
     """Approximate-hit ANLS within 0.01 of plain transformers' on the same requests (the lookup decides which
     near-duplicates become hits), and no stale answer."""
-    plain = point.get("plain_anls_on_hits", reader["full_anls_approximate"])
+    plain = point["plain_anls_on_hits"]
     return (point["anls_approximate"] is not None and plain is not None
             and point["anls_approximate"] >= plain - 0.01 and not point["stale_rate"])
 
 
 def choice(reader: dict, cost: str) -> dict | None:
     """The cheapest acceptable point of one reader."""
-    ok = [r for r in reader["points"] if r[cost] is not None and acceptable(reader, r)]
+    ok = [r for r in reader["points"] if r[cost] is not None and acceptable(r)]
     return min(ok, key=lambda r: r[cost]) if ok else None
 
 
@@ -148,7 +140,7 @@ def joint_choice(readers: dict, cost: str) -> dict | None:
     best = None
     for point in next(iter(readers.values()))["points"]:
         same = [next((r for r in reader["points"] if r["label"] == point["label"]), None) for reader in readers.values()]
-        if any(r is None or r[cost] is None or not acceptable(reader, r) for r, reader in zip(same, readers.values())):
+        if any(r is None or r[cost] is None or not acceptable(r) for r in same):
             continue
         worst = max(r[cost] for r in same)
         if best is None or worst < best[cost]:
@@ -205,7 +197,8 @@ def main(args) -> int:
     for name in args.models.split(","):
         model, processor = load_model(name)
         enable(model)
-        requests = [r for seed in args.seeds for r in docstream.reader_pages(name, args.pages)[1](seed, n_bases=args.bases)]
+        _, stream = docstream.reader_pages(name, args.pages)
+        requests = [r for seed in args.seeds for r in stream(seed, n_bases=args.bases)]
         readers[name] = reader_points(model, processor, requests, points, args.max_new_tokens)
     floor = floors(args.floor_preset, args.floor_tokens, points) if args.floor_tokens else None
     cost = "floor_ratio" if floor else "ttft_ratio_to_plain"

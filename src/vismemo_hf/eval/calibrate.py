@@ -25,7 +25,7 @@ from PIL import Image, ImageDraw
 from vismemo_hf.core.features import region_descriptors, sketch_cosine, token_sketch
 from vismemo_hf.core.images import IMAGE_KINDS, synthetic_image
 from vismemo_hf.core.thresholds import LookupThresholds, regional_cosines, token_cosines
-from vismemo_hf.eval import docpage, synthdoc
+from vismemo_hf.eval import docpage, docstream, synthdoc
 from vismemo_hf.families import ModelAdapter
 from vismemo_hf.runtime.reference import encode_images, model_reference
 
@@ -51,13 +51,10 @@ def docpage_pairs(seed: int, per_kind: int) -> list[tuple[Image.Image, Image.Ima
         cells = [(r, c) for r in range(page.n_rows) for c in range(len(page.columns))]
         ui = page if layout == "ui" else docpage.random_page(2**31 + seed * 1000 + 700 + i, layout="ui")
         near = {"edit cell": (page, docpage.edit_cells(page, rng.sample(cells, 1), rng)),
-                "edit cells": (page, docpage.edit_cells(page, rng.sample(cells, min(3, len(cells))), rng)),
-                "scroll": (page, docpage.scroll(page, rng.choice([-14, 14, 28]))),
-                "crop": (page, docpage.crop(page, rng.choice([6, 10]))),
-                "popup": (page, docpage.popup(page, rng)),
-                "widget": (ui, docpage.toggle(ui, rng.randrange(ui.n_rows))),
-                "rescan": (page, docpage.rescan(page, rng)),
-                "shift": (page, docpage.shift(page, rng.choice([-3, -2, 2, 3]), rng.choice([-2, 0, 2])))}
+                "edit cells": (page, docpage.edit_cells(page, rng.sample(cells, min(3, len(cells))), rng))}
+        for kind in docstream.PAGE_CHANGES:
+            base = ui if kind == "widget" else page
+            near[kind] = (base, docstream.changed_page(rng, base, kind))
         out += [(docpage.render(a), docpage.render(b), True, f"docpage {kind}") for kind, (a, b) in near.items()]
         other = docpage.random_page(2**31 + seed * 1000 + 500 + i, layout=layout)
         out.append((docpage.render(page), docpage.render(other), False, "docpage unrelated"))
@@ -128,24 +125,20 @@ def choose(rows: list[dict]) -> tuple[float, float]:
     return round(max(-1.0, tau), 4), round(tau_fine, 4)
 
 
-def rates_of(rows: list[dict], passes) -> dict:
-    near, far = [r for r in rows if r["near"]], [r for r in rows if not r["near"]]
-    return {"recall": sum(map(passes, near)) / max(1, len(near)), "fpr": sum(map(passes, far)) / max(1, len(far)),
-            "near_pairs": len(near), "unrelated_pairs": len(far)}
-
-
 def rates(rows: list[dict], tau: float, tau_fine: float, key: str = "fine", coarse: str = "coarse") -> dict:
-    """Recall (near-duplicates found), false-positive rate (unrelated aliased), per-kind recall."""
+    """Recall (near-duplicates found), false-positive rate (unrelated aliased), per source and per-kind recall."""
     def passes(r):
         return r[coarse] > tau and r[key] >= tau_fine
 
+    def of(subset):
+        near, far = [r for r in subset if r["near"]], [r for r in subset if not r["near"]]
+        return {"recall": sum(map(passes, near)) / max(1, len(near)), "fpr": sum(map(passes, far)) / max(1, len(far)),
+                "near_pairs": len(near), "unrelated_pairs": len(far)}
+
     near = [r for r in rows if r["near"]]
-    far = [r for r in rows if not r["near"]]
     kinds = sorted({r["what"] for r in near})
     sources = sorted({r["what"].split()[0] for r in rows})
-    return {"recall": sum(map(passes, near)) / max(1, len(near)), "fpr": sum(map(passes, far)) / max(1, len(far)),
-            "near_pairs": len(near), "unrelated_pairs": len(far),
-            "by_source": {s: rates_of([r for r in rows if r["what"].split()[0] == s], passes) for s in sources},
+    return {**of(rows), "by_source": {s: of([r for r in rows if r["what"].split()[0] == s]) for s in sources},
             "recall_by_kind": {k: sum(passes(r) for r in near if r["what"] == k) / sum(r["what"] == k for r in near)
                                for k in kinds}}
 

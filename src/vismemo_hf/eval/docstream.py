@@ -58,13 +58,22 @@ def _follow_up(rng: random.Random, base: docpage.DocPage, first: docpage.Questio
         row, column = picked[0]
         q = docpage.ask(page, "cell" if len(page.columns) > 1 else "value", row, column)
         return request(rid, page, q, "approximate", kind, stale=base.values[row][column])
-    page = {"scroll": lambda: docpage.scroll(base, rng.choice([-14, 14, 28])),
+    page = changed_page(rng, base, kind)
+    return request(rid, page, docpage.random_question(rng, page, instruct=0.0), "approximate", kind)
+
+
+#: the follow-ups that change the page without changing an answer (``changed_page``)
+PAGE_CHANGES = ("scroll", "crop", "popup", "widget", "rescan", "shift")
+
+
+def changed_page(rng: random.Random, base: docpage.DocPage, kind: str) -> docpage.DocPage:
+    """``base`` after one of ``PAGE_CHANGES`` (``widget``: ``ui`` pages only), drawn from ``rng``."""
+    return {"scroll": lambda: docpage.scroll(base, rng.choice([-14, 14, 28])),
             "crop": lambda: docpage.crop(base, rng.choice([6, 10])),
             "popup": lambda: docpage.popup(base, rng),
             "widget": lambda: docpage.toggle(base, rng.randrange(base.n_rows)),
             "rescan": lambda: docpage.rescan(base, rng),
             "shift": lambda: docpage.shift(base, rng.choice([-3, -2, 2, 3]), rng.choice([-2, 0, 2]))}[kind]()
-    return request(rid, page, docpage.random_question(rng, page, instruct=0.0), "approximate", kind)
 
 
 def stream(seed: int, n_bases: int = 12, follow_ups: int = 4) -> list[PageRequest]:
