@@ -186,6 +186,15 @@ class ModelAdapter:
         """RoPE inverse frequencies of the text model (what re-rotating a cached key needs)."""
         return self.text.rotary_emb.inv_freq
 
+    def turn(self, delta: tuple[int, int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Unscaled (cos, sin) (head_dim,) float32 of the M-RoPE position delta (t, h, w): what moves a cached key
+        by it (``core.rope.turn``), from the model's own rotary embedding."""
+        rotary = self.text.rotary_emb
+        x = torch.zeros(1, dtype=torch.float32, device=rotary.inv_freq.device)
+        cos, sin = rotary(x, torch.tensor(delta, dtype=torch.long, device=x.device).view(3, 1, 1))
+        scale = float(getattr(rotary, "attention_scaling", 1.0))
+        return cos[0, 0].float() / scale, sin[0, 0].float() / scale
+
     def rope(self, hidden: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, sin) of the M-RoPE ``positions`` (3, B, L)."""
         return self.text.rotary_emb(hidden, positions)

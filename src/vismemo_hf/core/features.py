@@ -144,10 +144,14 @@ def token_sketch(embeds: torch.Tensor) -> torch.Tensor:
     return (e @ projection(e.shape[-1], SKETCH_DIM, seed=1)).to(torch.float16)
 
 
+def centred_sketches(sketch: torch.Tensor, token_mean: torch.Tensor | None) -> torch.Tensor:
+    """(N, s) sketches centred by the projected ``token_mean`` (d,) when given, as unit vectors."""
+    s = sketch.float()
+    if token_mean is not None:
+        s = s - token_mean.float().cpu() @ projection(token_mean.shape[0], SKETCH_DIM, seed=1)
+    return F.normalize(s, dim=-1)
+
+
 def sketch_cosine(a: torch.Tensor, b: torch.Tensor, token_mean: torch.Tensor | None) -> torch.Tensor:
     """Per-token cosine of two sketches (N, s), both centred by the projected ``token_mean`` (d,) when given."""
-    a, b = a.float(), b.float()
-    if token_mean is not None:
-        shift = token_mean.float().cpu() @ projection(token_mean.shape[0], SKETCH_DIM, seed=1)
-        a, b = a - shift, b - shift
-    return F.cosine_similarity(a, b, dim=-1)
+    return (centred_sketches(a, token_mean) * centred_sketches(b, token_mean)).sum(-1)

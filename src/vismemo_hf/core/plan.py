@@ -97,16 +97,21 @@ class ImagePlan:
 
     def limited_to(self, features: ImageFeatures, missing: str) -> ImagePlan:
         """This plan with the reused tokens the alias entry holds no K/V for (a compressed entry) masked
-        (``missing="mask"``, docs/METHOD.md §4) or recomputed (``"recompute"``)."""
+        (``missing="mask"``, docs/METHOD.md §4) or recomputed (``"recompute"``). Tokens the alias does not show at
+        all (``features.outside``: moved into view) are recomputed, whether the plan reused or masked them."""
+        outside = features.outside
         gap = ~features.stored(self.reuse)
-        if not bool(gap.any()):
+        if not bool(gap.any()) and not bool(torch.isin(self.mask, outside).any()):
             return self
         moved, keep = self.reuse[gap], ~gap
         recompute, mask = self.recompute, self.mask
         if missing == "recompute":
-            recompute = torch.cat([recompute, moved]).sort().values
+            recompute = torch.cat([recompute, moved])
         else:
-            mask = torch.cat([mask, moved]).sort().values
+            new = torch.isin(moved, outside)
+            recompute, mask = torch.cat([recompute, moved[new]]), torch.cat([mask, moved[~new]])
+        unseen = torch.isin(mask, outside)
+        recompute, mask = torch.cat([recompute, mask[unseen]]).sort().values, mask[~unseen].sort().values
         return replace(self, recompute=recompute, reuse=self.reuse[keep], mask=mask,
                        reuse_from=self.reuse_from[keep])
 
@@ -172,6 +177,58 @@ class ImageFeatures:
             return tokens
         rows = torch.searchsorted(self.kv_tokens, tokens).clamp(max=max(0, self.kv_tokens.numel() - 1))
         if tokens.numel() and not bool((self.kv_tokens[rows] == tokens).all()):
+            raise ValueError(f"image {self.key[:12]}: the stored entry holds no K/V for some requested tokens")
+        return rows
+
+    @property
+    def outside(self) -> torch.Tensor:
+        """Tokens at which this image shows nothing of the cached one (see ``moved``): none."""
+        return torch.zeros(0, dtype=torch.long)
+
+    @property
+    def shift(self) -> tuple[int, int]:
+        return (0, 0)
+
+    def moved(self, shift: tuple[int, int], hw: tuple[int, int]) -> ImageFeatures:
+        """This cached image as seen by a request that shows its content moved by ``shift`` = (dy, dx) visual tokens
+        on an h x w grid (``hw``): token (r, c) of the request is this image's (r + dy, c + dx)."""
+        return self if tuple(shift) == (0, 0) else MovedFeatures(self, tuple(shift), hw)
+
+
+class MovedFeatures(ImageFeatures):
+    """A cached image seen through a shift (a scrolled or moved page, ``ImageFeatures.moved``): everything indexed
+    by the request's token positions. Tokens the shift brings into view (``outside``) have no cached K/V."""
+
+    def __init__(self, cached: ImageFeatures, shift: tuple[int, int], hw: tuple[int, int]):
+        (dy, dx), (h, w) = shift, hw
+        if h * w != cached.n_tokens:
+            raise ValueError(f"a shift needs one frame of {cached.n_tokens} tokens, got a {h} x {w} grid")
+        r, c = torch.meshgrid(torch.arange(h) + dy, torch.arange(w) + dx, indexing="ij")
+        shown = ((r >= 0) & (r < h) & (c >= 0) & (c < w)).reshape(-1)
+        source = (r.clamp(0, h - 1) * w + c.clamp(0, w - 1)).reshape(-1)
+        held = shown.clone()
+        held[shown] = cached.stored(source[shown])
+        self._rows = torch.full((h * w,), -1, dtype=torch.long)
+        self._rows[held] = cached.stored_rows(source[held])
+        self._outside, self._shift = torch.nonzero(~shown).flatten(), (dy, dx)
+        device = cached.embeds.device
+        embeds = cached.embeds[source.to(device)] * shown.to(device, cached.embeds.dtype)[:, None]
+        hashes = cached.patch_hashes
+        super().__init__(cached.key, cached.grid, embeds, cached.entropy[source],
+                         None if hashes is None else torch.where(shown, hashes[source], -1),
+                         kv_tokens=torch.nonzero(held).flatten())
+
+    @property
+    def outside(self) -> torch.Tensor:
+        return self._outside
+
+    @property
+    def shift(self) -> tuple[int, int]:
+        return self._shift
+
+    def stored_rows(self, tokens: torch.Tensor) -> torch.Tensor:
+        rows = self._rows[tokens.to(torch.long).cpu()]
+        if bool((rows < 0).any()):
             raise ValueError(f"image {self.key[:12]}: the stored entry holds no K/V for some requested tokens")
         return rows
 
@@ -242,6 +299,8 @@ class CacheEvent:
     bytes_read: int = 0
     #: bytes the fine lookup stage read: the candidates' descriptors and token sketches
     lookup_bytes: int = 0
+    #: approximate hits on a moved copy: the request's token (r, c) reused the alias's (r + dy, c + dx)
+    shift: tuple[int, int] = (0, 0)
 
     def as_dict(self) -> dict:
         return {
@@ -257,5 +316,6 @@ class CacheEvent:
             "prefix_changed": self.prefix_changed,
             "bytes_read": self.bytes_read,
             "lookup_bytes": self.lookup_bytes,
+            "shift": list(self.shift),
             "timings": dict(self.timings),
         }

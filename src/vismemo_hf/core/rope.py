@@ -2,8 +2,11 @@
 
 Shifting the text before an image by delta shifts all three M-RoPE coordinates (t, h, w)
 of its tokens by delta, so every rotary channel pair j turns by delta * inv_freq[j]
-whatever section it belongs to: a plain RoPE rotation. It is applied to keys that are
-already rotated (and scaled by ``attention_scaling``), so its own cos/sin are unscaled.
+whatever section it belongs to: a plain RoPE rotation. A page moved by whole visual tokens
+shifts the h and w coordinates by different amounts: each pair then turns by its own
+section's delta, from the (cos, sin) the model's rotary embedding gives for the delta
+(``ModelAdapter.turn``). Both apply to keys that are already rotated (and scaled by
+``attention_scaling``), so their own cos/sin are unscaled.
 """
 
 from __future__ import annotations
@@ -24,3 +27,9 @@ def rerotate(keys: torch.Tensor, delta: int, inv_freq: torch.Tensor) -> torch.Te
     angle = torch.cat([angle, angle]).to(torch.float32)
     k = keys.float()
     return (k * angle.cos() + rotate_half(k) * angle.sin()).to(keys.dtype)
+
+
+def turn(keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate RoPE'd ``keys`` (..., head_dim) by the unscaled rotation (cos, sin) (head_dim,) of a position delta."""
+    k = keys.float()
+    return (k * cos.to(k.device) + rotate_half(k) * sin.to(k.device)).to(keys.dtype)

@@ -18,6 +18,8 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn.functional as F
 
+from vismemo_hf.core.features import token_grid
+
 #: how far above the model's most similar unrelated reference pair an adaptive ``tau_fine`` is kept
 UNRELATED_MARGIN = 0.03
 
@@ -84,7 +86,49 @@ def regional_cosines(a: torch.Tensor, b: torch.Tensor, mean: torch.Tensor) -> to
     return F.cosine_similarity(a.float().cpu() - m, b.float().cpu() - m, dim=-1)
 
 
+def centred_tokens(embeds: torch.Tensor, token_mean: torch.Tensor) -> torch.Tensor:
+    """(N, d) L2-normalised tokens centred by the model's mean token, normalised again: what the fine rule compares."""
+    return F.normalize(F.normalize(embeds.float(), dim=-1) - token_mean.float().to(embeds.device), dim=-1)
+
+
 def token_cosines(a: torch.Tensor, b: torch.Tensor, token_mean: torch.Tensor) -> torch.Tensor:
     """(N,) centred cosines of two images' L2-normalised tokens (the fine rule, exactly)."""
-    m = token_mean.float()
-    return F.cosine_similarity(F.normalize(a.float(), dim=-1) - m, F.normalize(b.float(), dim=-1) - m, dim=-1)
+    return (centred_tokens(a, token_mean) * centred_tokens(b, token_mean)).sum(-1)
+
+
+#: the fine stage also compares a request's image with a cached one moved by up to this many visual tokens along
+#: each axis (a page scrolled or moved by whole tokens), over the tokens both show
+MAX_SHIFT = 1
+#: the least share of the image a moved comparison must overlap
+MIN_OVERLAP = 0.75
+
+
+def best_shift(a: torch.Tensor, b: torch.Tensor, hw: tuple[int, int],
+               max_shift: int = MAX_SHIFT) -> tuple[float, tuple[int, int]]:
+    """(score, (dy, dx)): the highest mean cosine of ``a``'s rows (N, d, unit vectors of an h x w token grid) with
+    ``b``'s moved by (dy, dx) tokens (token (r, c) of ``a`` against (r + dy, c + dx) of ``b``) over the tokens both
+    hold, for |dy|, |dx| <= ``max_shift`` and an overlap of at least ``MIN_OVERLAP``. The unmoved comparison comes
+    first and wins ties; a grid with other than h x w tokens (video frames) is compared unmoved only."""
+    a, b = a.float(), b.float().to(a.device)
+    h, w = hw
+    best = (float((a * b).sum(-1).mean()), (0, 0))
+    if a.shape[0] != h * w or b.shape != a.shape:
+        return best
+    grid_a, grid_b = a.reshape(h, w, -1), b.reshape(h, w, -1)
+    for dy in range(-max_shift, max_shift + 1):
+        for dx in range(-max_shift, max_shift + 1):
+            if (dy, dx) == (0, 0) or (h - abs(dy)) * (w - abs(dx)) < MIN_OVERLAP * h * w:
+                continue
+            part_a = grid_a[max(0, -dy): h - max(0, dy), max(0, -dx): w - max(0, dx)]
+            part_b = grid_b[max(0, dy): h - max(0, -dy), max(0, dx): w - max(0, -dx)]
+            score = float((part_a * part_b).sum(-1).mean())
+            if score > best[0]:
+                best = (score, (dy, dx))
+    return best
+
+
+def fine_score(a: torch.Tensor, b: torch.Tensor, grid: tuple[int, int, int], merge: int,
+               token_mean: torch.Tensor) -> tuple[float, tuple[int, int]]:
+    """The fine rule at full width for two images' tokens (N, d) of one ``grid``: (score, shift) of ``best_shift``
+    on their centred tokens."""
+    return best_shift(centred_tokens(a, token_mean), centred_tokens(b, token_mean), token_grid(grid, merge)[1:])

@@ -7,7 +7,8 @@ with a small change (an edited value or key, swapped rows, a 1-3 px shift, JPEG,
 noise, a small pasted patch; on ``docpage`` pages one or several edited cells, a scroll, a crop, a popup, a
 switched widget, a rescan, a shift); an unrelated image is another one of the same kind and size.
 Each pair is scored exactly as the lookup scores it: the smallest centred regional cosine
-(coarse) and the mean centred token cosine (fine, full width and from sketches).
+(coarse) and the mean centred token cosine at the best shift by up to one visual token (fine, full width and from
+sketches; ``core.thresholds.best_shift``).
 
 ``tau_fine`` sits halfway between the highest unrelated score and the low (10th percentile)
 near-duplicate scores above it, so that no calibration pair aliases an unrelated image; ``tau``
@@ -22,9 +23,9 @@ import random
 import torch
 from PIL import Image, ImageDraw
 
-from vismemo_hf.core.features import region_descriptors, sketch_cosine, token_sketch
+from vismemo_hf.core.features import centred_sketches, region_descriptors, token_grid, token_sketch
 from vismemo_hf.core.images import IMAGE_KINDS, synthetic_image
-from vismemo_hf.core.thresholds import LookupThresholds, regional_cosines, token_cosines
+from vismemo_hf.core.thresholds import LookupThresholds, best_shift, fine_score, regional_cosines
 from vismemo_hf.eval import docpage, docstream, synthdoc
 from vismemo_hf.families import ModelAdapter
 from vismemo_hf.runtime.reference import encode_images, model_reference
@@ -91,7 +92,8 @@ def pairs(seed: int, per_kind: int, pages: str = "synthdoc") -> list[tuple[Image
 
 
 def score_pairs(adapter, get_image_features, pair_list, reference) -> list[dict]:
-    """Per pair: coarse (smallest centred regional cosine), fine (mean centred token cosine) and fine_sketch."""
+    """Per pair: coarse (smallest centred regional cosine), fine (``fine_score``) and fine_sketch (the same from
+    token sketches)."""
     descriptor_mean, token_mean = reference.descriptor_mean, reference.token_mean
     encoded = encode_images(adapter, get_image_features, [im for a, b, _, _ in pair_list for im in (a, b)])
     rows = []
@@ -103,8 +105,10 @@ def score_pairs(adapter, get_image_features, pair_list, reference) -> list[dict]
         rows.append({
             "near": near, "what": what,
             "coarse": float(regional_cosines(da, db, descriptor_mean).min()),
-            "fine": float(token_cosines(ea, eb, token_mean).mean()),
-            "fine_sketch": float(sketch_cosine(token_sketch(ea), token_sketch(eb), token_mean).mean()),
+            "fine": fine_score(ea, eb, ga, adapter.merge, token_mean)[0],
+            "fine_sketch": best_shift(centred_sketches(token_sketch(ea), token_mean),
+                                      centred_sketches(token_sketch(eb), token_mean),
+                                      token_grid(ga, adapter.merge)[1:])[0],
             "coarse_raw": float(torch.nn.functional.cosine_similarity(da, db, dim=-1).min()),
             "fine_raw": float(torch.nn.functional.cosine_similarity(ea, eb, dim=-1).mean()),
         })

@@ -383,11 +383,11 @@ def page_stream(pages, seed: int = 0, near: dict | None = None) -> list[dict]:
 
 def near_duplicates(images: dict, model, processor, thresholds=None) -> dict:
     """{page id: earlier page id} for pages whose encoder output passes the lookup's own rule against an earlier
-    page (same grid, every centred regional cosine > tau, mean centred token cosine >= the model's tau_fine)."""
+    page (same grid, every centred regional cosine > tau, fine score (``fine_score``) >= the model's tau_fine)."""
     import torch
 
     from vismemo_hf.core.features import region_descriptors
-    from vismemo_hf.core.thresholds import LookupThresholds, regional_cosines, token_cosines
+    from vismemo_hf.core.thresholds import LookupThresholds, fine_score, regional_cosines
     from vismemo_hf.families import ModelAdapter
     from vismemo_hf.runtime.reference import model_reference
 
@@ -408,7 +408,7 @@ def near_duplicates(images: dict, model, processor, thresholds=None) -> dict:
             if other_grid != grid:
                 continue
             if bool((regional_cosines(desc, other_desc, reference.descriptor_mean) > thresholds.tau).all()) and \
-                    float(token_cosines(embeds, other_embeds, reference.token_mean).mean()) >= tau_fine:
+                    fine_score(embeds, other_embeds, grid, adapter.merge, reference.token_mean)[0] >= tau_fine:
                 out[page_id] = other_id
                 break
         seen.append((page_id, grid, desc, embeds))

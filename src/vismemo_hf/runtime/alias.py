@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from vismemo_hf.core.plan import HitKind
-from vismemo_hf.core.rope import rerotate
+from vismemo_hf.core.rope import rerotate, turn
 from vismemo_hf.store.store import store_call
 from vismemo_hf.store.tiers import token_rows
 
@@ -86,9 +86,16 @@ class AliasReader:
         fetched = None
         if kv is not None and kv.shape[:2] == (tokens.numel(), self.adapter.num_layers - first_layer):
             self._reads[i].bytes += kv.numel() * kv.element_size()
-            keys = rerotate(kv[:, :, 0].permute(1, 2, 0, 3), offset - m.alias_offset, self._inv_freq)  # (L', H, T, D)
+            keys = self._moved(kv[:, :, 0].permute(1, 2, 0, 3), offset - m.alias_offset, m.alias.shift)  # (L', H, T, D)
             fetched = FetchedKV(tokens, first_layer, keys, kv[:, :, 1].permute(1, 2, 0, 3))
         return fetched, (time.perf_counter() - t0) * 1e3
+
+    def _moved(self, keys: torch.Tensor, delta: int, shift: tuple[int, int]) -> torch.Tensor:
+        """Cached keys at this request's positions: the image starts ``delta`` positions later, and a moved alias
+        (``shift`` = (dy, dx) tokens) shows each token dy rows and dx columns earlier."""
+        if shift == (0, 0):
+            return rerotate(keys, delta, self._inv_freq)
+        return turn(keys, *self.adapter.turn((delta, delta - shift[0], delta - shift[1])))
 
     def _add_time(self, i: int, name: str, ms: float) -> None:
         timings = self._reads[i].timings

@@ -16,15 +16,16 @@ from dataclasses import dataclass, replace
 import torch
 
 from vismemo_hf.core.features import (
+    centred_sketches,
     exact_key,
     patch_entropy,
     patch_hashes,
     region_descriptors,
-    sketch_cosine,
+    token_grid,
     token_sketch,
 )
 from vismemo_hf.core.plan import HitKind, ImageFeatures
-from vismemo_hf.core.thresholds import regional_cosines
+from vismemo_hf.core.thresholds import best_shift, regional_cosines
 from vismemo_hf.runtime.reference import model_reference
 from vismemo_hf.store.entry import Entry
 from vismemo_hf.store.store import store_call
@@ -345,7 +346,9 @@ def _reference(adapter, store, get_image_features, owner: str):
 def _approximate(adapter, match: ImageMatch, cache, get_image_features) -> ImageMatch:
     """Coarse stage (the store's descriptor index), then the fine stage from each candidate's lookup section
     (descriptors and token sketches, never its encoder output): the match as an approximate hit, or unchanged. Both
-    stages compare embeddings centred by the model's reference means (``core/thresholds.py``)."""
+    stages compare embeddings centred by the model's reference means (``core/thresholds.py``); the fine stage also
+    compares the candidate moved by a visual token (``best_shift``), and a moved match reuses its K/V at the moved
+    positions (``ImageFeatures.moved``)."""
     fp, owner = adapter.fingerprint, cache.owner(adapter.fingerprint)
     if cache.top_k == 0:
         return match
@@ -364,7 +367,9 @@ def _approximate(adapter, match: ImageMatch, cache, get_image_features) -> Image
     found = store_call("index", lambda: cache.store.candidates(owner, feats.grid, match.descriptors, thresholds.tau,
                                                                cache.top_k), [])
     sketch = token_sketch(feats.embeds) if found else None
-    best, best_score, read = None, float("-inf"), 0
+    mine = centred_sketches(sketch, reference.token_mean) if found else None
+    hw = token_grid(feats.grid, adapter.merge)[1:]
+    best, best_score, moved_by, read = None, float("-inf"), (0, 0), 0
     for key, _ in found:
         section = store_call("read", lambda k=key: cache.store.sketch(k, owner), None)
         if section is None:
@@ -375,14 +380,14 @@ def _approximate(adapter, match: ImageMatch, cache, get_image_features) -> Image
             continue
         if not bool((regional_cosines(match.descriptors, descriptors, reference.descriptor_mean) > thresholds.tau).all()):
             continue  # the projected index let it through; the exact coarse rule does not
-        score = float(sketch_cosine(sketch, other, reference.token_mean).mean())
+        score, shift = best_shift(mine, centred_sketches(other, reference.token_mean), hw)
         if score > best_score:
-            best, best_score = key, score
+            best, best_score, moved_by = key, score, shift
     match = replace(match, lookup_bytes=read)
     if best is None or best_score < thresholds.fine_for(reference):
         return match
     entry = store_call("read", lambda: cache.store.peek(best, owner), None)
     if not _usable(adapter, cache, entry, best, feats.grid):
         return match
-    return replace(match, kind=HitKind.APPROXIMATE, alias=entry.features(), alias_offset=entry.offset,
-                   score=best_score)
+    return replace(match, kind=HitKind.APPROXIMATE, alias=entry.features().moved(moved_by, hw),
+                   alias_offset=entry.offset, score=best_score)

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 from vismemo_hf.core.features import region_descriptors
 from vismemo_hf.core.images import IMAGE_KINDS, reference_images
-from vismemo_hf.core.thresholds import ModelReference, token_cosines
+from vismemo_hf.core.thresholds import ModelReference, fine_score
 
 
 def image_processor(adapter):
@@ -40,7 +40,7 @@ def model_reference(adapter, get_image_features) -> ModelReference:
     encoded = encode_images(adapter, get_image_features, reference_images())
     descriptors = torch.stack([region_descriptors(e, g, adapter.merge) for e, g in encoded])
     token_mean = torch.cat([F.normalize(e, dim=-1) for e, _ in encoded]).mean(0)
-    unrelated = [float(token_cosines(encoded[i][0], encoded[j][0], token_mean).mean())
+    unrelated = [fine_score(encoded[i][0], encoded[j][0], encoded[i][1], adapter.merge, token_mean)[0]
                  for i in range(len(encoded)) for j in range(i + 1, len(encoded))
                  if i % len(IMAGE_KINDS) == j % len(IMAGE_KINDS) and encoded[i][1] == encoded[j][1]]
     return ModelReference(descriptors.mean((0, 1)), token_mean, max(unrelated))

@@ -50,7 +50,7 @@ class ImageRun:
                           row=m.row, n_tokens=m.n_tokens, recomputed=plan.recompute.numel(), reused=plan.reuse.numel(),
                           masked=plan.mask.numel(), score=m.score, timings=timings, plan=plan,
                           prefix_changed=m.prefix_changed, bytes_read=reader.bytes_read(i) if reader else 0,
-                          lookup_bytes=m.lookup_bytes)
+                          lookup_bytes=m.lookup_bytes, shift=m.alias.shift if m.alias is not None else (0, 0))
 
 
 def _positions(position_ids: torch.Tensor | None) -> torch.Tensor:
