@@ -187,6 +187,7 @@ class ImageFeatures:
 
     @property
     def shift(self) -> tuple[int, int]:
+        """(dy, dx) visual tokens this cached image is seen moved by (``moved``): none."""
         return (0, 0)
 
     def moved(self, shift: tuple[int, int], hw: tuple[int, int]) -> ImageFeatures:
