@@ -60,10 +60,10 @@ def test_tokens_moved_into_view_are_recomputed_whether_the_plan_reused_or_masked
     assert not set(alias.outside.tolist()) & (set(limited.reuse.tolist()) | set(limited.mask.tolist()))
 
 
-@pytest.mark.parametrize("family", ["qwen2_vl", "qwen3_vl"])
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"])
 def test_a_key_turned_by_the_moved_position_delta_equals_the_key_computed_there(family):
     """M-RoPE sections (Qwen2-VL's contiguous, Qwen3-VL's interleaved): a key computed at (t, h, w) and turned by
-    (d, d - dy, d - dx) is the key computed at the new position."""
+    (d, d - dy, d - dx) is the key computed at the new position, in every family."""
     from conftest import _enabled_tiny
 
     model, _ = _enabled_tiny(family)

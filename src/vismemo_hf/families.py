@@ -190,7 +190,7 @@ class ModelAdapter:
         """Unscaled (cos, sin) (head_dim,) float32 of the M-RoPE position delta (t, h, w): what moves a cached key
         by it (``core.rope.turn``), from the model's own rotary embedding."""
         rotary = self.text.rotary_emb
-        x = torch.zeros(1, dtype=torch.float32, device=rotary.inv_freq.device)
+        x = torch.zeros(1, dtype=torch.float32, device=execution_device(rotary))  # where its buffers compute
         cos, sin = rotary(x, torch.tensor(delta, dtype=torch.long, device=x.device).view(3, 1, 1))
         scale = float(getattr(rotary, "attention_scaling", 1.0))
         return cos[0, 0].float() / scale, sin[0, 0].float() / scale
