@@ -95,7 +95,7 @@ def test_a_page_scrolled_by_a_token_row_is_a_moved_hit_that_answers_like_a_full_
         first = docstream.request("a", base, docpage.random_question(rng, base), "miss", "a")
         answer(model, processor, first, vismemo_hf.VisMemoCache(store=store), 1)
         request = docstream.request("b", page, docpage.random_question(rng, page), "approximate", "b")
-        cache = vismemo_hf.VisMemoCache(store=store)
+        cache = vismemo_hf.VisMemoCache(store=store, thresholds="vismemo-docqa-base")  # its calibrated preset
         prediction, _, logprobs, _, _ = answer(model, processor, request, cache, 6)
         plain, _, plain_logprobs, _, _ = answer(model, processor, request, DynamicCache(), 6)
         event = cache.events[0]
