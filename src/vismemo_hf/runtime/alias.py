@@ -91,11 +91,13 @@ class AliasReader:
         return fetched, (time.perf_counter() - t0) * 1e3
 
     def _moved(self, keys: torch.Tensor, delta: int, shift: tuple[int, int]) -> torch.Tensor:
-        """Cached keys at this request's positions: the image starts ``delta`` positions later, and a moved alias
-        (``shift`` = (dy, dx) tokens) shows each token dy rows and dx columns earlier."""
+        """Cached keys at this request's positions: the image starts ``delta`` positions later (angles in float64:
+        ``delta`` may be long), and a moved alias (``shift`` = (dy, dx) tokens) shows each token dy rows and dx
+        columns earlier (a second, small turn of the h and w sections)."""
+        keys = rerotate(keys, delta, self._inv_freq)
         if shift == (0, 0):
-            return rerotate(keys, delta, self._inv_freq)
-        return turn(keys, *self.adapter.turn((delta, delta - shift[0], delta - shift[1])))
+            return keys
+        return turn(keys, *self.adapter.turn((0, -shift[0], -shift[1])))
 
     def _add_time(self, i: int, name: str, ms: float) -> None:
         timings = self._reads[i].timings
