@@ -73,3 +73,35 @@ def test_the_base_readers_calibration_is_its_own_and_serves_its_edits(reader):
     scored = evaluate(model, processor, rows, store=store, max_new_tokens=6, thresholds=docqa_base.MODEL_NAME)
     edits = [s for s in scored if s.request.variant.startswith("edit")]
     assert edits and all(s.kind == "approximate" for s in edits)  # edited cells are found (calibrated recall 1.0)
+
+
+def test_an_alias_that_is_another_image_altogether_is_computed_in_full_and_answers_like_plain(reader):
+    """The lookup told to accept anything: a page whose alias is a texture or photo of its size is an early miss
+    (every token computed), an edited copy of it is not."""
+    import random
+
+    from transformers import DynamicCache
+
+    import vismemo_hf
+    from vismemo_hf.core.images import synthetic_image
+    from vismemo_hf.eval.quality import answer
+
+    model, processor = reader
+    rng = random.Random(1)
+    for i, kind in enumerate(("texture", "photo")):
+        page = docpage.random_page(2**31 + 44_000 + i, layout=docpage.LAYOUTS[i])
+        other = docstream.request("o", page, docpage.random_question(rng, page), "miss", "o")
+        other.image = lambda i=i, kind=kind: synthetic_image(kind, 600 + i).convert("RGB").resize((448, 448))
+        store = vismemo_hf.VisMemoStore()
+        answer(model, processor, other, vismemo_hf.VisMemoCache(store=store), 1)
+        request = docstream.request("p", page, docpage.random_question(rng, page), "approximate", "p")
+        cache = vismemo_hf.VisMemoCache(store=store, tau=-1.0, tau_fine=-1.0)
+        prediction = answer(model, processor, request, cache, 6)[0]
+        event = cache.events[0]
+        assert event.kind.value == "approximate" and event.recomputed == event.n_tokens, (kind, event)
+        assert prediction == answer(model, processor, request, DynamicCache(), 6)[0]
+        edited = docpage.edit_cells(page, [(0, 0)], rng)
+        near = docstream.request("e", edited, docpage.random_question(rng, edited), "approximate", "e")
+        cache = vismemo_hf.VisMemoCache(store=store, tau=-1.0, tau_fine=-1.0)
+        answer(model, processor, near, cache, 1)
+        assert cache.events[0].recomputed < cache.events[0].n_tokens // 2  # a near-duplicate is no early miss

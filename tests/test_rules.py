@@ -141,6 +141,24 @@ def test_deviation_outliers_beyond_max_recompute_ratio_are_not_recomputed():
     assert set(plan.recompute.tolist()) == set(outliers[-30:].tolist())  # the 30 largest deviations
 
 
+
+# 9. an early miss when the page changed everywhere --------------------------------------------------------
+@pytest.mark.parametrize("median, full", [(0.6, True), (0.1, False)])
+def test_an_image_whose_median_deviation_passes_miss_deviation_is_computed_in_full(median, full):
+    """Outliers are measured against the image's median; when the median itself is high (another image altogether)
+    the default computes every token instead of reusing what is not an outlier."""
+    n = 100
+    policy = AttendDeviatePolicy(mask_below=0.0)
+    deviation = torch.full((n,), median)
+    deviation[:10] = 10.0  # a few tokens deviate far more
+    signals = WarmupSignals(attention=torch.full((1, 1, 1, n), 1 / n), key_deviation=deviation[None],
+                            value_deviation=torch.zeros(1, n))
+    plan = policy.plan(_features(n), _features(n), torch.arange(n), signals)
+    assert plan.complete is full and (full or plan.recompute.numel() == 10)
+    never = AttendDeviatePolicy(mask_below=0.0, miss_deviation=None).plan(_features(n), _features(n), torch.arange(n),
+                                                                           signals)
+    assert never.recompute.numel() == 10
+
 # 6. padding in a prefill that reuses nothing --------------------------------------------------------------
 @pytest.mark.parametrize("family", ["qwen2_vl", "qwen3_vl"])
 def test_each_row_of_a_left_padded_batch_of_cold_misses_equals_that_request_alone(family):

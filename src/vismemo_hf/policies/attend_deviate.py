@@ -19,6 +19,10 @@ policy therefore:
    the image; ``mask_below=0`` masks nothing;
 4. with ``restore_masked`` (default), gives decoding the alias's K/V of the masked tokens, so
    tokens generated later can still attend to them.
+5. computes every token (an *early miss*, after the warmup) when the image's median deviation exceeds
+   ``miss_deviation``: the page changed everywhere (an alias that is another image altogether), and outliers
+   measured against that median would reuse most of it stale; near-duplicates move a few tokens, and their median
+   stays near 0 (``tests/test_rules.py``, rule 9).
 
 The deviation of a token is the largest, over the warmup layers and the check layer, of its
 relative K plus V deviation (``WarmupSignals``). Exact hits after another text before the image
@@ -32,7 +36,7 @@ from typing import ClassVar
 
 import torch
 
-from vismemo_hf.core.plan import ImageFeatures, ImagePlan, WarmupSignals
+from vismemo_hf.core.plan import HitKind, ImageFeatures, ImagePlan, WarmupSignals
 from vismemo_hf.policies.base import RoutingPolicy, approximate_plan, register_policy, split_by_score
 from vismemo_hf.policies.vismemo import warmup_score
 
@@ -68,6 +72,8 @@ class AttendDeviatePolicy(RoutingPolicy):
     mask_below: float = 0.1
     max_mask_ratio: float = 0.05
     restore_masked: bool = True
+    #: median relative K + V deviation above which the image is computed in full (None: never)
+    miss_deviation: float | None = 0.5
     prefix_routing: str = "check"
 
     def __post_init__(self) -> None:
@@ -76,13 +82,14 @@ class AttendDeviatePolicy(RoutingPolicy):
             raise ValueError("deviation_share, max_recompute_ratio and max_mask_ratio must lie in [0, 1]")
         if self.outlier_factor <= 0 or self.min_deviation < 0 or self.mask_below < 0:
             raise ValueError("outlier_factor must be > 0, min_deviation and mask_below >= 0")
+        if self.miss_deviation is not None and not self.miss_deviation >= 0:
+            raise ValueError("miss_deviation must be >= 0 or None")
 
     def prefetch_tokens(self, image: ImageFeatures, alias: ImageFeatures) -> torch.Tensor:
         return torch.arange(image.n_tokens)  # every token not recomputed is reused
 
-    def select(self, signals: WarmupSignals, attention: torch.Tensor, n: int) -> torch.Tensor:
+    def select(self, deviation: torch.Tensor, attention: torch.Tensor, n: int) -> torch.Tensor:
         """R, sorted: deviation first (outliers past the budget, capped), then attention."""
-        deviation = deviation_score(signals, n)
         budget = self.budget(self.recompute_ratio, n)
         by_deviation = self.budget(self.deviation_share * self.recompute_ratio, n)
         threshold = max(self.outlier_factor * float(deviation.median()), self.min_deviation)
@@ -97,8 +104,11 @@ class AttendDeviatePolicy(RoutingPolicy):
     def plan(self, image: ImageFeatures, alias: ImageFeatures, prefetched: torch.Tensor,
              signals: WarmupSignals) -> ImagePlan:
         n = image.n_tokens
+        deviation = deviation_score(signals, n)
+        if self.miss_deviation is not None and float(deviation.median()) > self.miss_deviation:
+            return ImagePlan.full(HitKind.APPROXIMATE, n, alias.key)  # the page changed everywhere
         attention = warmup_score(signals, n)
-        recompute = self.select(signals, attention, n)
+        recompute = self.select(deviation, attention, n)
         rest = torch.ones(n, dtype=torch.bool)
         rest[recompute] = False
         mask = torch.zeros(0, dtype=torch.long)
