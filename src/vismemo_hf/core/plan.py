@@ -100,18 +100,13 @@ class ImagePlan:
         (``missing="mask"``, docs/METHOD.md §4) or recomputed (``"recompute"``). Tokens the alias does not show at
         all (``features.outside``: moved into view) are recomputed, whether the plan reused or masked them."""
         outside = features.outside
-        gap = ~features.stored(self.reuse)
-        if not bool(gap.any()) and not bool(torch.isin(self.mask, outside).any()):
+        gap, unseen = ~features.stored(self.reuse), torch.isin(self.mask, outside)
+        if not bool(gap.any()) and not bool(unseen.any()):
             return self
         moved, keep = self.reuse[gap], ~gap
-        recompute, mask = self.recompute, self.mask
-        if missing == "recompute":
-            recompute = torch.cat([recompute, moved])
-        else:
-            new = torch.isin(moved, outside)
-            recompute, mask = torch.cat([recompute, moved[new]]), torch.cat([mask, moved[~new]])
-        unseen = torch.isin(mask, outside)
-        recompute, mask = torch.cat([recompute, mask[unseen]]).sort().values, mask[~unseen].sort().values
+        new = torch.isin(moved, outside) if missing == "mask" else torch.ones(moved.shape, dtype=torch.bool)
+        recompute = torch.cat([self.recompute, moved[new], self.mask[unseen]]).sort().values
+        mask = torch.cat([self.mask[~unseen], moved[~new]]).sort().values
         return replace(self, recompute=recompute, reuse=self.reuse[keep], mask=mask,
                        reuse_from=self.reuse_from[keep])
 

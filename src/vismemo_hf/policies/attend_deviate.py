@@ -18,7 +18,7 @@ policy therefore:
    below ``mask_below`` x uniform (1/N), the least attended first and at most ``max_mask_ratio`` of
    the image; ``mask_below=0`` masks nothing;
 4. with ``restore_masked`` (default), gives decoding the alias's K/V of the masked tokens, so
-   tokens generated later can still attend to them.
+   tokens generated later can still attend to them;
 5. computes every token (an *early miss*, after the warmup) when the image's median deviation exceeds
    ``miss_deviation``: the page changed everywhere (an alias that is another image altogether), and outliers
    measured against that median would reuse most of it stale; near-duplicates move a few tokens, and their median
