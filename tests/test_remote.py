@@ -290,8 +290,8 @@ def test_a_header_naming_a_huge_size_is_a_miss_without_a_buffer_for_it(server, m
     header = blob.parse_header(bytes(data[: blob.HEADER_SIZE]))
     forged = blob._FIELDS.unpack(bytes(data[: blob._FIELDS.size]))
     fields = list(forged)
-    fields[20] += 10**12  # total bytes (and the metadata size with it, so the header's sizes agree)
-    fields[19] += 10**12
+    fields[22] += 10**12  # total bytes (and the metadata size with it, so the header's sizes agree)
+    fields[21] += 10**12
     raw = blob._FIELDS.pack(*fields)
     import zlib
 

@@ -84,7 +84,7 @@ def test_an_entry_whose_blob_names_another_model_is_a_miss_even_when_the_index_s
         store.disk.write("a", _foreign(_entry("a", n=4, layers=3)))
     before = store.stats()["corrupt"]
     assert store.get_tokens("a", "fp", torch.tensor([0, 2]), 1) is None
-    assert store.sketch("a", "fp") is None and store.peek("a", "fp") is None and store.get("a", "fp") is None
+    assert store.lookup_section("a", "fp") is None and store.peek("a", "fp") is None and store.get("a", "fp") is None
     assert store.stats()["corrupt"] > before and "a" not in store
 
 

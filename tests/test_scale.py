@@ -266,7 +266,7 @@ def test_a_corrupt_lookup_section_is_never_scored(tmp_path):
         e = _entry("a", n=6)
         store.put(e)
         store.flush()
-        assert store.sketch("a", "fp") is not None and store.stats()["bytes_read_lookup"] > 0
+        assert store.lookup_section("a", "fp") is not None and store.stats()["bytes_read_lookup"] > 0
         header = blob.parse_header(blob.encode(e)[: blob.HEADER_SIZE])
         where = header.meta_start + header.lookup_bytes - 3  # inside the sketches
         if "disk_dir" in options:
@@ -276,7 +276,7 @@ def test_a_corrupt_lookup_section_is_never_scored(tmp_path):
             path.write_bytes(bytes(data))
         else:
             store.host.lru["a"][1][where] ^= 0x40
-        assert store.sketch("a", "fp") is None and "a" not in store and store.stats()["corrupt"] == 1
+        assert store.lookup_section("a", "fp") is None and "a" not in store and store.stats()["corrupt"] == 1
 
 
 def test_the_packaged_readers_calibration_is_its_own():

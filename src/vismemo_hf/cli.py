@@ -131,8 +131,10 @@ def calibrate(args) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     command = (f"vismemo calibrate --model {args.model}" + (f" --family {args.family}" if args.family else "")
                + f" --pages {args.pages} --pairs-per-kind {args.pairs_per_kind} --seed {args.seed}")
-    summary = {k: report[k] for k in ("calibration", "heldout", "heldout_from_sketches", "defaults", "uncentred_rule")}
-    preset = {"tau": report["tau"], "tau_fine": report["tau_fine"], "fingerprint": report["fingerprint"],
+    summary = {k: report[k] for k in ("calibration", "heldout", "heldout_from_sketches", "heldout_without_pixel_stage",
+                                      "defaults", "uncentred_rule")}
+    pixel = {k: report[k] for k in ("tau_pixel", "tau_near") if report[k] is not None}
+    preset = {"tau": report["tau"], "tau_fine": report["tau_fine"], **pixel, "fingerprint": report["fingerprint"],
               "calibration": {"model": args.model, "family": model.config.model_type, "command": command,
                               "heldout_recall": round(report["heldout"]["recall"], 4),
                               "heldout_fpr": round(report["heldout"]["fpr"], 4),
@@ -146,7 +148,9 @@ def calibrate(args) -> int:
                                                       "max_unrelated_fine": report["max_unrelated_fine"]}, indent=2))
     lines = header(f"Lookup thresholds for {args.model}" + (f" ({args.family})" if args.family else ""), command,
                    machine()) + [
-        f"Preset: `{out.name}` (tau {report['tau']}, tau_fine {report['tau_fine']}). Pairs: synthetic documents "
+        f"Preset: `{out.name}` (tau {report['tau']}, tau_fine {report['tau_fine']}"
+        + (f"; pixel stage: tau_pixel {pixel['tau_pixel']} for fine scores from tau_near {pixel['tau_near']}"
+           if pixel else "; no pixel stage") + "). Pairs: synthetic documents "
         + ("(`docpage` pages of the five layouts with the near-duplicate kinds of `docstream`, and `synthdoc` "
            "forms of five page styles)" if pages == "docpage" else "(five page styles)")
         + ", text pages, forms of one template, screens, photos and textures; near-duplicates are "
@@ -156,6 +160,7 @@ def calibrate(args) -> int:
         "", "| rule | pairs | recall | false-positive rate |", "| --- | --- | --- | --- |"]
     for label, key in (("calibrated, calibration pairs", "calibration"), ("calibrated, held-out pairs", "heldout"),
                        ("calibrated, held-out, from sketches", "heldout_from_sketches"),
+                       ("calibrated, held-out, without the pixel stage", "heldout_without_pixel_stage"),
                        ("defaults (centred, adaptive tau_fine), held-out", "defaults"),
                        ("uncentred cosines at 0.8 / 0.8 (docs/METHOD.md §1), held-out", "uncentred_rule")):
         r = summary[key]

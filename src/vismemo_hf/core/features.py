@@ -88,6 +88,18 @@ def patch_hashes(pixels: torch.Tensor, merge: int) -> torch.Tensor:
     return torch.tensor([zlib.crc32(row) for row in rows], dtype=torch.int64)
 
 
+def _luma(pixels: torch.Tensor, channels: int, temporal_patch: int, patch: int, image_mean, image_std) -> torch.Tensor:
+    """(patches, patch, patch) luma in [0, 1] of the first temporal frame of each ViT patch (the processor's
+    normalisation undone)."""
+    x = pixels.detach().float().cpu().reshape(-1, channels, temporal_patch, patch, patch)[:, :, 0]
+    mean = torch.as_tensor(image_mean, dtype=torch.float32).view(1, -1, 1, 1)
+    std = torch.as_tensor(image_std, dtype=torch.float32).view(1, -1, 1, 1)
+    rgb = (x * std + mean).clamp(0, 1)
+    if channels == 3:
+        return 0.299 * rgb[:, 0] + 0.587 * rgb[:, 1] + 0.114 * rgb[:, 2]
+    return rgb.mean(1)
+
+
 def patch_entropy(
     pixels: torch.Tensor,
     *,
@@ -103,20 +115,51 @@ def patch_entropy(
     Undoes the processor's normalisation, takes the first temporal frame of the token's
     merge x merge patches and histograms its luma.
     """
-    x = pixels.detach().float().cpu().reshape(-1, channels, temporal_patch, patch, patch)[:, :, 0]
-    mean = torch.as_tensor(image_mean, dtype=torch.float32).view(1, -1, 1, 1)
-    std = torch.as_tensor(image_std, dtype=torch.float32).view(1, -1, 1, 1)
-    rgb = (x * std + mean).clamp(0, 1)
-    if channels == 3:
-        luma = 0.299 * rgb[:, 0] + 0.587 * rgb[:, 1] + 0.114 * rgb[:, 2]
-    else:
-        luma = rgb.mean(1)
+    luma = _luma(pixels, channels, temporal_patch, patch, image_mean, image_std)
     levels = (luma * 255).round().clamp(0, 255).to(torch.long)
     bins = (levels * ENTROPY_BINS // 256).reshape(-1, merge * merge * patch * patch)
     counts = torch.zeros(bins.shape[0], ENTROPY_BINS).scatter_add_(1, bins, torch.ones_like(bins, dtype=torch.float32))
     p = counts / counts.sum(1, keepdim=True)
     ent = -(p * torch.log2(p.clamp_min(1e-12))).sum(1)
     return (ent / math.log2(ENTROPY_BINS)).clamp(0, 1)
+
+
+#: thumbnail pixels per visual token and side (fewer for a large image, so that no side exceeds ``THUMB_MAX``)
+THUMB_PER_TOKEN = 7
+THUMB_MAX = 160
+#: Gaussian blur before the thumbnail is averaged down, in thumbnail pixels
+THUMB_BLUR = 0.5
+
+
+def thumbnail(pixels: torch.Tensor, grid: tuple[int, int, int], *, channels: int, temporal_patch: int, patch: int,
+              merge: int, image_mean, image_std) -> torch.Tensor:
+    """(H, W) uint8 luma of the image, area-averaged to ``THUMB_PER_TOKEN`` px per visual token (fewer for large
+    images): what the lookup's pixel stage aligns (``core.thresholds.aligned_similarity``; docs/METHOD.md §1)."""
+    _, h, w = grid
+    luma = _luma(pixels[: h * w], channels, temporal_patch, patch, image_mean, image_std)
+    bh, bw = h // merge, w // merge
+    image = luma.reshape(bh, bw, merge, merge, patch, patch).permute(0, 2, 4, 1, 3, 5).reshape(h * patch, w * patch)
+    per = thumb_per_token((bh, bw))
+    step = merge * patch / per  # image px per thumbnail px
+    pre = max(1, int(step) // 2)  # averaged down to about twice the thumbnail first: the blur stays cheap
+    image = F.adaptive_avg_pool2d(image[None, None], (image.shape[0] // pre, image.shape[1] // pre))[0, 0]
+    image = _blur(image, THUMB_BLUR * step / pre)  # band-limited: a warp of it resamples it faithfully
+    small = F.adaptive_avg_pool2d(image[None, None], (bh * per, bw * per))[0, 0]
+    return (small * 255).round().clamp(0, 255).to(torch.uint8)
+
+
+def _blur(image: torch.Tensor, sigma: float) -> torch.Tensor:
+    """(H, W) under a separable Gaussian of ``sigma`` px (edges replicated)."""
+    r = int(3 * sigma) + 1
+    g = torch.exp(-torch.arange(-r, r + 1, dtype=torch.float32) ** 2 / (2 * sigma**2))
+    g = g / g.sum()
+    x = F.pad(image[None, None], (r, r, r, r), mode="replicate")
+    return F.conv2d(F.conv2d(x, g.view(1, 1, 1, -1)), g.view(1, 1, -1, 1))[0, 0]
+
+
+def thumb_per_token(hw: tuple[int, int]) -> int:
+    """Thumbnail pixels per visual token of an image of ``hw`` tokens."""
+    return max(1, min(THUMB_PER_TOKEN, THUMB_MAX // max(hw)))
 
 
 def region_descriptors(embeds: torch.Tensor, grid: tuple[int, int, int], merge: int) -> torch.Tensor:

@@ -293,10 +293,12 @@ class CacheEvent:
     prefix_changed: bool = False
     #: bytes of alias K/V this request read (a full entry for exact hits from a lower tier, ranges otherwise)
     bytes_read: int = 0
-    #: bytes the fine lookup stage read: the candidates' descriptors and token sketches
+    #: bytes the fine lookup stage read: the candidates' lookup sections (descriptors, thumbnails, token sketches)
     lookup_bytes: int = 0
     #: approximate hits on a moved copy: the request's token (r, c) reused the alias's (r + dy, c + dx)
     shift: tuple[int, int] = (0, 0)
+    #: approximate hits the lookup's pixel stage accepted: the aligned thumbnail similarity (else None)
+    pixel_score: float | None = None
 
     def as_dict(self) -> dict:
         return {
@@ -313,5 +315,6 @@ class CacheEvent:
             "bytes_read": self.bytes_read,
             "lookup_bytes": self.lookup_bytes,
             "shift": list(self.shift),
+            "pixel_score": self.pixel_score,
             "timings": dict(self.timings),
         }

@@ -37,14 +37,19 @@ class ModelReference:
 @dataclass(frozen=True)
 class LookupThresholds:
     """``tau``: every centred regional cosine must exceed it (coarse stage); ``tau_fine``: the mean centred token
-    cosine must reach it (fine stage). ``fingerprint``: the model they were calibrated for (None: any).
-    ``adaptive``: ``tau_fine`` is raised, per model, to ``UNRELATED_MARGIN`` above its most similar unrelated
-    reference pair (on by default; off for calibrated presets and explicit values)."""
+    cosine must reach it (fine stage). ``tau_pixel`` and ``tau_near`` (both or neither; calibrated presets): a
+    candidate below ``tau_fine`` but at or above ``tau_near`` also matches when its aligned thumbnail similarity
+    (``aligned_similarity``) reaches ``tau_pixel`` -- a page moved by part of a token or zoomed by a few percent,
+    whose tokens all changed although its pixels did not. ``fingerprint``: the model they were calibrated for
+    (None: any). ``adaptive``: ``tau_fine`` is raised, per model, to ``UNRELATED_MARGIN`` above its most similar
+    unrelated reference pair (on by default; off for calibrated presets and explicit values)."""
 
     tau: float = 0.8
     tau_fine: float = 0.85
     fingerprint: str | None = None
     adaptive: bool = True
+    tau_pixel: float | None = None
+    tau_near: float | None = None
 
     def fine_for(self, reference: ModelReference) -> float:
         """The fine threshold for a model."""
@@ -52,11 +57,29 @@ class LookupThresholds:
             return self.tau_fine
         return max(self.tau_fine, reference.unrelated_fine + UNRELATED_MARGIN)
 
+    @property
+    def pixel_stage(self) -> bool:
+        """Whether candidates just below ``tau_fine`` get the pixel stage."""
+        return self.tau_pixel is not None
+
+    def near(self, fine: float, tau_fine: float) -> bool:
+        """A fine score that needs the pixel stage to match: below ``tau_fine``, at or above ``tau_near``."""
+        return self.pixel_stage and self.tau_near <= fine < tau_fine
+
+    def matches(self, fine: float, tau_fine: float, pixel) -> bool:
+        """The fine rule: ``fine`` reaches ``tau_fine`` (the model's, ``fine_for``), or it is ``near`` and
+        ``pixel()`` (the aligned thumbnail similarity, computed only then) reaches ``tau_pixel``."""
+        return fine >= tau_fine or (self.near(fine, tau_fine) and pixel() >= self.tau_pixel)
+
     def __post_init__(self) -> None:
-        for name in ("tau", "tau_fine"):
+        for name in ("tau", "tau_fine", "tau_pixel", "tau_near"):
             value = getattr(self, name)
+            if value is None and name in ("tau_pixel", "tau_near"):
+                continue
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not -1.0 <= value <= 1.0:
                 raise ValueError(f"{name} must be a cosine in [-1, 1], got {value!r}")
+        if (self.tau_pixel is None) != (self.tau_near is None):
+            raise ValueError("tau_pixel and tau_near go together: give both or neither")
 
     @classmethod
     def load(cls, name_or_path: str) -> LookupThresholds:
@@ -65,7 +88,7 @@ class LookupThresholds:
 
         cfg = load("lookup", name_or_path)
         where = find("lookup", name_or_path)
-        unknown = set(cfg) - {"tau", "tau_fine", "fingerprint", "calibration"}
+        unknown = set(cfg) - {"tau", "tau_fine", "tau_pixel", "tau_near", "fingerprint", "calibration"}
         if unknown:
             raise ValueError(f"unknown lookup option(s) {sorted(unknown)} in {where}")
         missing = {"tau", "tau_fine"} - set(cfg)
@@ -74,7 +97,8 @@ class LookupThresholds:
         fingerprint = cfg.get("fingerprint")
         if fingerprint is not None and not isinstance(fingerprint, str):
             raise ValueError(f"fingerprint in {where} must be a string, got {fingerprint!r}")
-        return cls(cfg["tau"], cfg["tau_fine"], fingerprint, adaptive=False)
+        return cls(cfg["tau"], cfg["tau_fine"], fingerprint, adaptive=False, tau_pixel=cfg.get("tau_pixel"),
+                   tau_near=cfg.get("tau_near"))
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -132,3 +156,76 @@ def fine_score(a: torch.Tensor, b: torch.Tensor, grid: tuple[int, int, int], mer
     """The fine rule at full width for two images' tokens (N, d) of one ``grid``: (score, shift) of ``best_shift``
     on their centred tokens."""
     return best_shift(centred_tokens(a, token_mean), centred_tokens(b, token_mean), token_grid(grid, merge)[1:])
+
+
+#: the pixel stage zooms a candidate's thumbnail by up to this factor either way (a crop or a rescan at another
+#: scale) and moves it by up to one visual token (a scroll or shift by part of a token)
+PIXEL_ZOOM = 1.06
+_ZOOM_STEPS = 25
+#: the largest move, in visual tokens, that a zoom about the centre may cause at the image's edge for the tokens
+#: to line up with the cached image's (``zoom_drift``); a copy zoomed further is found but computed in full
+MAX_ZOOM_DRIFT = 0.125
+
+
+def _high_pass(x: torch.Tensor, k: int) -> torch.Tensor:
+    """(B, 1, H, W) minus its k x k local mean: glyph and edge detail, not the page's shading."""
+    return x - F.avg_pool2d(x, k, 1, k // 2, count_include_pad=False)
+
+
+def _warps(hb: torch.Tensor, params: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``hb`` (1, 1, H, W) sampled at each (zoom, ty, tx) of ``params`` (P, 3; moves in normalised units):
+    (warps (P, 1, H, W), zero where a warp has none of ``hb``'s pixels; that area's mask)."""
+    _, _, h, w = hb.shape
+    theta = torch.zeros(params.shape[0], 2, 3)
+    theta[:, 0, 0] = theta[:, 1, 1] = params[:, 0]
+    theta[:, 1, 2], theta[:, 0, 2] = params[:, 1], params[:, 2]
+    grid = F.affine_grid(theta, (params.shape[0], 1, h, w), align_corners=False)
+    warped = F.grid_sample(hb.expand(params.shape[0], 1, h, w), grid, mode="bilinear", padding_mode="zeros",
+                           align_corners=False)
+    inside = ((grid[..., 0].abs() <= 1 - 1 / w) & (grid[..., 1].abs() <= 1 - 1 / h)).unsqueeze(1).float()
+    return warped * inside, inside
+
+
+def zoom_drift(zoom: float, hw: tuple[int, int]) -> float:
+    """How far, in visual tokens, a zoom by ``zoom`` about the centre moves the content at the edge of an h x w
+    token grid."""
+    return abs(zoom - 1.0) * max(hw) / 2
+
+
+def aligned_similarity(a: torch.Tensor, b: torch.Tensor, per_token: int) -> tuple[float, float]:
+    """The pixel stage of the fine lookup: the highest normalised cross-correlation of the high-passed thumbnails
+    ``a`` (the request's) and ``b`` (a candidate's; (H, W) uint8 of ``per_token`` px per visual token) over ``b``
+    zoomed by up to ``PIXEL_ZOOM`` either way and moved by up to one visual token, on the area both show (at least
+    ``MIN_OVERLAP``). Each zoom (steps of 0.5 %) takes its best move from one FFT cross-correlation; the three best
+    are refined on finer grids. Returns (similarity, the zoom it found: point x of ``a``, from the centre, shows
+    ``b``'s zoom * x); (-1, 1) when the thumbnails differ in shape."""
+    if a.shape != b.shape or a.ndim != 2 or min(a.shape) < 4:
+        return -1.0, 1.0
+    h, w = a.shape
+    k = 2 * (per_token // 2) + 3  # odd, a little wider than a token
+    ha = _high_pass(a.float()[None, None] / 255, k)
+    hb = _high_pass(b.float()[None, None] / 255, k)
+    zooms = torch.linspace(1 / PIXEL_ZOOM, PIXEL_ZOOM, _ZOOM_STEPS)
+    warped, _ = _warps(hb, torch.stack([zooms, torch.zeros_like(zooms), torch.zeros_like(zooms)], 1))
+    size = (2 * h, 2 * w)
+    corr = torch.fft.irfft2(torch.fft.rfft2(ha[0, 0], s=size).conj() * torch.fft.rfft2(warped[:, 0], s=size), s=size)
+    m = per_token
+    corr = torch.roll(corr, (m, m), (1, 2))[:, : 2 * m + 1, : 2 * m + 1].reshape(_ZOOM_STEPS, -1)
+    peak, where = corr.max(1)
+    best = torch.tensor([[float(zooms[i]), 2 * (int(where[i]) // (2 * m + 1) - m) / h,
+                          2 * (int(where[i]) % (2 * m + 1) - m) / w] for i in peak.argsort(descending=True)[:3]])
+    steps = torch.tensor([float(zooms[1] - zooms[0]) / 2, 2 / h, 2 / w])
+    offsets = torch.stack(torch.meshgrid(*[torch.arange(-1.0, 2.0)] * 3, indexing="ij"), -1).reshape(-1, 3)
+    energy_a = ha.square()
+    score, zoom = -1.0, 1.0
+    for _ in range(3):
+        params = (best[:, None] + offsets[None] * steps).reshape(-1, 3)
+        warped, inside = _warps(hb, params)
+        den = ((energy_a * inside).sum((1, 2, 3)) * warped.square().sum((1, 2, 3))).sqrt().clamp_min(1e-8)
+        ncc = (ha * warped).sum((1, 2, 3)) / den
+        ncc = torch.where(inside.mean((1, 2, 3)) >= MIN_OVERLAP, ncc, torch.full_like(ncc, -1.0)).reshape(len(best), -1)
+        best = params.reshape(len(best), -1, 3)[torch.arange(len(best)), ncc.argmax(1)]
+        if float(ncc.max()) > score:
+            score, zoom = float(ncc.max()), float(best[int(ncc.max(1).values.argmax()), 0])
+        steps = steps / 2
+    return score, zoom

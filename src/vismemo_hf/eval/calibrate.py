@@ -7,28 +7,45 @@ with a small change (an edited value or key, swapped rows, a 1-3 px shift, JPEG,
 noise, a small pasted patch; on ``docpage`` pages one or several edited cells, a scroll, a crop, a popup, a
 switched widget, a rescan, a shift); an unrelated image is another one of the same kind and size.
 Each pair is scored exactly as the lookup scores it: the smallest centred regional cosine
-(coarse) and the mean centred token cosine at the best shift by up to one visual token (fine, full width and from
-sketches; ``core.thresholds.best_shift``).
+(coarse), the mean centred token cosine at the best shift by up to one visual token (fine, full width and from
+sketches; ``core.thresholds.best_shift``) and the aligned similarity of the two thumbnails (pixel;
+``core.thresholds.aligned_similarity``).
 
 ``tau_fine`` sits halfway between the highest unrelated score and the low (10th percentile)
-near-duplicate scores above it, so that no calibration pair aliases an unrelated image; ``tau``
-lets through every near-duplicate that passes ``tau_fine``. Recall and false-positive rate are
-reported on the calibration pairs and on held-out pairs of other seeds.
+near-duplicate scores above it, so that no calibration pair aliases an unrelated image. The pixel stage's
+``tau_pixel`` is chosen the same way from the pixel scores of the pairs below ``tau_fine`` (every unrelated pair
+counts), and ``tau_near`` lets through every near-duplicate that passes ``tau_pixel``; ``tau`` lets through every
+near-duplicate that passes either. Recall and false-positive rate are reported on the calibration pairs and on
+held-out pairs of other seeds, with and without the pixel stage.
 """
 
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import torch
 from PIL import Image, ImageDraw
 
-from vismemo_hf.core.features import centred_sketches, region_descriptors, token_grid, token_sketch
+from vismemo_hf.core.features import (
+    centred_sketches,
+    region_descriptors,
+    thumb_per_token,
+    thumbnail,
+    token_grid,
+    token_sketch,
+)
 from vismemo_hf.core.images import IMAGE_KINDS, synthetic_image
-from vismemo_hf.core.thresholds import LookupThresholds, best_shift, fine_score, regional_cosines
+from vismemo_hf.core.thresholds import (
+    LookupThresholds,
+    aligned_similarity,
+    best_shift,
+    fine_score,
+    regional_cosines,
+)
 from vismemo_hf.eval import docpage, docstream, synthdoc
 from vismemo_hf.families import ModelAdapter
-from vismemo_hf.runtime.reference import encode_images, model_reference
+from vismemo_hf.runtime.reference import encode_images, image_processor, model_reference
 
 
 def _patch(image: Image.Image, rng: random.Random) -> Image.Image:
@@ -91,48 +108,80 @@ def pairs(seed: int, per_kind: int, pages: str = "synthdoc") -> list[tuple[Image
     return out
 
 
+def thumbnails(adapter, images) -> list[torch.Tensor]:
+    """The lookup's thumbnail of each image, from the model's own processor output."""
+    processor = image_processor(adapter)
+    out = []
+    for image in images:
+        inputs = processor(images=[image.convert("RGB")], return_tensors="pt")
+        grid = tuple(int(x) for x in inputs["image_grid_thw"][0])
+        out.append(thumbnail(inputs["pixel_values"], grid, **adapter.entropy_kwargs()))
+    return out
+
+
 def score_pairs(adapter, get_image_features, pair_list, reference) -> list[dict]:
-    """Per pair: coarse (smallest centred regional cosine), fine (``fine_score``) and fine_sketch (the same from
-    token sketches)."""
+    """Per pair: coarse (smallest centred regional cosine), fine (``fine_score``), fine_sketch (the same from
+    token sketches) and pixel (``aligned_similarity`` of their thumbnails)."""
     descriptor_mean, token_mean = reference.descriptor_mean, reference.token_mean
-    encoded = encode_images(adapter, get_image_features, [im for a, b, _, _ in pair_list for im in (a, b)])
+    images = [im for a, b, _, _ in pair_list for im in (a, b)]
+    encoded = encode_images(adapter, get_image_features, images)
+    thumbs = thumbnails(adapter, images)
     rows = []
     for i, (_, _, near, what) in enumerate(pair_list):
         (ea, ga), (eb, gb) = encoded[2 * i], encoded[2 * i + 1]
         if ga != gb:
             continue
+        hw = token_grid(ga, adapter.merge)[1:]
         da, db = region_descriptors(ea, ga, adapter.merge), region_descriptors(eb, gb, adapter.merge)
         rows.append({
             "near": near, "what": what,
             "coarse": float(regional_cosines(da, db, descriptor_mean).min()),
             "fine": fine_score(ea, eb, ga, adapter.merge, token_mean)[0],
             "fine_sketch": best_shift(centred_sketches(token_sketch(ea), token_mean),
-                                      centred_sketches(token_sketch(eb), token_mean),
-                                      token_grid(ga, adapter.merge)[1:])[0],
+                                      centred_sketches(token_sketch(eb), token_mean), hw)[0],
+            "pixel": aligned_similarity(thumbs[2 * i], thumbs[2 * i + 1], thumb_per_token(hw))[0],
             "coarse_raw": float(torch.nn.functional.cosine_similarity(da, db, dim=-1).min()),
             "fine_raw": float(torch.nn.functional.cosine_similarity(ea, eb, dim=-1).mean()),
         })
     return rows
 
 
-def choose(rows: list[dict]) -> tuple[float, float]:
-    """(tau, tau_fine) from scored calibration pairs (see the module docstring)."""
-    unrelated = max(r["fine"] for r in rows if not r["near"])
-    above = sorted(r["fine"] for r in rows if r["near"] and r["fine"] > unrelated)
+def _halfway(rows: list[dict], key: str, cap: float) -> float:
+    """Halfway between the highest unrelated ``key`` score and the low (10th percentile) near-duplicate scores above
+    it (at least 0.02 above it, at most ``cap``)."""
+    unrelated = max(r[key] for r in rows if not r["near"])
+    above = sorted(r[key] for r in rows if r["near"] and r[key] > unrelated)
     if above:
         low = above[int(0.1 * (len(above) - 1))]
-        tau_fine = min(0.98, unrelated + max(0.02, 0.5 * (low - unrelated)))
-    else:
-        tau_fine = min(0.99, unrelated + 0.02)
-    kept = [r["coarse"] for r in rows if r["near"] and r["fine"] >= tau_fine]
+        return min(cap, unrelated + max(0.02, 0.5 * (low - unrelated)))
+    return min(cap + 0.01, unrelated + 0.02)
+
+
+def choose(rows: list[dict]) -> LookupThresholds:
+    """The thresholds (``adaptive`` off) from scored calibration pairs (see the module docstring)."""
+    tau_fine = _halfway(rows, "fine", 0.98)
+    below = [r for r in rows if r["fine"] < tau_fine]
+    tau_pixel = tau_near = None
+    if any(not r["near"] for r in below):
+        pixel = _halfway(below, "pixel", 0.98)
+        kept = [r["fine"] for r in below if r["near"] and r["pixel"] >= pixel]
+        if kept:
+            tau_pixel, tau_near = round(pixel, 4), round(max(-1.0, min(kept) - 0.02), 4)
+    thresholds = LookupThresholds(0.0, round(tau_fine, 4), adaptive=False, tau_pixel=tau_pixel, tau_near=tau_near)
+    kept = [r["coarse"] for r in rows if r["near"] and _fine_passes(r, thresholds)]
     tau = min(tau_fine, min(kept) - 0.02) if kept else tau_fine
-    return round(max(-1.0, tau), 4), round(tau_fine, 4)
+    return replace(thresholds, tau=round(max(-1.0, tau), 4))
 
 
-def rates(rows: list[dict], tau: float, tau_fine: float, key: str = "fine", coarse: str = "coarse") -> dict:
-    """Recall (near-duplicates found), false-positive rate (unrelated aliased), per source and per-kind recall."""
+def _fine_passes(r: dict, thresholds: LookupThresholds, key: str = "fine") -> bool:
+    return thresholds.matches(r[key], thresholds.tau_fine, lambda: r["pixel"])
+
+
+def rates(rows: list[dict], thresholds: LookupThresholds, key: str = "fine", coarse: str = "coarse") -> dict:
+    """Recall (near-duplicates found), false-positive rate (unrelated aliased), per source and per-kind recall,
+    under ``thresholds`` (its ``tau_fine`` as given)."""
     def passes(r):
-        return r[coarse] > tau and r[key] >= tau_fine
+        return r[coarse] > thresholds.tau and _fine_passes(r, thresholds, key)
 
     def of(subset):
         near, far = [r for r in subset if r["near"]], [r for r in subset if not r["near"]]
@@ -156,15 +205,20 @@ def calibrate(model, per_kind: int = 10, seed: int = 1, heldout_seed: int = 2, p
         reference = model_reference(adapter, get_image_features)
         rows = score_pairs(adapter, get_image_features, pairs(seed, per_kind, pages), reference)
         heldout = score_pairs(adapter, get_image_features, pairs(heldout_seed, per_kind, pages), reference)
-    tau, tau_fine = choose(rows)
+    chosen = choose(rows)
+    tau_fine = chosen.tau_fine
     sketch_agree = [(r["fine"] >= tau_fine) == (r["fine_sketch"] >= tau_fine) for r in rows + heldout]
+    defaults = LookupThresholds()
     return {
-        "fingerprint": adapter.fingerprint, "tau": tau, "tau_fine": tau_fine,
-        "calibration": rates(rows, tau, tau_fine), "heldout": rates(heldout, tau, tau_fine),
-        "heldout_from_sketches": rates(heldout, tau, tau_fine, key="fine_sketch"),
+        "fingerprint": adapter.fingerprint, "tau": chosen.tau, "tau_fine": tau_fine, "tau_pixel": chosen.tau_pixel,
+        "tau_near": chosen.tau_near,
+        "calibration": rates(rows, chosen), "heldout": rates(heldout, chosen),
+        "heldout_from_sketches": rates(heldout, chosen, key="fine_sketch"),
+        "heldout_without_pixel_stage": rates(heldout, replace(chosen, tau_pixel=None, tau_near=None)),
         "sketch_agreement": sum(sketch_agree) / len(sketch_agree),
         "max_unrelated_fine": max(r["fine"] for r in rows if not r["near"]),
-        "defaults": rates(heldout, LookupThresholds().tau, LookupThresholds().fine_for(reference)),
-        "uncentred_rule": rates(heldout, 0.8, 0.8, key="fine_raw", coarse="coarse_raw"),
+        "defaults": rates(heldout, replace(defaults, tau_fine=defaults.fine_for(reference), adaptive=False)),
+        "uncentred_rule": rates(heldout, LookupThresholds(0.8, 0.8, adaptive=False), key="fine_raw",
+                                coarse="coarse_raw"),
         "rows": rows, "heldout_rows": heldout,
     }

@@ -8,9 +8,11 @@ on the cache for the runner; the model receives ``mm_encoder_outputs`` instead o
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
@@ -21,11 +23,13 @@ from vismemo_hf.core.features import (
     patch_entropy,
     patch_hashes,
     region_descriptors,
+    thumb_per_token,
+    thumbnail,
     token_grid,
     token_sketch,
 )
 from vismemo_hf.core.plan import HitKind, ImageFeatures
-from vismemo_hf.core.thresholds import best_shift, regional_cosines
+from vismemo_hf.core.thresholds import MAX_ZOOM_DRIFT, aligned_similarity, best_shift, regional_cosines, zoom_drift
 from vismemo_hf.runtime.reference import model_reference
 from vismemo_hf.store.entry import Entry
 from vismemo_hf.store.store import store_call
@@ -55,6 +59,9 @@ class ImageMatch:
     lookup_bytes: int = 0  # lookup-section bytes of the candidates the fine stage scored
     lookup_ms: float = 0.0
     encoder_ms: float = 0.0
+    thumbnail: Callable[[], torch.Tensor] | None = None  # the image's (H, W) uint8 thumbnail, computed on first call
+    pixel_score: float | None = None  # an approximate hit the pixel stage accepted: its aligned thumbnail similarity
+    aligned: bool = True  # False: a copy zoomed so far that no token lines up with the alias's (computed in full)
 
     @property
     def n_tokens(self) -> int:
@@ -65,7 +72,7 @@ class ImageMatch:
 
     def as_miss(self) -> ImageMatch:
         return replace(self, kind=HitKind.MISS, alias=None, alias_entry=None, alias_offset=0, score=None,
-                       prefix_changed=False)
+                       prefix_changed=False, pixel_score=None, aligned=True)
 
 
 class DeferredImageFeatures:
@@ -276,7 +283,8 @@ def lookup_request(adapter, cache, input_ids, pixel_values, grids, get_image_fea
             embeds, deepstack = encodings[i]
             feats = ImageFeatures(keys[i], grid_list[j], embeds, pixel_features=_pixel_features(adapter, pixels[j]))
             match = ImageMatch(row, start, feats, embeds, deepstack, region_descriptors(embeds, grid_list[j], merge),
-                               HitKind.MISS, prefix, encoder_ms=encoder_ms)
+                               HitKind.MISS, prefix, encoder_ms=encoder_ms,
+                               thumbnail=_thumbnail(adapter, pixels[j], grid_list[j]))
             match = _approximate(adapter, match, cache, get_image_features)
         images.append(replace(match, lookup_ms=exact_ms + (time.perf_counter() - t0) * 1e3))
     outputs = adapter.encoder_outputs([(m.embeds, m.deepstack) for m in images])
@@ -288,6 +296,11 @@ def lookup_request(adapter, cache, input_ids, pixel_values, grids, get_image_fea
 def _pixel_features(adapter, pixels: torch.Tensor):
     """What computes an image's patch entropy and token pixel hashes when they are first needed."""
     return lambda: (patch_entropy(pixels, **adapter.entropy_kwargs()), patch_hashes(pixels, adapter.merge))
+
+
+def _thumbnail(adapter, pixels: torch.Tensor, grid) -> Callable[[], torch.Tensor]:
+    """What computes an image's thumbnail once, when the pixel stage or the store first needs it."""
+    return functools.cache(lambda: thumbnail(pixels, grid, **adapter.entropy_kwargs()))
 
 
 def _exact_entry(adapter, cache, key: str, grid) -> Entry | None:
@@ -348,7 +361,8 @@ def _approximate(adapter, match: ImageMatch, cache, get_image_features) -> Image
     (descriptors and token sketches, never its encoder output): the match as an approximate hit, or unchanged. Both
     stages compare embeddings centred by the model's reference means (``core/thresholds.py``); the fine stage also
     compares the candidate moved by a visual token (``best_shift``), and a moved match reuses its K/V at the moved
-    positions (``ImageFeatures.moved``)."""
+    positions (``ImageFeatures.moved``). With a calibrated pixel stage, candidates just below the fine threshold
+    are also compared by their thumbnails, aligned across zooms and moves of part of a token (``_fine_stage``)."""
     fp, owner = adapter.fingerprint, cache.owner(adapter.fingerprint)
     if cache.top_k == 0:
         return match
@@ -369,25 +383,50 @@ def _approximate(adapter, match: ImageMatch, cache, get_image_features) -> Image
     sketch = token_sketch(feats.embeds) if found else None
     mine = centred_sketches(sketch, reference.token_mean) if found else None
     hw = token_grid(feats.grid, adapter.merge)[1:]
-    best, best_score, moved_by, read = None, float("-inf"), (0, 0), 0
+    scored, read = [], 0
     for key, _ in found:
-        section = store_call("read", lambda k=key: cache.store.sketch(k, owner), None)
+        section = store_call("read", lambda k=key: cache.store.lookup_section(k, owner), None)
         if section is None:
             continue
-        descriptors, other = section
-        read += descriptors.numel() * 4 + other.numel() * 2
+        descriptors, other, thumb = section
+        read += descriptors.numel() * 4 + other.numel() * 2 + (thumb.numel() if thumb is not None else 0)
         if descriptors.shape != match.descriptors.shape or other.shape != sketch.shape:
             continue
         if not bool((regional_cosines(match.descriptors, descriptors, reference.descriptor_mean) > thresholds.tau).all()):
             continue  # the projected index let it through; the exact coarse rule does not
-        score, shift = best_shift(mine, centred_sketches(other, reference.token_mean), hw)
-        if score > best_score:
-            best, best_score, moved_by = key, score, shift
+        scored.append((*best_shift(mine, centred_sketches(other, reference.token_mean), hw), key, thumb))
     match = replace(match, lookup_bytes=read)
-    if best is None or best_score < thresholds.fine_for(reference):
+    chosen = _fine_stage(scored, thresholds, thresholds.fine_for(reference), match.thumbnail, hw)
+    if chosen is None:
         return match
+    best, best_score, moved_by, pixel, zoom = chosen
     entry = store_call("read", lambda: cache.store.peek(best, owner), None)
     if not _usable(adapter, cache, entry, best, feats.grid):
         return match
     return replace(match, kind=HitKind.APPROXIMATE, alias=entry.features().moved(moved_by, hw),
-                   alias_offset=entry.offset, score=best_score)
+                   alias_offset=entry.offset, score=best_score, pixel_score=pixel,
+                   aligned=zoom_drift(zoom, hw) <= MAX_ZOOM_DRIFT)
+
+
+#: the most candidates near the fine threshold whose thumbnails the pixel stage aligns, best first
+PIXEL_CANDIDATES = 2
+
+
+def _fine_stage(scored: list, thresholds, tau_fine: float, thumbnail, hw) -> tuple | None:
+    """(key, score, shift, pixel score or None, zoom) of the candidate the fine rule accepts
+    (``LookupThresholds.matches``) from ``scored`` ((score, shift, key, thumbnail) of each): the best score when it
+    reaches ``tau_fine``, else the first of the ``PIXEL_CANDIDATES`` best near ones whose thumbnail aligns with the
+    request's; else None."""
+    scored = sorted(scored, key=lambda c: -c[0])  # stable: of equal scores the first found wins
+    if not scored:
+        return None
+    score, shift, key, _ = scored[0]
+    if score >= tau_fine:
+        return key, score, shift, None, 1.0
+    near = [c for c in scored if thresholds.near(c[0], tau_fine) and c[3] is not None][:PIXEL_CANDIDATES]
+    mine = thumbnail() if near and thumbnail is not None else None
+    for score, shift, key, thumb in near if mine is not None else ():
+        pixel, zoom = aligned_similarity(mine, thumb, thumb_per_token(hw))
+        if thresholds.matches(score, tau_fine, lambda p=pixel: p):
+            return key, score, shift, pixel, zoom
+    return None

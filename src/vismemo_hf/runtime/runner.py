@@ -50,7 +50,8 @@ class ImageRun:
                           row=m.row, n_tokens=m.n_tokens, recomputed=plan.recompute.numel(), reused=plan.reuse.numel(),
                           masked=plan.mask.numel(), score=m.score, timings=timings, plan=plan,
                           prefix_changed=m.prefix_changed, bytes_read=reader.bytes_read(i) if reader else 0,
-                          lookup_bytes=m.lookup_bytes, shift=m.alias.shift if m.alias is not None else (0, 0))
+                          lookup_bytes=m.lookup_bytes, shift=m.alias.shift if m.alias is not None else (0, 0),
+                          pixel_score=m.pixel_score)
 
 
 def _positions(position_ids: torch.Tensor | None) -> torch.Tensor:
@@ -92,7 +93,10 @@ class PrefillRunner:
         """Plans that need no warmup, and the reads that overlap the warmup."""
         for i, run in enumerate(self.runs):
             m = run.match
-            run.plan = self.policy.early_plan(m.kind, m.features, m.alias, m.prefix_changed, self.adapter.num_layers)
+            if m.kind is HitKind.APPROXIMATE and not m.aligned:  # zoomed: no token shows what the alias's did
+                run.plan = ImagePlan.full(HitKind.APPROXIMATE, m.n_tokens, m.alias.key)
+            else:
+                run.plan = self.policy.early_plan(m.kind, m.features, m.alias, m.prefix_changed, self.adapter.num_layers)
             if m.kind is HitKind.MISS:
                 continue
             if run.plan is not None:

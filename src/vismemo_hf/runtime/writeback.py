@@ -1,5 +1,5 @@
 """Step 4 of the data path: images computed at every layer become store entries (encoder output, descriptors,
-entropy, context hash and the patch-first K/V of every layer, read from the cache's layers)."""
+entropy, thumbnail, context hash and the patch-first K/V of every layer, read from the cache's layers)."""
 
 from __future__ import annotations
 
@@ -61,6 +61,7 @@ def write_entries(adapter, cache, done: list[tuple], importance=lambda i: None) 
             return Entry(key=feats.key, fingerprint=fingerprint, grid=feats.grid, embeds=match.embeds.detach(),
                          deepstack=match.deepstack.detach() if match.deepstack is not None else None,
                          descriptors=match.descriptors, entropy=feats.entropy, kv=kv, offset=offset,
-                         patch_hashes=feats.patch_hashes, prefix=match.prefix), weights
+                         patch_hashes=feats.patch_hashes, prefix=match.prefix,
+                         thumbnail=match.thumbnail() if match.thumbnail is not None else None), weights
 
         store_call("write", lambda b=build: cache.store.put_later(b), None)

@@ -12,9 +12,9 @@
   bytes instead of 2 x heads x head_dim x 2 for bf16. The late layers of one token (l >= W) with
   their hashes are one contiguous byte range: an approximate hit reads one range per
   reused token and can check every layer it read.
-* metadata: first the lookup section (region descriptors and token sketches: all the lookup
-  reads of a candidate, with its own CRC-32C in the header), then encoder output, deepstack
-  features, patch entropy and patch hashes (what routing needs without any K/V).
+* metadata: first the lookup section (region descriptors, the luma thumbnail when kept, and token
+  sketches: all the lookup reads of a candidate, with its own digest in the header), then encoder output,
+  deepstack features, patch entropy and patch hashes (what routing needs without any K/V).
 
 A *sealed* blob (a store with a secret, ``Seal``; docs/METHOD.md §5) carries MACs where the checksums are: the
 header an HMAC-SHA256 under a key derived from the secret, the regions and every (token, layer) block an AES-GMAC
@@ -37,8 +37,8 @@ from crc32c import crc32c
 from vismemo_hf.store.entry import Entry
 
 MAGIC = b"VMEM"
-LAYOUT_VERSION = 5
-_FIELDS = struct.Struct("<4sHBB" + "I" * 11 + "q32s64s16sQQ16s16s16s16s16s")  # the MAC last (zeros while computed)
+LAYOUT_VERSION = 6
+_FIELDS = struct.Struct("<4sHBB" + "I" * 13 + "q32s64s16sQQ16s16s16s16s16s")  # the MAC last (zeros while computed)
 MAC_BYTES = 16
 SEALED = 32  # header flag: MACs in place of checksums
 _HEADER_CRC = struct.Struct("<I")
@@ -50,6 +50,8 @@ DTYPE_CODES = {v: k for k, v in DTYPES.items()}
 #: stored K/V formats: name -> (header flag, storage dtype, largest magnitude); None: the model's dtype
 KV_FORMATS = {"int8": (4, torch.int8, 127.0), "fp8": (8, torch.float8_e4m3fn, 448.0)}
 _FLAG_FORMAT = {flag: name for name, (flag, _, _) in KV_FORMATS.items()}
+#: what a tier's ``lookup`` gives the fine stage: (descriptors, token sketches, thumbnail or None, bytes it read)
+LookupSection = tuple[torch.Tensor, torch.Tensor, "torch.Tensor | None", int]
 
 
 def quantize(kv: torch.Tensor, kv_format: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -164,6 +166,7 @@ class BlobHeader:
     lookup_digest: bytes = b""
     kv_count: int = 0  # token blocks: n_tokens, or fewer for a compressed entry (flag 16: their tokens in the metadata)
     kv_mac: bytes = b""  # sealed: the MAC of the whole K/V region (what a full read checks instead of every block's)
+    thumb: tuple[int, int] = (0, 0)  # (H, W) of the thumbnail in the lookup section; (0, 0): none
     seal: BlobSeal | None = field(default=None, compare=False, repr=False)  # a sealed blob's, once its MAC checked
 
     def digest(self, name: bytes, region) -> bytes:
@@ -203,8 +206,8 @@ class BlobHeader:
 
     @property
     def lookup_bytes(self) -> int:
-        """Bytes of the lookup section (descriptors and sketches) at the start of the metadata."""
-        return 4 * self.embed_dim * 4 + self.n_tokens * self.sketch_dim * 2
+        """Bytes of the lookup section (descriptors, thumbnail and sketches) at the start of the metadata."""
+        return 4 * self.embed_dim * 4 + self.thumb[0] * self.thumb[1] + self.n_tokens * self.sketch_dim * 2
 
 
 def parse_header(data: bytes, seal: Seal | None = None) -> BlobHeader:
@@ -216,8 +219,8 @@ def parse_header(data: bytes, seal: Seal | None = None) -> BlobHeader:
         raise BlobError("not a vismemo blob")
     if zlib.crc32(raw[: _FIELDS.size]) != _HEADER_CRC.unpack(raw[_FIELDS.size :])[0]:
         raise BlobError("header checksum mismatch")
-    (magic, version, dtype, flags, n, layers, heads, hdim, edim, levels, t, h, w, sketch_dim, kv_count, offset, fp, key,
-     digest, meta, total, prefix, lookup_digest, salt, kv_mac, mac) = _FIELDS.unpack(raw[: _FIELDS.size])
+    (magic, version, dtype, flags, n, layers, heads, hdim, edim, levels, t, h, w, sketch_dim, kv_count, thumb_h, thumb_w,
+     offset, fp, key, digest, meta, total, prefix, lookup_digest, salt, kv_mac, mac) = _FIELDS.unpack(raw[: _FIELDS.size])
     if magic != MAGIC:
         raise BlobError("not a vismemo blob")
     if version != LAYOUT_VERSION:
@@ -241,14 +244,16 @@ def parse_header(data: bytes, seal: Seal | None = None) -> BlobHeader:
         raise BlobError("header names are not ascii") from err
     header = BlobHeader(DTYPES[dtype], flags, n, layers, heads, hdim, edim, levels, (t, h, w), offset,
                         fingerprint, key, digest, meta, total, prefix.hex() if any(prefix) else "", sketch_dim,
-                        lookup_digest, kv_count, kv_mac, sealed)
+                        lookup_digest, kv_count, kv_mac, (thumb_h, thumb_w), sealed)
     if header.meta_start + meta != total or header.lookup_bytes > meta:
         raise BlobError("header sizes disagree")
     return header
 
 
 def _meta_tensors(entry: Entry) -> list[torch.Tensor]:
-    tensors = [entry.descriptors.float(), entry.sketch.half(), entry.entropy.float(), entry.embeds.to(entry.kv.dtype)]
+    thumb = entry.thumbnail if entry.thumbnail is not None else torch.zeros(0, dtype=torch.uint8)
+    tensors = [entry.descriptors.float(), thumb.to(torch.uint8), entry.sketch.half(), entry.entropy.float(),
+               entry.embeds.to(entry.kv.dtype)]
     if entry.deepstack is not None:
         tensors.append(entry.deepstack.to(entry.kv.dtype))
     if entry.patch_hashes is not None:
@@ -289,9 +294,10 @@ def encode(entry: Entry, kv_format: str | None = None, seal: Seal | None = None)
     fields = _FIELDS.pack(
         MAGIC, LAYOUT_VERSION, DTYPE_CODES[kv.dtype], flags, entry.n_tokens, layers, heads, hdim,
         entry.embeds.shape[-1], levels,
-        *entry.grid, entry.sketch.shape[-1], n, int(entry.offset), entry.fingerprint.encode("ascii"),
-        entry.key.encode("ascii"), digest(b"M", meta), len(meta), body_start + len(meta),
-        bytes.fromhex(entry.prefix) if entry.prefix else bytes(16), digest(b"L", parts[0] + parts[1]), salt,
+        *entry.grid, entry.sketch.shape[-1], n, *(entry.thumbnail.shape if entry.thumbnail is not None else (0, 0)),
+        int(entry.offset), entry.fingerprint.encode("ascii"), entry.key.encode("ascii"), digest(b"M", meta), len(meta),
+        body_start + len(meta), bytes.fromhex(entry.prefix) if entry.prefix else bytes(16),
+        digest(b"L", b"".join(parts[:3])), salt,
         sealing.region(b"K", memoryview(blocks.numpy()).cast("B")) if sealing is not None else bytes(16),
         bytes(MAC_BYTES),
     )
@@ -333,6 +339,7 @@ def decode_meta(header: BlobHeader, meta) -> Entry:
 
     n, d = header.n_tokens, header.embed_dim
     descriptors = take(4 * d, torch.float32, (4, d))
+    thumb = take(header.thumb[0] * header.thumb[1], torch.uint8, header.thumb)
     sketch = take(n * header.sketch_dim, torch.float16, (n, header.sketch_dim))
     entropy = take(n, torch.float32, (n,))
     embeds = take(n * d, header.dtype, (n, d))
@@ -344,12 +351,12 @@ def decode_meta(header: BlobHeader, meta) -> Entry:
         raise BlobError("metadata size does not match its header")
     return Entry(header.key, header.fingerprint, header.grid, embeds, deepstack, descriptors, entropy, None,
                  header.offset, patch_hashes, prefix=header.prefix, n_layers=header.n_layers, sketch=sketch,
-                 kv_tokens=kv_tokens)
+                 kv_tokens=kv_tokens, thumbnail=thumb if thumb.numel() else None)
 
 
-def decode_lookup(header: BlobHeader, section) -> tuple[torch.Tensor, torch.Tensor]:
-    """(descriptors (4, d) fp32, sketches (N, s) fp16) from the lookup section (bytes or a uint8 tensor); checks
-    its digest."""
+def decode_lookup(header: BlobHeader, section) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(descriptors (4, d) fp32, sketches (N, s) fp16, thumbnail (H, W) uint8 or None) from the lookup section
+    (bytes or a uint8 tensor); checks its digest."""
     buf = section if isinstance(section, torch.Tensor) else torch.frombuffer(bytearray(section), dtype=torch.uint8)
     if buf.numel() != header.lookup_bytes:
         raise BlobError("lookup section size does not match its header")
@@ -357,7 +364,9 @@ def decode_lookup(header: BlobHeader, section) -> tuple[torch.Tensor, torch.Tens
         raise _mismatch(header, "lookup section digest mismatch")
     d, n, s = header.embed_dim, header.n_tokens, header.sketch_dim
     descriptors = buf[: 4 * d * 4].clone().view(torch.float32).reshape(4, d)
-    return descriptors, buf[4 * d * 4 :].clone().view(torch.float16).reshape(n, s)
+    (th, tw), start = header.thumb, 4 * d * 4
+    thumb = buf[start : start + th * tw].clone().reshape(th, tw) if th * tw else None
+    return descriptors, buf[start + th * tw :].clone().view(torch.float16).reshape(n, s), thumb
 
 
 def decode_entry(header: BlobHeader, data: torch.Tensor) -> Entry:

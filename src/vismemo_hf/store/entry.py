@@ -38,6 +38,8 @@ class Entry:
     sketch: torch.Tensor | None = None
     #: a compressed entry (docs/METHOD.md §4): the sorted tokens whose K/V ``kv`` holds, row by row; None: every token
     kv_tokens: torch.Tensor | None = None
+    #: (H, W) uint8 luma thumbnail for the lookup's pixel stage (``core.features.thumbnail``); None: not kept
+    thumbnail: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if self.kv is not None:
@@ -52,7 +54,8 @@ class Entry:
     @property
     def nbytes(self) -> int:
         tensors = [self.embeds, self.descriptors, self.entropy, self.sketch]
-        tensors += [t for t in (self.kv, self.deepstack, self.patch_hashes, self.kv_tokens) if t is not None]
+        tensors += [t for t in (self.kv, self.deepstack, self.patch_hashes, self.kv_tokens, self.thumbnail)
+                    if t is not None]
         return sum(t.numel() * t.element_size() for t in tensors)
 
     def features(self) -> ImageFeatures:
@@ -83,5 +86,7 @@ class Entry:
             raise ValueError(f"entry {self.key[:12]}: token counts disagree")
         if self.patch_hashes is not None and self.patch_hashes.shape != (n,):
             raise ValueError(f"entry {self.key[:12]}: patch hash count disagrees")
+        if self.thumbnail is not None and (self.thumbnail.ndim != 2 or self.thumbnail.dtype != torch.uint8):
+            raise ValueError(f"entry {self.key[:12]}: the thumbnail must be (H, W) uint8")
         if self.deepstack is not None and self.deepstack.shape[1] != n:
             raise ValueError(f"entry {self.key[:12]}: deepstack token count disagrees")

@@ -57,7 +57,7 @@ class BlobReader:
         header = self.header(key)
         return blob.decode_meta(header, self._range(key, header.meta_start, header.meta_bytes))
 
-    def lookup(self, key: str) -> tuple[torch.Tensor, torch.Tensor, int]:
+    def lookup(self, key: str) -> blob.LookupSection:
         header = self.header(key)
         section = self._range(key, header.meta_start, header.lookup_bytes)
         return (*blob.decode_lookup(header, section), blob.HEADER_SIZE + header.lookup_bytes)

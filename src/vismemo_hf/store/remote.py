@@ -530,7 +530,7 @@ class RemoteTier:
     def meta(self, key: str) -> Entry:
         return self.reader.meta(key)
 
-    def lookup(self, key: str) -> tuple[torch.Tensor, torch.Tensor, int]:
+    def lookup(self, key: str) -> blob.LookupSection:
         return self.reader.lookup(key)
 
     def full(self, key: str) -> Entry:

@@ -1,7 +1,7 @@
 """Where entries live between requests (docs/METHOD.md §5): a chain of tiers, a catalog and an eviction policy.
 
 ``VisMemoStore`` is the interface the runtime talks to: ``put``; ``get`` (full read, an exact hit: promoted to
-the first tier); ``candidates`` (the coarse lookup over the ``Catalog``'s descriptor index); ``sketch`` (a
+the first tier); ``candidates`` (the coarse lookup over the ``Catalog``'s descriptor index); ``lookup_section`` (a
 candidate's lookup section, for the fine stage); ``peek`` (metadata only); ``get_tokens`` (sparse read of some
 tokens' late layers, an approximate hit: never promotes); ``stats``.
 
@@ -389,16 +389,16 @@ class VisMemoStore:
             self.placement.used(key)
             return kv
 
-    def sketch(self, key: str, fingerprint: str) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Fine stage: (descriptors, token sketches) of a candidate, read from its lookup section alone."""
+    def lookup_section(self, key: str, fingerprint: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
+        """Fine stage: a candidate's (descriptors, token sketches, thumbnail or None), its lookup section alone."""
         self._drain()
         with self._lock:
             out = self._read(key, fingerprint, "lookup")[0]
             if out is None:
                 return None
-            descriptors, sketch, nbytes = out
+            *section, nbytes = out
             self._stats["bytes_read_lookup"] += nbytes
-            return descriptors, sketch
+            return tuple(section)
 
     def candidates(self, fingerprint: str, grid, descriptors: torch.Tensor, tau: float, top_k: int):
         """Coarse stage: (key, mean centred regional cosine) of same-grid entries passing all four regions."""

@@ -75,7 +75,7 @@ class Tier(Protocol):
     def identity(self, key: str) -> tuple[str, str] | None: ...
     def full(self, key: str) -> Entry: ...
     def meta(self, key: str) -> Entry: ...
-    def lookup(self, key: str) -> tuple[torch.Tensor, torch.Tensor, int]: ...
+    def lookup(self, key: str) -> blob.LookupSection: ...
     def tokens(self, key: str, tokens: torch.Tensor, first_layer: int) -> tuple[torch.Tensor, int]: ...
     def stats(self) -> dict: ...
 
@@ -134,9 +134,9 @@ class DeviceTier(_Local):
     def meta(self, key: str) -> Entry:
         return self.lru[key]
 
-    def lookup(self, key: str) -> tuple[torch.Tensor, torch.Tensor, int]:
+    def lookup(self, key: str) -> blob.LookupSection:
         entry = self.lru[key]
-        return entry.descriptors, entry.sketch, 0  # in memory: nothing read
+        return entry.descriptors, entry.sketch, entry.thumbnail, 0  # in memory: nothing read
 
     def tokens(self, key: str, tokens: torch.Tensor, first_layer: int) -> tuple[torch.Tensor, int]:
         kv = self.lru[key].kv
@@ -181,7 +181,7 @@ class HostTier(_Local):
         header, data = self.lru[key]
         return blob.decode_meta(header, data[header.meta_start :])  # views of the blob: no copy
 
-    def lookup(self, key: str) -> tuple[torch.Tensor, torch.Tensor, int]:
+    def lookup(self, key: str) -> blob.LookupSection:
         header, data = self.lru[key]
         section = data[header.meta_start : header.meta_start + header.lookup_bytes]
         return (*blob.decode_lookup(header, section), header.lookup_bytes)
@@ -467,7 +467,7 @@ class DiskTier:
     def meta(self, key: str) -> Entry:
         return self.reader.meta(key)
 
-    def lookup(self, key: str) -> tuple[torch.Tensor, torch.Tensor, int]:
+    def lookup(self, key: str) -> blob.LookupSection:
         return self.reader.lookup(key)
 
     def full(self, key: str) -> Entry:

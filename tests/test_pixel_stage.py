@@ -1,0 +1,198 @@
+"""The lookup's pixel stage: a page moved by part of a visual token or zoomed by a few percent changes every token
+but not its pixels; its thumbnail, aligned across zooms and sub-token moves, finds it where the token rule cannot,
+and nothing else."""
+
+import random
+from dataclasses import replace
+
+import pytest
+import torch
+from PIL import Image
+
+from vismemo_hf.core.features import THUMB_MAX, thumb_per_token, thumbnail
+from vismemo_hf.core.thresholds import LookupThresholds, aligned_similarity, zoom_drift
+from vismemo_hf.eval import docpage
+from vismemo_hf.store import blob
+
+from test_store import _entry
+
+MEAN, STD = (0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.26130258, 0.27577711)
+
+
+def _processed(image: Image.Image, patch: int):
+    from transformers import Qwen2VLImageProcessor
+
+    token = 2 * patch
+    processor = Qwen2VLImageProcessor(size={"shortest_edge": 4 * token**2, "longest_edge": 4096 * token**2},
+                                      patch_size=patch, temporal_patch_size=2, merge_size=2, image_mean=list(MEAN),
+                                      image_std=list(STD))
+    out = processor(images=[image.convert("RGB")], return_tensors="pt")
+    return out["pixel_values"], tuple(int(x) for x in out["image_grid_thw"][0])
+
+
+def _thumb(image: Image.Image, patch: int = 14) -> torch.Tensor:
+    pixels, grid = _processed(image, patch)
+    return thumbnail(pixels, grid, channels=3, temporal_patch=2, patch=patch, merge=2, image_mean=MEAN,
+                     image_std=STD)
+
+
+@pytest.mark.parametrize("patch", [14, 16])  # Qwen2-VL / Qwen2.5-VL and Qwen3-VL patches
+def test_the_thumbnail_is_the_image_itself_averaged_down(patch):
+    """Patches put back in place: a smooth image's thumbnail equals the image averaged down (a wrong patch order
+    or merge window scrambles it), seven pixels per visual token."""
+    side = 16 * 2 * patch
+    y, x = torch.meshgrid(torch.arange(side), torch.arange(side), indexing="ij")
+    rgb = torch.stack([x * 255 // (side - 1), y * 255 // (side - 1), (x + y) * 255 // (2 * side - 2)], -1)
+    image = Image.fromarray(rgb.to(torch.uint8).numpy())
+    thumb = _thumb(image, patch)
+    assert thumb.shape == (16 * 7, 16 * 7) and thumb.dtype == torch.uint8
+    luma = torch.from_numpy(__import__("numpy").asarray(image.convert("L"), dtype="float32"))
+    expected = torch.nn.functional.adaptive_avg_pool2d(luma[None, None], thumb.shape)[0, 0]
+    inner = (slice(4, -4), slice(4, -4))  # the blur replicates the edges
+    assert float((thumb.float() - expected)[inner].abs().max()) <= 3.0
+
+
+def test_a_large_image_keeps_a_small_thumbnail():
+    assert thumb_per_token((16, 16)) == 7 and thumb_per_token((80, 40)) == THUMB_MAX // 80
+    pixels, grid = _processed(Image.new("RGB", (28 * 60, 28 * 30), (200, 200, 200)), 14)
+    thumb = thumbnail(pixels, grid, channels=3, temporal_patch=2, patch=14, merge=2, image_mean=MEAN, image_std=STD)
+    assert max(thumb.shape) <= THUMB_MAX and thumb.shape == (30 * thumb_per_token((30, 60)), 60 * thumb_per_token((30, 60)))
+
+
+def test_aligned_similarity_finds_pages_moved_by_part_of_a_token_or_zoomed_and_not_other_pages():
+    """A 2-3 px shift and 2.7 % / 4.7 % zooms (crops) of a page align (>= 0.85) at the zoom they were made with;
+    another page of the same layout does not come near (<= 0.8); thumbnails of other shapes compare at -1."""
+    rng = random.Random(0)
+    per = thumb_per_token((16, 16))
+    for i, layout in enumerate(docpage.LAYOUTS):
+        page = docpage.random_page(2**31 + 77_000 + i, layout=layout)
+        mine = _thumb(docpage.render(page))
+        for changed, zoom in ((docpage.shift(page, rng.choice([-3, 3]), 2), 1.0),
+                              (docpage.crop(page, 6), (docpage.SIZE - 12) / docpage.SIZE),  # x shows the page's zoom * x
+                              (docpage.crop(page, 10), (docpage.SIZE - 20) / docpage.SIZE)):
+            score, found = aligned_similarity(_thumb(docpage.render(changed)), mine, per)
+            assert score >= 0.85 and found == pytest.approx(zoom, abs=0.006), (layout, changed, score, found)
+        other = docpage.random_page(2**31 + 78_000 + i, layout=layout)
+        assert aligned_similarity(_thumb(docpage.render(other)), mine, per)[0] <= 0.8, layout
+    assert aligned_similarity(mine, mine[:, :-7], 7) == (-1.0, 1.0)
+    assert zoom_drift(1.0, (16, 16)) == 0 and zoom_drift(1.05, (16, 32)) == pytest.approx(0.8)
+
+
+def test_pixel_thresholds_go_together_and_the_pixel_stage_runs_only_just_below_tau_fine(tmp_path):
+    with pytest.raises(ValueError, match="go together"):
+        LookupThresholds(tau_pixel=0.9)
+    with pytest.raises(ValueError, match="tau_near"):
+        LookupThresholds(tau_pixel=0.9, tau_near=1.5)
+    plain = LookupThresholds(0.5, 0.9, adaptive=False)
+    t = LookupThresholds(0.5, 0.9, adaptive=False, tau_pixel=0.93, tau_near=0.6)
+
+    def never():
+        raise AssertionError("the pixel stage ran")
+
+    assert not plain.pixel_stage and not plain.matches(0.89, 0.9, never) and plain.matches(0.9, 0.9, never)
+    assert t.matches(0.95, 0.9, never) and not t.matches(0.59, 0.9, never)  # above tau_fine / below tau_near
+    assert t.matches(0.7, 0.9, lambda: 0.93) and not t.matches(0.7, 0.9, lambda: 0.92)
+    preset = tmp_path / "p.yaml"
+    preset.write_text("tau: 0.5\ntau_fine: 0.9\ntau_pixel: 0.93\ntau_near: 0.6\n")
+    assert LookupThresholds.load(str(preset)) == t
+    preset.write_text("tau: 0.5\ntau_fine: 0.9\ntau_pixel: 0.93\n")
+    with pytest.raises(ValueError, match="go together"):
+        LookupThresholds.load(str(preset))
+
+
+@pytest.mark.parametrize("sealed", [False, True])
+def test_the_thumbnail_travels_in_the_checked_lookup_section(sealed):
+    """Written with the entry, read back with the lookup section alone, and covered by its digest (its MAC in a
+    sealed store): a changed thumbnail byte is a corrupt (or forged) blob, never a thumbnail the lookup trusts."""
+    entry = _entry("k", n=4, layers=2)
+    entry.thumbnail = torch.randint(0, 256, (14, 14), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
+    seal = blob.Seal("s" * 32) if sealed else None
+    data = blob.encode(entry, seal=seal)
+    header = blob.parse_header(data[: blob.HEADER_SIZE], seal)
+    section = data[header.meta_start : header.meta_start + header.lookup_bytes]
+    descriptors, sketch, thumb = blob.decode_lookup(header, section)
+    assert torch.equal(thumb, entry.thumbnail) and torch.equal(descriptors, entry.descriptors.float())
+    meta = blob.decode_meta(header, data[header.meta_start :])
+    assert torch.equal(meta.thumbnail, entry.thumbnail) and torch.equal(meta.sketch, sketch)
+    bad = bytearray(section)
+    bad[4 * entry.embeds.shape[-1] * 4 + 20] ^= 1  # inside the thumbnail
+    with pytest.raises(blob.ForgedBlob if sealed else blob.BlobError):
+        blob.decode_lookup(header, bytes(bad))
+    entry.thumbnail = None
+    header = blob.parse_header(blob.encode(entry)[: blob.HEADER_SIZE])
+    assert header.thumb == (0, 0)
+
+
+def test_on_the_base_reader_shifted_and_zoomed_pages_are_found_and_a_zoomed_one_is_computed_in_full():
+    """Through the reader's calibrated preset: a page moved by 3 px is a hit that reuses most of the page; a page
+    zoomed by 4.7 % (a crop), which the token rule misses, is found by the pixel stage and computed in full (its
+    answer and first-token probabilities those of plain transformers); another page of the layout is a miss."""
+    from transformers import DynamicCache
+
+    import vismemo_hf
+    from vismemo_hf.core.plan import HitKind
+    from vismemo_hf.eval import docqa_base, docstream
+    from vismemo_hf.eval.loading import load_model
+    from vismemo_hf.eval.quality import answer
+
+    model, processor = load_model(docqa_base.MODEL_NAME)
+    vismemo_hf.enable(model)
+    preset = LookupThresholds.load("vismemo-docqa-base")
+    rng = random.Random(5)
+    pixel_hits = 0
+    for i, layout in enumerate(docpage.LAYOUTS):
+        base = docpage.random_page(2**31 + 91_000 + i, layout=layout)
+        other = docpage.random_page(2**31 + 92_000 + i, layout=layout)
+        for name, page in (("shift", docpage.shift(base, 3, 2)), ("zoom", docpage.crop(base, 10)), ("other", other)):
+            store = vismemo_hf.VisMemoStore()
+            first = docstream.request("a", base, docpage.random_question(rng, base), "miss", "a")
+            miss = vismemo_hf.VisMemoCache(store=store)
+            answer(model, processor, first, miss, 1)
+            assert store.peek(miss.events[0].key, miss.owner(vismemo_hf.families.ModelAdapter.for_model(
+                model).fingerprint)).thumbnail.shape == (112, 112)  # written with the entry
+            request = docstream.request("b", page, docpage.random_question(rng, page), "approximate", "b")
+            cache = vismemo_hf.VisMemoCache(store=store, thresholds="vismemo-docqa-base")
+            prediction, _, logprobs, _, _ = answer(model, processor, request, cache, 6)
+            event = cache.events[0]
+            if name == "other":
+                assert event.kind is HitKind.MISS, (layout, event)
+                continue
+            assert event.kind is HitKind.APPROXIMATE, (layout, name, event)
+            if event.pixel_score is not None:
+                pixel_hits += 1
+                assert event.pixel_score >= preset.tau_pixel and event.score < preset.tau_fine
+            if name == "shift":
+                assert event.reused >= 128, (layout, event)
+                continue
+            assert event.pixel_score is not None and event.recomputed == event.n_tokens, (layout, event)
+            plain, _, plain_logprobs, _, _ = answer(model, processor, request, DynamicCache(), 6)
+            assert prediction == plain, (layout, prediction, plain)
+            assert float((logprobs.exp() - plain_logprobs.exp()).abs().max()) <= 1e-3
+    assert pixel_hits >= 6  # every zoom and some shifts: what the token rule alone misses
+
+
+def test_the_pixel_stage_aligns_at_most_two_near_candidates_best_first(monkeypatch):
+    """A miss among many pages of one layout pays for at most ``PIXEL_CANDIDATES`` alignments, tried in the order
+    of their fine scores; candidates above tau_fine or below tau_near are never aligned."""
+    from vismemo_hf.runtime import lookup
+
+    calls, passing = [], {1}
+
+    def align(mine, thumb, per):
+        calls.append(int(thumb[0, 0]))
+        return (0.99 if int(thumb[0, 0]) in passing else 0.5), 1.0
+
+    monkeypatch.setattr(lookup, "aligned_similarity", align)
+    t = LookupThresholds(0.0, 0.9, adaptive=False, tau_pixel=0.95, tau_near=0.6)
+    thumb = lambda v: torch.full((4, 4), v, dtype=torch.uint8)
+    scored = [(0.7, (0, 0), "a", thumb(1)), (0.5, (0, 0), "low", thumb(9)), (0.8, (0, 0), "b", thumb(2)),
+              (0.75, (1, 0), "c", thumb(3))]
+    assert lookup._fine_stage(scored, t, 0.9, lambda: thumb(0), (4, 4)) is None and calls == [2, 3]  # a: third
+    calls.clear()
+    passing = {3}
+    assert lookup._fine_stage(scored, t, 0.9, lambda: thumb(0), (4, 4)) == ("c", 0.75, (1, 0), 0.99, 1.0)
+    assert calls == [2, 3]
+    calls.clear()
+    assert lookup._fine_stage([(0.95, (0, 0), "d", thumb(4))] + scored, t, 0.9, lambda: thumb(0), (4, 4))[0] == "d"
+    assert lookup._fine_stage(scored, replace(t, tau_pixel=None, tau_near=None), 0.9, None, (4, 4)) is None
+    assert calls == []
