@@ -96,8 +96,16 @@ def _luma(pixels: torch.Tensor, channels: int, temporal_patch: int, patch: int, 
     std = torch.as_tensor(image_std, dtype=torch.float32).view(1, -1, 1, 1)
     rgb = (x * std + mean).clamp(0, 1)
     if channels == 3:
-        return 0.299 * rgb[:, 0] + 0.587 * rgb[:, 1] + 0.114 * rgb[:, 2]
+        return LUMA[0] * rgb[:, 0] + LUMA[1] * rgb[:, 1] + LUMA[2] * rgb[:, 2]
     return rgb.mean(1)
+
+
+#: Rec. 601 luma weights of R, G and B
+LUMA = (0.299, 0.587, 0.114)
+
+
+def _luma_weights(channels: int) -> torch.Tensor:
+    return torch.tensor(LUMA) if channels == 3 else torch.full((channels,), 1 / channels)
 
 
 def patch_entropy(
@@ -136,7 +144,12 @@ def thumbnail(pixels: torch.Tensor, grid: tuple[int, int, int], *, channels: int
     """(H, W) uint8 luma of the image, area-averaged to ``THUMB_PER_TOKEN`` px per visual token (fewer for large
     images): what the lookup's pixel stage aligns (``core.thresholds.aligned_similarity``; docs/METHOD.md §1)."""
     _, h, w = grid
-    luma = _luma(pixels[: h * w], channels, temporal_patch, patch, image_mean, image_std)
+    x = pixels[: h * w].detach().cpu().reshape(-1, channels, temporal_patch, patch, patch)[:, :, 0]
+    weights = _luma_weights(channels)
+    scale = weights * torch.as_tensor(image_std, dtype=torch.float32)
+    bias = float((weights * torch.as_tensor(image_mean, dtype=torch.float32)).sum())
+    luma = sum(x[:, c].float() * float(scale[c]) for c in range(channels)) + bias  # linear: no RGB image is made
+    luma = luma.clamp(0, 1)
     bh, bw = h // merge, w // merge
     image = luma.reshape(bh, bw, merge, merge, patch, patch).permute(0, 2, 4, 1, 3, 5).reshape(h * patch, w * patch)
     per = thumb_per_token((bh, bw))
