@@ -9,11 +9,12 @@ import pytest
 import torch
 from PIL import Image
 
-from vismemo_hf.core.features import THUMB_MAX, thumb_per_token, thumbnail
+from vismemo_hf.core.features import THUMB_MAX, thumb_per_token, thumbnail, thumbnail_shape
 from vismemo_hf.core.thresholds import LookupThresholds, aligned_similarity, zoom_drift
 from vismemo_hf.eval import docpage
 from vismemo_hf.store import blob
 
+from conftest import build_inputs, generate
 from test_store import _entry
 
 MEAN, STD = (0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.26130258, 0.27577711)
@@ -196,3 +197,36 @@ def test_the_pixel_stage_aligns_at_most_two_near_candidates_best_first(monkeypat
     assert lookup._fine_stage([(0.95, (0, 0), "d", thumb(4))] + scored, t, 0.9, lambda: thumb(0), (4, 4))[0] == "d"
     assert lookup._fine_stage(scored, replace(t, tau_pixel=None, tau_near=None), 0.9, None, (4, 4)) is None
     assert calls == []
+
+
+def test_a_header_claiming_a_huge_thumbnail_is_refused_and_a_misshapen_one_does_not_fit_the_model(qwen2, pages):
+    """A planted header with valid checksums naming a 4,000 x 4,000 px thumbnail (sizes made to agree) is refused
+    before anything is read for it; a stored entry whose thumbnail has another shape than its grid's does not fit
+    the model (a miss, removed), while the entry as written does."""
+    import zlib
+
+    import vismemo_hf
+    from vismemo_hf.families import ModelAdapter
+
+    entry = _entry("k", n=4, layers=2)
+    entry.thumbnail = torch.zeros(14, 14, dtype=torch.uint8)
+    fields = list(blob._FIELDS.unpack(blob.encode(entry)[: blob._FIELDS.size]))
+    extra = 4000 * 4000 - 14 * 14
+    fields[15] = fields[16] = 4000  # thumbnail (H, W)
+    fields[21] += extra  # metadata bytes
+    fields[22] += extra  # total bytes
+    raw = blob._FIELDS.pack(*fields)
+    with pytest.raises(blob.BlobError, match="too large"):
+        blob.parse_header(raw + blob._HEADER_CRC.pack(zlib.crc32(raw)))
+
+    model, processor = qwen2
+    adapter = ModelAdapter.for_model(model)
+    store = vismemo_hf.VisMemoStore()
+    cache = vismemo_hf.VisMemoCache(store=store)
+    generate(model, build_inputs(processor, [pages["base"]]), cache, 1)
+    store.flush()
+    stored = store.peek(cache.events[0].key, cache.owner(adapter.fingerprint))
+    assert tuple(stored.thumbnail.shape) == thumbnail_shape(stored.grid, adapter.merge)
+    assert adapter.entry_problem(stored, stored.grid) is None
+    w = stored.thumbnail.shape[1]
+    assert "thumbnail" in adapter.entry_problem(replace(stored, thumbnail=stored.thumbnail[:, : w - 1]), stored.grid)

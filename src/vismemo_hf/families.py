@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers.modeling_outputs import BaseModelOutputWithPooling
 
+from vismemo_hf.core.features import thumbnail_shape
 from vismemo_hf.core.rope import rotate_half
 
 # Processor normalisation of each family (needed to recover pixels for patch entropy).
@@ -281,6 +282,8 @@ class ModelAdapter:
                 entry.kv_tokens.numel() == 0 or int(entry.kv_tokens.max()) < n)), "stored token indices"),
             (0 <= entry.offset < getattr(text, "max_position_embeddings", 2**31), f"offset {entry.offset}"),
             (entry.entropy.shape == (n,) and bool(torch.isfinite(entry.entropy).all()), "patch entropy"),
+            (entry.thumbnail is None or tuple(entry.thumbnail.shape) == thumbnail_shape(grid, self.merge),
+             f"thumbnail {None if entry.thumbnail is None else tuple(entry.thumbnail.shape)}"),
         ]
         return next((why for ok, why in checks if not ok), None)
 

@@ -175,6 +175,13 @@ def thumb_per_token(hw: tuple[int, int]) -> int:
     return max(1, min(THUMB_PER_TOKEN, THUMB_MAX // max(hw)))
 
 
+def thumbnail_shape(grid: tuple[int, int, int], merge: int) -> tuple[int, int]:
+    """(H, W) of the thumbnail of an image of ``grid``."""
+    _, h, w = token_grid(grid, merge)
+    per = thumb_per_token((h, w))
+    return h * per, w * per
+
+
 def region_descriptors(embeds: torch.Tensor, grid: tuple[int, int, int], merge: int) -> torch.Tensor:
     """Four unit-norm descriptors: the mean of L2-normalised token embeddings over each 2x2 region."""
     t, h, w = token_grid(grid, merge)

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 import torch
 from crc32c import crc32c
 
+from vismemo_hf.core.features import THUMB_MAX
 from vismemo_hf.store.entry import Entry
 
 MAGIC = b"VMEM"
@@ -247,6 +248,8 @@ def parse_header(data: bytes, seal: Seal | None = None) -> BlobHeader:
                         lookup_digest, kv_count, kv_mac, (thumb_h, thumb_w), sealed)
     if header.meta_start + meta != total or header.lookup_bytes > meta:
         raise BlobError("header sizes disagree")
+    if max(header.thumb) > max(THUMB_MAX, h, w):  # a thumbnail has at most one pixel per token beyond THUMB_MAX
+        raise BlobError(f"thumbnail {header.thumb} is too large for grid {header.grid}")
     return header
 
 
