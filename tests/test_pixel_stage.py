@@ -230,3 +230,22 @@ def test_a_header_claiming_a_huge_thumbnail_is_refused_and_a_misshapen_one_does_
     assert adapter.entry_problem(stored, stored.grid) is None
     w = stored.thumbnail.shape[1]
     assert "thumbnail" in adapter.entry_problem(replace(stored, thumbnail=stored.thumbnail[:, : w - 1]), stored.grid)
+
+
+def test_calibration_puts_tau_pixel_between_unrelated_and_near_pairs_and_tau_near_under_what_it_lets_through():
+    from vismemo_hf.eval.calibrate import choose, rates
+
+    def row(near, fine, pixel, coarse=0.9, what="page x"):
+        return {"near": near, "fine": fine, "pixel": pixel, "coarse": coarse, "what": what if near else "page unrelated"}
+
+    rows = [row(True, 0.97, 0.99), row(True, 0.96, 0.98), row(True, 0.70, 0.97, coarse=0.4), row(True, 0.55, 0.96),
+            row(True, 0.60, 0.5), row(False, 0.80, 0.90), row(False, 0.50, 0.80), row(False, 0.30, 0.20)]
+    t = choose(rows)
+    assert t.tau_fine == pytest.approx(0.80 + 0.5 * (0.96 - 0.80))
+    assert t.tau_pixel == pytest.approx(0.90 + 0.5 * (0.96 - 0.90)) and t.tau_near == pytest.approx(0.55 - 0.02)
+    assert t.tau == pytest.approx(0.4 - 0.02)  # lets through the near pair only the pixel stage finds
+    got = rates(rows, t)
+    assert got["recall"] == pytest.approx(4 / 5) and got["fpr"] == 0.0  # (0.60, 0.5) is found by neither rule
+    assert rates(rows, replace(t, tau_pixel=None, tau_near=None))["recall"] == pytest.approx(2 / 5)
+    no_pixel_help = [row(True, 0.97, 0.99), row(True, 0.6, 0.5), row(False, 0.5, 0.9)]
+    assert choose(no_pixel_help).tau_pixel is None and choose(no_pixel_help).tau_near is None

@@ -145,6 +145,7 @@ def test_calibrate_writes_a_preset_the_cache_takes(tmp_path, capsys):
     cache = vismemo_hf.VisMemoCache(store=store, tau=0.5)
     got = cache.lookup_thresholds(preset["fingerprint"])
     assert (got.tau, got.tau_fine, got.adaptive) == (0.5, preset["tau_fine"], False)
+    assert (got.tau_pixel, got.tau_near) == (preset.get("tau_pixel"), preset.get("tau_near"))  # the pixel stage too
     assert cache.lookup_thresholds("another-model") == vismemo_hf.LookupThresholds(tau=0.5)
     with pytest.raises(ValueError, match="fingerprint"):
         vismemo_hf.VisMemoStore(thresholds=[vismemo_hf.LookupThresholds()])

@@ -145,12 +145,15 @@ def calibrate(args) -> int:
     results.mkdir(parents=True, exist_ok=True)
     (results / f"{name}.json").write_text(json.dumps({"command": command, **preset, **summary,
                                                       "sketch_agreement": report["sketch_agreement"],
-                                                      "max_unrelated_fine": report["max_unrelated_fine"]}, indent=2))
+                                                      "max_unrelated_fine": report["max_unrelated_fine"],
+                                                      "max_unrelated_pixel": report["max_unrelated_pixel"]}, indent=2))
     lines = header(f"Lookup thresholds for {args.model}" + (f" ({args.family})" if args.family else ""), command,
                    machine()) + [
         f"Preset: `{out.name}` (tau {report['tau']}, tau_fine {report['tau_fine']}"
         + (f"; pixel stage: tau_pixel {pixel['tau_pixel']} for fine scores from tau_near {pixel['tau_near']}"
-           if pixel else "; no pixel stage") + "). Pairs: synthetic documents "
+           if pixel else "; no pixel stage")
+        + f"; the closest unrelated calibration pairs: fine {report['max_unrelated_fine']:.4f}, pixel "
+          f"{report['max_unrelated_pixel']:.4f}). Pairs: synthetic documents "
         + ("(`docpage` pages of the five layouts with the near-duplicate kinds of `docstream`, and `synthdoc` "
            "forms of five page styles)" if pages == "docpage" else "(five page styles)")
         + ", text pages, forms of one template, screens, photos and textures; near-duplicates are "

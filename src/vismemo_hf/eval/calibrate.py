@@ -160,13 +160,10 @@ def _halfway(rows: list[dict], key: str, cap: float) -> float:
 def choose(rows: list[dict]) -> LookupThresholds:
     """The thresholds (``adaptive`` off) from scored calibration pairs (see the module docstring)."""
     tau_fine = _halfway(rows, "fine", 0.98)
-    below = [r for r in rows if r["fine"] < tau_fine]
-    tau_pixel = tau_near = None
-    if any(not r["near"] for r in below):
-        pixel = _halfway(below, "pixel", 0.98)
-        kept = [r["fine"] for r in below if r["near"] and r["pixel"] >= pixel]
-        if kept:
-            tau_pixel, tau_near = round(pixel, 4), round(max(-1.0, min(kept) - 0.02), 4)
+    below = [r for r in rows if r["fine"] < tau_fine]  # every unrelated pair (tau_fine is above them all)
+    pixel = _halfway(below, "pixel", 0.98)
+    kept = [r["fine"] for r in below if r["near"] and r["pixel"] >= pixel]
+    tau_pixel, tau_near = (round(pixel, 4), round(max(-1.0, min(kept) - 0.02), 4)) if kept else (None, None)
     thresholds = LookupThresholds(0.0, round(tau_fine, 4), adaptive=False, tau_pixel=tau_pixel, tau_near=tau_near)
     kept = [r["coarse"] for r in rows if r["near"] and _fine_passes(r, thresholds)]
     tau = min(tau_fine, min(kept) - 0.02) if kept else tau_fine
@@ -217,6 +214,7 @@ def calibrate(model, per_kind: int = 10, seed: int = 1, heldout_seed: int = 2, p
         "heldout_without_pixel_stage": rates(heldout, replace(chosen, tau_pixel=None, tau_near=None)),
         "sketch_agreement": sum(sketch_agree) / len(sketch_agree),
         "max_unrelated_fine": max(r["fine"] for r in rows if not r["near"]),
+        "max_unrelated_pixel": max(r["pixel"] for r in rows if not r["near"]),
         "defaults": rates(heldout, replace(defaults, tau_fine=defaults.fine_for(reference), adaptive=False)),
         "uncentred_rule": rates(heldout, LookupThresholds(0.8, 0.8, adaptive=False), key="fine_raw",
                                 coarse="coarse_raw"),
