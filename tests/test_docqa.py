@@ -82,6 +82,12 @@ def test_quality_report_takes_seeds_the_default_policy_and_no_sweeps(tmp_path):
     assert data["visual_tokens"] == data["policies"]["full"]["visual_tokens"] > 0
     assert "--seeds 7123,7124" in data["command"] and "--no-sweeps" in data["command"]
     assert main(args[:2] + ["--seeds", "a,b", "--out", str(tmp_path)]) == 2
+    calibrated = tmp_path / "calibrated"
+    assert main(args[:-1] + [str(calibrated), "--thresholds", "vismemo-docqa-tiny"]) == 0  # every cache takes it
+    data = json.loads((calibrated / "quality.json").read_text())
+    assert data["thresholds"] == "vismemo-docqa-tiny" and data["command"].endswith("--thresholds vismemo-docqa-tiny")
+    assert "calibrated preset `vismemo-docqa-tiny`" in (calibrated / "table1.md").read_text()
+    assert main(args[:-1] + [str(calibrated), "--thresholds", "no-such-preset"]) == 2  # reaches the caches
 
 
 def test_demo_hit_kinds_with_the_reading_model(capsys):

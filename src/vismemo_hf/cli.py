@@ -456,6 +456,8 @@ def _add_report(sub) -> None:
     p.add_argument("--policies", default="all",
                    help="comma-separated policies (default: the library's default policy), or all")
     p.add_argument("--no-sweeps", action="store_true", help="skip the recompute and reuse ratio sweeps")
+    p.add_argument("--thresholds", default=None,
+                   help="lookup thresholds preset or path (vismemo calibrate) for every cache; default: the defaults")
     p.add_argument("--sweep-rho", default="0.1,0.2,0.3,0.5,0.8", help="recompute ratios of the sweep")
     p.add_argument("--sweep-beta", default="0,0.05,0.1,0.2,0.4", help="reuse ratios of the sweep")
     p.add_argument("--max-new-tokens", type=int, default=6, help="tokens generated per answer")

@@ -68,38 +68,41 @@ def heldout_streams(bases: int, pages: str = "synthdoc") -> dict[str, list]:
 
 
 def run(model, processor, requests, policies, sweep_rho, sweep_beta, max_new_tokens: int, heldout: int = 0,
-        heldout_bases: int = 0, pages: str = "synthdoc") -> dict:
+        heldout_bases: int = 0, pages: str = "synthdoc", thresholds=None) -> dict:
+    """Every policy, sweep and held-out stream; ``thresholds``: the lookup's (a calibrated preset), else the
+    defaults."""
     results, scored_by = {}, {}
     reading = reading_by_type(model, processor, heldout, max_new_tokens, progress=_progress(0, "reader"),
                               pages=pages) if heldout else None
     reference = evaluate(model, processor, requests, "full", max_new_tokens=max_new_tokens,
-                         progress=_progress(len(requests), "full (reference)"))
+                         progress=_progress(len(requests), "full (reference)"), thresholds=thresholds)
     scored_by["full"] = reference
     for policy in policies:
         if policy not in scored_by:
             name, store, options = store_variant(policy)
             scored_by[policy] = evaluate(model, processor, requests, name, store=store, max_new_tokens=max_new_tokens,
-                                         progress=_progress(len(requests), policy), **options)
+                                         progress=_progress(len(requests), policy), thresholds=thresholds, **options)
         results[policy] = summarise(scored_by[policy], reference)
     sweeps = {"recompute_ratio": {}, "reuse_ratio": {}, "attend-deviate recompute_ratio": {}}
     for rho in sweep_rho:
         for policy, name in (("vismemo", "recompute_ratio"), ("attend-deviate", "attend-deviate recompute_ratio")):
             scored = evaluate(model, processor, requests, policy, recompute_ratio=rho, max_new_tokens=max_new_tokens,
-                              progress=_progress(len(requests), f"{policy} rho={rho}"))
+                              progress=_progress(len(requests), f"{policy} rho={rho}"), thresholds=thresholds)
             sweeps[name][rho] = summarise(scored, reference)
     for beta in sweep_beta:
         scored = evaluate(model, processor, requests, "vismemo", reuse_ratio=beta, max_new_tokens=max_new_tokens,
-                          progress=_progress(len(requests), f"vismemo beta={beta}"))
+                          progress=_progress(len(requests), f"vismemo beta={beta}"), thresholds=thresholds)
         sweeps["reuse_ratio"][beta] = summarise(scored, reference)
     held = {}
     for name, stream in (heldout_streams(heldout_bases, pages).items() if heldout_bases else []):
         ref = evaluate(model, processor, stream, "full", max_new_tokens=max_new_tokens,
-                       progress=_progress(len(stream), f"{name} full"))
+                       progress=_progress(len(stream), f"{name} full"), thresholds=thresholds)
         held[name] = {"requests": len(stream), "policies": {}}
         for policy in HELDOUT_POLICIES:
             scored = ref if policy == "full" else evaluate(model, processor, stream, policy,
                                                            max_new_tokens=max_new_tokens,
-                                                           progress=_progress(len(stream), f"{name} {policy}"))
+                                                           progress=_progress(len(stream), f"{name} {policy}"),
+                                                           thresholds=thresholds)
             held[name]["policies"][policy] = summarise(scored, ref)
     examples = [{"id": s.request.id, "variant": s.request.variant, "question": s.request.question,
                  "answer": s.request.answers[0], "stale": s.request.stale,
@@ -153,14 +156,16 @@ def main(args) -> int:
     beta = [float(x) for x in args.sweep_beta.split(",")] if args.sweep_beta and not args.no_sweeps else []
     t0 = time.time()
     result = run(model, processor, requests, policies, rho, beta, args.max_new_tokens, args.heldout,
-                 args.heldout_bases, pages)
+                 args.heldout_bases, pages, thresholds=args.thresholds)
     streams = f"--seeds {args.seeds}" if args.seeds else f"--streams {args.streams}"
     sweeps = " --no-sweeps" if args.no_sweeps else f" --sweep-rho {args.sweep_rho} --sweep-beta {args.sweep_beta}"
     command = (f"vismemo report quality --model {args.model} --pages {args.pages} {streams} --bases {args.bases} "
                f"--policies {args.policies}{sweeps} "
-               f"--max-new-tokens {args.max_new_tokens} --heldout {args.heldout} --heldout-bases {args.heldout_bases}")
+               f"--max-new-tokens {args.max_new_tokens} --heldout {args.heldout} --heldout-bases {args.heldout_bases}"
+               + (f" --thresholds {args.thresholds}" if args.thresholds else ""))
     kinds = {k: sum(r.intended == k for r in requests) for k in ("miss", "exact", "approximate")}
     result.update(command=command, model=args.model, pages=pages, requests=len(requests), intended=kinds, seeds=seeds,
+                  thresholds=args.thresholds,
                   machine=machine(note="fp32"), seconds=round(time.time() - t0))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -206,7 +211,9 @@ def _intro(result, args) -> list[str]:
         "nothing. Rows `NAME@int8` / `NAME@fp8`: the store keeps "
         "8-bit K/V (`VisMemoStore(kv_format=...)`), so every exact and approximate hit is served from 8-bit "
         "entries; `@keep0.5`: compressed entries holding the K/V of the half of each image's tokens VL-Cache ranks "
-        "first for the question that stored it, the others masked on hits (`+recompute`: recomputed).", ""]
+        "first for the question that stored it, the others masked on hits (`+recompute`: recomputed). Lookup "
+        + (f"thresholds: the calibrated preset `{args.thresholds}` (with its pixel stage, when it has one)."
+           if args.thresholds else "thresholds: the defaults (no pixel stage)."), ""]
 
 
 def _policy_table(result) -> list[str]:
