@@ -88,18 +88,6 @@ def patch_hashes(pixels: torch.Tensor, merge: int) -> torch.Tensor:
     return torch.tensor([zlib.crc32(row) for row in rows], dtype=torch.int64)
 
 
-def _luma(pixels: torch.Tensor, channels: int, temporal_patch: int, patch: int, image_mean, image_std) -> torch.Tensor:
-    """(patches, patch, patch) luma in [0, 1] of the first temporal frame of each ViT patch (the processor's
-    normalisation undone)."""
-    x = pixels.detach().float().cpu().reshape(-1, channels, temporal_patch, patch, patch)[:, :, 0]
-    mean = torch.as_tensor(image_mean, dtype=torch.float32).view(1, -1, 1, 1)
-    std = torch.as_tensor(image_std, dtype=torch.float32).view(1, -1, 1, 1)
-    rgb = (x * std + mean).clamp(0, 1)
-    if channels == 3:
-        return LUMA[0] * rgb[:, 0] + LUMA[1] * rgb[:, 1] + LUMA[2] * rgb[:, 2]
-    return rgb.mean(1)
-
-
 #: Rec. 601 luma weights of R, G and B
 LUMA = (0.299, 0.587, 0.114)
 
@@ -123,7 +111,14 @@ def patch_entropy(
     Undoes the processor's normalisation, takes the first temporal frame of the token's
     merge x merge patches and histograms its luma.
     """
-    luma = _luma(pixels, channels, temporal_patch, patch, image_mean, image_std)
+    x = pixels.detach().float().cpu().reshape(-1, channels, temporal_patch, patch, patch)[:, :, 0]
+    mean = torch.as_tensor(image_mean, dtype=torch.float32).view(1, -1, 1, 1)
+    std = torch.as_tensor(image_std, dtype=torch.float32).view(1, -1, 1, 1)
+    rgb = (x * std + mean).clamp(0, 1)
+    if channels == 3:
+        luma = LUMA[0] * rgb[:, 0] + LUMA[1] * rgb[:, 1] + LUMA[2] * rgb[:, 2]
+    else:
+        luma = rgb.mean(1)
     levels = (luma * 255).round().clamp(0, 255).to(torch.long)
     bins = (levels * ENTROPY_BINS // 256).reshape(-1, merge * merge * patch * patch)
     counts = torch.zeros(bins.shape[0], ENTROPY_BINS).scatter_add_(1, bins, torch.ones_like(bins, dtype=torch.float32))
@@ -152,12 +147,12 @@ def thumbnail(pixels: torch.Tensor, grid: tuple[int, int, int], *, channels: int
     luma = luma.clamp(0, 1)
     bh, bw = h // merge, w // merge
     image = luma.reshape(bh, bw, merge, merge, patch, patch).permute(0, 2, 4, 1, 3, 5).reshape(h * patch, w * patch)
-    per = thumb_per_token((bh, bw))
-    step = merge * patch / per  # image px per thumbnail px
+    shape = thumbnail_shape(grid, merge)
+    step = h * patch / shape[0]  # image px per thumbnail px
     pre = max(1, int(step) // 2)  # averaged down to about twice the thumbnail first: the blur stays cheap
     image = F.adaptive_avg_pool2d(image[None, None], (image.shape[0] // pre, image.shape[1] // pre))[0, 0]
     image = _blur(image, THUMB_BLUR * step / pre)  # band-limited: a warp of it resamples it faithfully
-    small = F.adaptive_avg_pool2d(image[None, None], (bh * per, bw * per))[0, 0]
+    small = F.adaptive_avg_pool2d(image[None, None], shape)[0, 0]
     return (small * 255).round().clamp(0, 255).to(torch.uint8)
 
 

@@ -385,6 +385,8 @@ def near_duplicates(images: dict, model, processor, thresholds=None) -> dict:
     """{page id: earlier page id} for pages that pass the lookup's own rule against an earlier page (same grid,
     every centred regional cosine > tau, the fine rule ``LookupThresholds.matches``: fine score (``fine_score``) >=
     the model's tau_fine, or the pixel stage's aligned thumbnails)."""
+    import functools
+
     import torch
 
     from vismemo_hf.core.features import region_descriptors, thumb_per_token, thumbnail, token_grid
@@ -405,14 +407,14 @@ def near_duplicates(images: dict, model, processor, thresholds=None) -> dict:
             (embeds, _), = adapter.encode(adapter.base.get_image_features, inputs["pixel_values"].to(model.dtype),
                                           inputs["image_grid_thw"])
         desc = region_descriptors(embeds, grid, adapter.merge)
-        thumb = thumbnail(inputs["pixel_values"], grid, **adapter.entropy_kwargs())
-        per = thumb_per_token(token_grid(grid, adapter.merge)[1:])
+        thumb = functools.cache(lambda x=inputs["pixel_values"], g=grid: thumbnail(x, g, **adapter.entropy_kwargs()))
+        per = thumb_per_token(token_grid(grid, adapter.merge)[1:])  # thumbnails only when the pixel stage asks
         for other_id, other_grid, other_desc, other_embeds, other_thumb in seen:
             if other_grid != grid:
                 continue
             if bool((regional_cosines(desc, other_desc, reference.descriptor_mean) > thresholds.tau).all()) and \
                     thresholds.matches(fine_score(embeds, other_embeds, grid, adapter.merge, reference.token_mean)[0],
-                                       tau_fine, lambda o=other_thumb, t=thumb, p=per: aligned_similarity(t, o, p)[0]):
+                                       tau_fine, lambda o=other_thumb, t=thumb, p=per: aligned_similarity(t(), o(), p)[0]):
                 out[page_id] = other_id
                 break
         seen.append((page_id, grid, desc, embeds, thumb))
