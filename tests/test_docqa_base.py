@@ -94,14 +94,14 @@ def test_an_alias_that_is_another_image_altogether_is_computed_in_full_and_answe
         other.image = lambda i=i, kind=kind: synthetic_image(kind, 600 + i).convert("RGB").resize((448, 448))
         store = vismemo_hf.VisMemoStore()
         answer(model, processor, other, vismemo_hf.VisMemoCache(store=store), 1)
-        request = docstream.request("p", page, docpage.random_question(rng, page), "approximate", "p")
+        request = docstream.request("p", page, docpage.random_question(rng, page, instruct=0.0), "approximate", "p")
         cache = vismemo_hf.VisMemoCache(store=store, tau=-1.0, tau_fine=-1.0)
         prediction = answer(model, processor, request, cache, 6)[0]
         event = cache.events[0]
         assert event.kind.value == "approximate" and event.recomputed == event.n_tokens, (kind, event)
         assert prediction == answer(model, processor, request, DynamicCache(), 6)[0]
         edited = docpage.edit_cells(page, [(0, 0)], rng)
-        near = docstream.request("e", edited, docpage.random_question(rng, edited), "approximate", "e")
+        near = docstream.request("e", edited, docpage.random_question(rng, edited, instruct=0.0), "approximate", "e")
         cache = vismemo_hf.VisMemoCache(store=store, tau=-1.0, tau_fine=-1.0)
         answer(model, processor, near, cache, 1)
         assert cache.events[0].recomputed < cache.events[0].n_tokens // 2  # a near-duplicate is no early miss

@@ -92,9 +92,9 @@ def test_a_page_scrolled_by_a_token_row_is_a_moved_hit_that_answers_like_a_full_
         base = docpage.random_page(2**31 + 61_000 + i, layout=docpage.LAYOUTS[i])
         page = docpage.scroll(base, dy)
         store = vismemo_hf.VisMemoStore()
-        first = docstream.request("a", base, docpage.random_question(rng, base), "miss", "a")
+        first = docstream.request("a", base, docpage.random_question(rng, base, instruct=0.0), "miss", "a")
         answer(model, processor, first, vismemo_hf.VisMemoCache(store=store), 1)
-        request = docstream.request("b", page, docpage.random_question(rng, page), "approximate", "b")
+        request = docstream.request("b", page, docpage.random_question(rng, page, instruct=0.0), "approximate", "b")
         cache = vismemo_hf.VisMemoCache(store=store, thresholds="vismemo-docqa-base")  # its calibrated preset
         prediction, _, logprobs, _, _ = answer(model, processor, request, cache, 6)
         plain, _, plain_logprobs, _, _ = answer(model, processor, request, DynamicCache(), 6)

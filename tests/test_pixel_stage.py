@@ -146,12 +146,13 @@ def test_on_the_base_reader_shifted_and_zoomed_pages_are_found_and_a_zoomed_one_
         other = docpage.random_page(2**31 + 92_000 + i, layout=layout)
         for name, page in (("shift", docpage.shift(base, 3, 2)), ("zoom", docpage.crop(base, 10)), ("other", other)):
             store = vismemo_hf.VisMemoStore()
-            first = docstream.request("a", base, docpage.random_question(rng, base), "miss", "a")
+            first = docstream.request("a", base, docpage.random_question(rng, base, instruct=0.0), "miss", "a")
             miss = vismemo_hf.VisMemoCache(store=store)
             answer(model, processor, first, miss, 1)
             assert store.peek(miss.events[0].key, miss.owner(vismemo_hf.families.ModelAdapter.for_model(
                 model).fingerprint)).thumbnail.shape == (112, 112)  # written with the entry
-            request = docstream.request("b", page, docpage.random_question(rng, page), "approximate", "b")
+            # the same (empty) text before the image: another one would make its K/V computed after another context
+            request = docstream.request("b", page, docpage.random_question(rng, page, instruct=0.0), "approximate", "b")
             cache = vismemo_hf.VisMemoCache(store=store, thresholds="vismemo-docqa-base")
             prediction, _, logprobs, _, _ = answer(model, processor, request, cache, 6)
             event = cache.events[0]
@@ -191,7 +192,8 @@ def test_the_pixel_stage_aligns_at_most_two_near_candidates_best_first(monkeypat
     assert lookup._fine_stage(scored, t, 0.9, lambda: thumb(0), (4, 4)) is None and calls == [2, 3]  # a: third
     calls.clear()
     passing = {3}
-    assert lookup._fine_stage(scored, t, 0.9, lambda: thumb(0), (4, 4)) == ("c", 0.75, (1, 0), 0.99, 1.0)
+    chosen = lookup._fine_stage(scored, t, 0.9, lambda: thumb(0), (4, 4))
+    assert chosen[:5] == ("c", 0.75, (1, 0), 0.99, 1.0) and torch.equal(chosen[5], thumb(3))  # with its thumbnail
     assert calls == [2, 3]
     calls.clear()
     assert lookup._fine_stage([(0.95, (0, 0), "d", thumb(4))] + scored, t, 0.9, lambda: thumb(0), (4, 4))[0] == "d"

@@ -486,6 +486,17 @@ def _add_report(sub) -> None:
                    help="the docpage reader (packaged name or checkpoint folder)")
     _out_option(p, "results/quality")
     p.set_defaults(func=_bench("prefix"))
+    p = report_sub.add_parser("context", help="reuse after another text or page before the image, and small changes, "
+                                              "vs a full prefill")
+    p.add_argument("--readers", default="vismemo-docqa-base,vismemo-docqa-tiny", help="comma-separated readers")
+    p.add_argument("--pairs", type=int, default=20, help="pages per class (three questions each)")
+    p.add_argument("--seed", type=int, default=9000, help="case seed (pages, texts, edits)")
+    p.add_argument("--policies", default="all", help="comma-separated of default, cacheblend, vismemo; or all")
+    p.add_argument("--classes", default="all", help="comma-separated classes of eval/context.py CLASSES, or all")
+    p.add_argument("--max-new-tokens", type=int, default=6, help="tokens generated per answer")
+    p.add_argument("--quiet", action="store_true", help="no progress lines")
+    _out_option(p, "results/quality")
+    p.set_defaults(func=_bench("context"))
 
 
 def parser(argv=None) -> argparse.ArgumentParser:

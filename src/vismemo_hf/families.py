@@ -208,6 +208,12 @@ class ModelAdapter:
     def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.text.norm(hidden)
 
+    @property
+    def output_head(self):
+        """The model's output projection to the vocabulary (None for a base model enabled without one)."""
+        get = getattr(self.model, "get_output_embeddings", None)
+        return get() if get is not None else None
+
     def fresh_kv(self, layer: int, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """(K, V), (KV heads, N, D) each, that ``layer`` computes for the hidden states (N, d) entering it at rotary
         (cos, sin) (N, D): its input norm, k/v projections, key norm (Qwen3-VL) and RoPE."""

@@ -52,6 +52,20 @@ class ImagePlan:
     #: after prefill, give decoding the alias's K/V of the masked tokens (layers >= warmup), so tokens
     #: generated later can still attend to them
     restore_masked: bool = False
+    #: a hit computed in full, and why: ``"context"`` (the text or images before the image changed its K/V too
+    #: much to reuse), ``"uncertain"`` (after another context, the model is unsure of the answer), ``"changed"`` (the page changed everywhere), ``"warp"`` (a zoomed or turned copy: its tokens do
+    #: not line up with the alias's)
+    fallback: str | None = None
+    #: tokens of ``recompute`` that verify the reuse of the rest (a changed context's probes): computed at every
+    #: layer, their K/V are compared with the alias's; when their mean relative deviation (the largest over the
+    #: layers so far), scaled by the share of the image reused, exceeds ``verify_tolerance``, the image is computed
+    #: in full from its decision layer on (``runtime/verify.py``)
+    verify: torch.Tensor | None = None
+    verify_tolerance: float = 0.0
+    #: and, after the last layer, when the model's next token at the end of the image's row has a top probability
+    #: below this, the image is computed in full too (``fallback == "uncertain"``): an unsure answer is one any
+    #: approximation may change
+    verify_confidence: float = 0.0
 
     def __post_init__(self) -> None:
         self.kind = HitKind(self.kind)
@@ -73,6 +87,10 @@ class ImagePlan:
             raise ValueError("warmup_layers must be >= 0")
         if self.kind is not HitKind.MISS and self.alias is None and self.reuse.numel():
             raise ValueError("a plan that reuses tokens needs an alias")
+        if self.verify is not None:
+            self.verify = _index(self.verify)
+            if not bool(torch.isin(self.verify, self.recompute).all()):
+                raise ValueError("the tokens that verify a plan must be recomputed")
 
     def computed_at(self, layer: int) -> torch.Tensor:
         """Visual tokens whose hidden states go through ``layer`` (sorted)."""
@@ -121,9 +139,10 @@ class ImagePlan:
         return cls(HitKind.EXACT, n_tokens, 0, _index([]), torch.arange(n_tokens), _index([]), alias)
 
     @classmethod
-    def full(cls, kind: HitKind, n_tokens: int, alias: str | None = None) -> ImagePlan:
-        """Every visual token computed at every layer (a miss, or a policy that reuses nothing)."""
-        return cls(kind, n_tokens, 0, torch.arange(n_tokens), _index([]), _index([]), alias)
+    def full(cls, kind: HitKind, n_tokens: int, alias: str | None = None, fallback: str | None = None) -> ImagePlan:
+        """Every visual token computed at every layer (a miss, a policy that reuses nothing, or a hit that cannot
+        be reused safely: ``fallback`` says why)."""
+        return cls(kind, n_tokens, 0, torch.arange(n_tokens), _index([]), _index([]), alias, fallback=fallback)
 
 
 class ImageFeatures:
@@ -158,6 +177,13 @@ class ImageFeatures:
     @property
     def n_tokens(self) -> int:
         return self.embeds.shape[0]
+
+    @property
+    def token_hw(self) -> tuple[int, int]:
+        """(rows, columns) of the image's visual tokens, row-major (a video's frames stacked as rows)."""
+        t, h, w = self.grid
+        merge = max(1, round((t * h * w / max(1, self.n_tokens)) ** 0.5))
+        return self.n_tokens // max(1, w // merge), max(1, w // merge)
 
     def stored(self, tokens: torch.Tensor) -> torch.Tensor:
         """Boolean over ``tokens``: those whose K/V the stored entry holds."""
@@ -247,7 +273,8 @@ class WarmupSignals:
     the alias (keys re-rotated). Collected for policies with ``needs_check_kv``.
     ``span``: (first, end) request columns of the image in its row; ``window``: the request columns
     of the observation window (text after the row's last image, else its last 16 tokens).
-    ``prefix_changed``: an exact hit whose text before the image differs from the stored entry's.
+    ``prefix_changed``: a hit whose context before the image (text, earlier images and videos) differs from the
+    alias entry's: its K/V from layer 1 on were computed after another context.
     """
 
     attention: torch.Tensor | None = None
@@ -289,7 +316,7 @@ class CacheEvent:
     score: float | None = None
     timings: dict[str, float] = field(default_factory=dict)
     plan: ImagePlan | None = field(default=None, repr=False)
-    #: an exact hit whose text before the image differs from the stored entry's
+    #: a hit whose context before the image (text, earlier images, videos) differs from the alias entry's
     prefix_changed: bool = False
     #: bytes of alias K/V this request read (a full entry for exact hits from a lower tier, ranges otherwise)
     bytes_read: int = 0
@@ -299,6 +326,12 @@ class CacheEvent:
     shift: tuple[int, int] = (0, 0)
     #: approximate hits the lookup's pixel stage accepted: the aligned thumbnail similarity (else None)
     pixel_score: float | None = None
+    #: a hit computed in full, and why (``ImagePlan.fallback``: "context", "uncertain", "changed" or "warp")
+    fallback: str | None = None
+    #: a plan with probes (``ImagePlan.verify``): its last estimate of the reused tokens' deviation (``runtime/verify``)
+    verify_estimate: float | None = None
+    #: approximate hits: how far the copy's corners move against its centre, in visual tokens (``local_drift``)
+    drift: float = 0.0
 
     def as_dict(self) -> dict:
         return {
@@ -316,5 +349,8 @@ class CacheEvent:
             "lookup_bytes": self.lookup_bytes,
             "shift": list(self.shift),
             "pixel_score": self.pixel_score,
+            "fallback": self.fallback,
+            "verify_estimate": self.verify_estimate,
+            "drift": self.drift,
             "timings": dict(self.timings),
         }

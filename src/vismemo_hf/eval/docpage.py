@@ -18,6 +18,7 @@ answer lives in.
 from __future__ import annotations
 
 import io
+import math
 import random
 import string
 from dataclasses import dataclass, field, replace
@@ -26,6 +27,8 @@ from pathlib import Path
 
 import numpy as np
 from PIL import Image, ImageDraw, ImageEnhance, ImageFont
+
+from vismemo_hf.eval.synthdoc import turn_image
 
 SIZE = 448  # px per side of a page: 16 x 16 visual tokens
 TOKEN = 28  # px per visual token (patch 14, merge 2)
@@ -72,6 +75,8 @@ class DocPage:
     popup: tuple[int, int, int, int] | None = None  # (x, y, w, h) of a dialog drawn over the page
     offset: tuple[int, int] = (0, 0)  # everything moved by (dx, dy) px (scrolled / shifted pages)
     crop: tuple[int, int, int, int] | None = None  # (left, top, right, bottom) px kept, rescaled to the page
+    rotation: float = 0.0  # degrees counter-clockwise about the page's centre (a page scanned askew)
+    scale: float = 1.0  # zoom about the page's centre (a rescan at another scale; > 1 enlarges)
     brightness: float = 1.0
     jpeg_quality: int | None = None
     noise: float = 0.0
@@ -229,11 +234,18 @@ def cell_texts(page: DocPage) -> list[Text]:
 
 
 def image_point(page: DocPage, x: float, y: float) -> tuple[float, float]:
-    """Where page point (x, y) lands in the rendered image (``crop`` rescales)."""
-    if page.crop is None:
-        return x, y
-    left, top, right, bottom = page.crop
-    return (x - left) * page.side / (right - left), (y - top) * page.side / (bottom - top)
+    """Where page point (x, y) lands in the rendered image (``crop`` rescales, then ``rotation`` and ``scale`` turn
+    and zoom about the centre)."""
+    if page.crop is not None:
+        left, top, right, bottom = page.crop
+        x, y = (x - left) * page.side / (right - left), (y - top) * page.side / (bottom - top)
+    if page.rotation or page.scale != 1.0:
+        c = page.side / 2
+        a = math.radians(page.rotation)
+        dx, dy = x - c, y - c  # image y grows downwards: a counter-clockwise turn
+        x = c + page.scale * (dx * math.cos(a) + dy * math.sin(a))
+        y = c + page.scale * (-dx * math.sin(a) + dy * math.cos(a))
+    return x, y
 
 
 def token_of(page: DocPage, x: float, y: float) -> int | None:
@@ -280,6 +292,8 @@ def render(page: DocPage) -> Image.Image:
         draw.rectangle([x + w - 44, y + h - 22, x + w - 8, y + h - 8], outline=(60, 60, 70))
     if page.crop is not None:
         img = img.crop(page.crop).resize((page.side, page.side), Image.BILINEAR)
+    if page.rotation or page.scale != 1.0:
+        img = turn_image(img, page.rotation, page.scale, PAPER[page.layout])
     if page.brightness != 1.0:
         img = ImageEnhance.Brightness(img).enhance(page.brightness)
     if page.noise:
@@ -504,3 +518,63 @@ def rescan(page: DocPage, rng: random.Random) -> DocPage:
     if pick == 1:
         return replace(page, brightness=rng.choice([0.85, 0.9, 1.1]))
     return replace(page, noise=rng.choice([4.0, 6.0]))
+
+
+def edit_char(page: DocPage, row: int, column: int, rng: random.Random) -> DocPage:
+    """One digit of the value at (``row``, ``column``) replaced (the value stays distinct on the page): an edit
+    smaller than a visual token, which holds two glyphs."""
+    values = [list(r) for r in page.values]
+    seen = {v for r in values for v in r}
+    old = values[row][column]
+    while True:
+        at = rng.randrange(len(old))
+        new = old[:at] + rng.choice([d for d in DIGITS if d != old[at]]) + old[at + 1:]
+        if new not in seen:
+            break
+    values[row][column] = new
+    return replace(page, values=tuple(tuple(r) for r in values))
+
+
+def edit_key_char(page: DocPage, row: int, rng: random.Random) -> DocPage:
+    """One letter of the key of ``row`` replaced, not its first (the page's keys keep distinct first letters)."""
+    keys = list(page.keys)
+    old = keys[row]
+    at = rng.randrange(1, len(old))
+    keys[row] = old[:at] + rng.choice([c for c in LETTERS if c != old[at]]) + old[at + 1:]
+    return replace(page, keys=tuple(keys))
+
+
+def rotate(page: DocPage, degrees: float) -> DocPage:
+    """The page scanned askew: turned by ``degrees`` about its centre."""
+    return replace(page, rotation=page.rotation + degrees)
+
+
+def rescale(page: DocPage, factor: float) -> DocPage:
+    """The page rescanned at another scale: zoomed by ``factor`` about its centre."""
+    return replace(page, scale=page.scale * factor)
+
+
+def has_room_for_row(page: DocPage) -> bool:
+    """Whether one more record fits above the footer."""
+    return page.n_rows < 8 and page.y0 + (page.n_rows + 1) * page.pitch <= page.side - 40
+
+
+def insert_row(page: DocPage, at: int, rng: random.Random) -> DocPage:
+    """A new record inserted before row ``at``: the records from there on move down by a row (``has_room_for_row``
+    must hold). Its key starts with a letter no other key starts with; its values are new on the page."""
+    if not has_room_for_row(page):
+        raise ValueError("no room for another record on this page")
+    firsts = {k[0] for k in page.keys}
+    key = rng.choice([c for c in LETTERS if c not in firsts]) + "".join(rng.choice(LETTERS) for _ in range(KEY_LEN - 1))
+    seen = {v for r in page.values for v in r}
+    values = tuple(_fresh_value(rng, seen) for _ in page.columns)
+    lights = page.lights[:at] + (rng.random() < 0.5,) + page.lights[at:] if page.lights else ()
+    return replace(page, keys=page.keys[:at] + (key,) + page.keys[at:],
+                   values=page.values[:at] + (values,) + page.values[at:], lights=lights)
+
+
+def erase_cell(page: DocPage, row: int, column: int) -> DocPage:
+    """The value at (``row``, ``column``) erased (a blank cell); nothing else moves."""
+    values = [list(r) for r in page.values]
+    values[row][column] = ""
+    return replace(page, values=tuple(tuple(r) for r in values))

@@ -16,6 +16,7 @@ Everything is deterministic in its seed.
 
 from __future__ import annotations
 
+import math
 import random
 import string
 from dataclasses import dataclass, field, replace
@@ -41,6 +42,8 @@ class FormPage:
     brightness: float = 1.0
     jpeg_quality: int | None = None
     noise: float = 0.0  # std of seeded Gaussian pixel noise (0-255 scale)
+    rotation: float = 0.0  # degrees counter-clockwise about the page's centre (scanned askew)
+    scale: float = 1.0  # zoom about the page's centre (rescanned at another scale)
     meta: dict = field(default_factory=dict, compare=False, hash=False)
 
     def answer(self, key: str) -> str:
@@ -100,7 +103,7 @@ def _decorate(draw: ImageDraw.ImageDraw, page: FormPage) -> None:
             draw.rounded_rectangle([dx + 1, top + 1, right - 1, top + CELL - 2], radius=6, outline=(120, 130, 150))
             on = page.lights[r] if r < len(page.lights) else False
             draw.ellipse([gap + 8, top + 8, gap + 19, top + 19], fill=(40, 170, 60) if on else (200, 50, 40))
-        elif page.style == "chart":
+        elif page.style == "chart" and value.strip():
             length = 3 + int(value[0]) * 2  # 3..21 px, inside the blank cell
             draw.rectangle([gap + 3, top + 9, gap + 3 + length, top + 18], fill=(70, 110, 200))
 
@@ -119,6 +122,8 @@ def render(page: FormPage) -> Image.Image:
         x = c * CELL + (CELL - (right - left)) // 2 - left + dx
         y = r * CELL + (CELL - (bottom - top)) // 2 - top + dy
         draw.text((x, y), ch, fill="black", font=font)
+    if page.rotation or page.scale != 1.0:
+        img = turn_image(img, page.rotation, page.scale, PAPER[page.style])
     if page.brightness != 1.0:
         img = ImageEnhance.Brightness(img).enhance(page.brightness)
     if page.noise:
@@ -176,6 +181,15 @@ def edit_key(page: FormPage, row: int, rng: random.Random) -> FormPage:
     return replace(page, rows=tuple(rows))
 
 
+def edit_key_char(page: FormPage, row: int, rng: random.Random) -> FormPage:
+    """One letter of one key changed, not its first (the page's keys keep distinct first letters)."""
+    key, value = page.rows[row]
+    at = rng.randrange(1, len(key))
+    rows = list(page.rows)
+    rows[row] = (key[:at] + rng.choice([c for c in KEY_ALPHABET if c != key[at]]) + key[at + 1:], value)
+    return replace(page, rows=tuple(rows))
+
+
 def swap_rows(page: FormPage, a: int, b: int) -> FormPage:
     """Two rows trade places: every glyph of both rows moves."""
     rows, lights = list(page.rows), list(page.lights)
@@ -187,6 +201,43 @@ def swap_rows(page: FormPage, a: int, b: int) -> FormPage:
 
 def noisy(page: FormPage, std: float = 6.0) -> FormPage:
     return replace(page, noise=std)
+
+
+def edit_digit(page: FormPage, row: int, rng: random.Random) -> FormPage:
+    """One digit of one value changed: an edit of one visual token, the value's other three unchanged."""
+    key, value = page.rows[row]
+    at = rng.randrange(len(value))
+    rows = list(page.rows)
+    rows[row] = (key, value[:at] + rng.choice([d for d in string.digits if d != value[at]]) + value[at + 1:])
+    return replace(page, rows=tuple(rows))
+
+
+def rotate(page: FormPage, degrees: float) -> FormPage:
+    return replace(page, rotation=page.rotation + degrees)
+
+
+def rescale(page: FormPage, factor: float) -> FormPage:
+    return replace(page, scale=page.scale * factor)
+
+
+def insert_row(page: FormPage, at: int, rng: random.Random) -> FormPage:
+    """A new row inserted before row ``at`` of a page with room for it: the rows from there on move down a row.
+    Its key starts with a letter no other key starts with."""
+    if len(page.rows) >= ROWS:
+        raise ValueError(f"a page holds at most {ROWS} rows")
+    firsts = {k[0] for k, _ in page.rows}
+    key = rng.choice([c for c in KEY_ALPHABET if c not in firsts]) + "".join(
+        rng.choice(KEY_ALPHABET) for _ in range(KEY_LEN - 1))
+    value = "".join(rng.choice(string.digits) for _ in range(VALUE_LEN))
+    lights = page.lights[:at] + (rng.random() < 0.5,) + page.lights[at:] if page.lights else ()
+    return replace(page, rows=page.rows[:at] + ((key, value),) + page.rows[at:], lights=lights)
+
+
+def erase_value(page: FormPage, row: int) -> FormPage:
+    """The value of ``row`` erased (a blank cell); its key stays."""
+    rows = list(page.rows)
+    rows[row] = (rows[row][0], " " * VALUE_LEN)
+    return replace(page, rows=tuple(rows))
 
 
 # -- request streams -------------------------------------------------------------------------------------
@@ -328,6 +379,16 @@ def reencode_image(image: Image.Image, quality: int = 70) -> Image.Image:
 
 def brighten_image(image: Image.Image, factor: float = 0.9) -> Image.Image:
     return ImageEnhance.Brightness(image.convert("RGB")).enhance(factor)
+
+
+def turn_image(image: Image.Image, degrees: float, scale: float = 1.0, fill="white") -> Image.Image:
+    """``image`` turned by ``degrees`` counter-clockwise and zoomed by ``scale`` about its centre, uncovered corners
+    filled with ``fill`` (bicubic, like a scanner's deskew)."""
+    cx, cy = image.size[0] / 2, image.size[1] / 2
+    a = math.radians(degrees)
+    cos, sin = math.cos(a) / scale, math.sin(a) / scale  # the inverse map: output pixel -> source pixel
+    matrix = (cos, -sin, cx - cx * cos + cy * sin, sin, cos, cy - cx * sin - cy * cos)
+    return image.convert("RGB").transform(image.size, Image.AFFINE, matrix, resample=Image.BICUBIC, fillcolor=fill)
 
 
 #: near-duplicate copies every real page gets (each keeps the page's answers)

@@ -37,7 +37,14 @@ from typing import ClassVar
 import torch
 
 from vismemo_hf.core.plan import HitKind, ImageFeatures, ImagePlan, WarmupSignals
-from vismemo_hf.policies.base import RoutingPolicy, approximate_plan, register_policy, split_by_score
+from vismemo_hf.policies.base import (
+    RoutingPolicy,
+    approximate_plan,
+    changed_tokens,
+    reading_dependents,
+    register_policy,
+    split_by_score,
+)
 from vismemo_hf.policies.vismemo import warmup_score
 
 
@@ -74,6 +81,12 @@ class AttendDeviatePolicy(RoutingPolicy):
     restore_masked: bool = True
     #: median relative K + V deviation above which the image is computed in full (None: never)
     miss_deviation: float | None = 0.5
+    #: a local edit's reading-order dependents: the tokens after each token whose pixels changed, in its token row,
+    #: are recomputed with it (``reading_dependents``): ``"row"`` (the rest of the row), a count, or 0 (none)
+    dependents: int | str = "row"
+    #: an edit is local when at most this share of the image's tokens changed pixels (a shift or a rescan changes
+    #: them all and has no dependents)
+    local_share: float = 0.25
     prefix_routing: str = "check"
 
     def __post_init__(self) -> None:
@@ -84,6 +97,10 @@ class AttendDeviatePolicy(RoutingPolicy):
             raise ValueError("outlier_factor must be > 0, min_deviation and mask_below >= 0")
         if self.miss_deviation is not None and not self.miss_deviation >= 0:
             raise ValueError("miss_deviation must be >= 0 or None")
+        if not (self.dependents == "row" or (isinstance(self.dependents, int) and self.dependents >= 0)):
+            raise ValueError(f"dependents must be 'row' or a count >= 0, got {self.dependents!r}")
+        if not 0.0 <= self.local_share <= 1.0:
+            raise ValueError("local_share must lie in [0, 1]")
 
     def prefetch_tokens(self, image: ImageFeatures, alias: ImageFeatures) -> torch.Tensor:
         return torch.arange(image.n_tokens)  # every token not recomputed is reused
@@ -106,9 +123,20 @@ class AttendDeviatePolicy(RoutingPolicy):
         n = image.n_tokens
         deviation = deviation_score(signals, n)
         if self.miss_deviation is not None and float(deviation.median()) > self.miss_deviation:
-            return ImagePlan.full(HitKind.APPROXIMATE, n, alias.key)  # the page changed everywhere
+            return ImagePlan.full(HitKind.APPROXIMATE, n, alias.key, fallback="changed")  # changed everywhere
         attention = warmup_score(signals, n)
-        recompute = self.select(deviation, attention, n)
+        recompute = [self.select(deviation, attention, n)]
+        changed = changed_tokens(image, alias)
+        if changed is not None and self.dependents and int(changed.sum()) <= self.local_share * n:
+            recompute.append(torch.nonzero(reading_dependents(changed, image.token_hw, self.dependents)).flatten())
+        probes = None
+        if signals.prefix_changed and self.prefix_routing == "check":  # the alias was computed after another context
+            context = self.context_recompute(signals, n)
+            if context is None:
+                return ImagePlan.full(HitKind.APPROXIMATE, n, alias.key, fallback="context")
+            recompute.append(context[0])
+            probes = context[1]
+        recompute = torch.unique(torch.cat(recompute))
         rest = torch.ones(n, dtype=torch.bool)
         rest[recompute] = False
         mask = torch.zeros(0, dtype=torch.long)
@@ -117,4 +145,5 @@ class AttendDeviatePolicy(RoutingPolicy):
             mask, _ = split_by_score(-attention, unlikely, self.budget(self.max_mask_ratio, n))
             rest[mask] = False
         reuse = torch.nonzero(rest).flatten()
-        return approximate_plan(self, image, alias, recompute, reuse, mask, restore_masked=self.restore_masked)
+        extra = self.verification(probes) if probes is not None else {}
+        return approximate_plan(self, image, alias, recompute, reuse, mask, restore_masked=self.restore_masked, **extra)

@@ -11,6 +11,8 @@ import torch
 from vismemo_hf.core.plan import HitKind, ImageFeatures, ImagePlan, WarmupSignals
 
 _REGISTRY: dict[str, type[RoutingPolicy]] = {}
+#: the fewest probes that verify a changed context's reuse (``RoutingPolicy.context_recompute``)
+MIN_PROBES = 4
 
 
 def register_policy(cls: type[RoutingPolicy]) -> type[RoutingPolicy]:
@@ -94,6 +96,17 @@ class RoutingPolicy:
     prefix_check_layer: int = 1
     prefix_recompute_ratio: float = 0.15
     prefix_tolerance: float = 0.005
+    #: ``"check"`` on a hit whose context changed: when it would recompute more than this share of the image,
+    #: every token is computed instead (``ImagePlan.fallback == "context"``): the context moved most of the image
+    prefix_miss_ratio: float = 0.5
+    #: and this share of the tokens it reuses (at least ``MIN_PROBES``), spread over their check-layer deviation, is
+    #: computed at every layer to verify the rest (``ImagePlan.verify``): a context's effect can grow with depth
+    #: where the check layer does not see it; past ``prefix_probe_tolerance`` the image is computed in full
+    prefix_probe_share: float = 0.0625
+    prefix_probe_tolerance: float = 0.008
+    #: and when, with the reuse, the model's next token has a top probability below this, the image is computed in
+    #: full (an unsure answer is one that any approximation may change)
+    prefix_min_confidence: float = 0.5
     #: reused tokens a compressed alias entry holds no K/V for (docs/METHOD.md §4): ``"mask"`` them (VL-Cache's choice;
     #: they are left out of attention) or ``"recompute"`` them (compute them at every layer)
     missing: str = "mask"
@@ -109,6 +122,10 @@ class RoutingPolicy:
             raise ValueError(f"prefix_routing must be 'reuse' or 'check', got {self.prefix_routing!r}")
         if self.prefix_check_layer < 0 or not 0.0 <= self.prefix_recompute_ratio <= 1.0 or self.prefix_tolerance < 0:
             raise ValueError("prefix_check_layer and prefix_tolerance must be >= 0, prefix_recompute_ratio in [0, 1]")
+        if not 0.0 <= self.prefix_miss_ratio <= 1.0 or not 0.0 <= self.prefix_probe_share <= 1.0:
+            raise ValueError("prefix_miss_ratio and prefix_probe_share must lie in [0, 1]")
+        if self.prefix_probe_tolerance < 0 or not 0.0 <= self.prefix_min_confidence <= 1.0:
+            raise ValueError("prefix_probe_tolerance must be >= 0, prefix_min_confidence in [0, 1]")
 
     # -- what the prefill runner asks (it reads no field of a policy) ---------------------------------------
     def signal_needs(self, kind: HitKind) -> SignalNeeds:
@@ -165,16 +182,42 @@ class RoutingPolicy:
             return None
         return ImagePlan.exact(image.n_tokens, alias)
 
-    def prefix_plan(self, image: ImageFeatures, alias: str, signals: WarmupSignals) -> ImagePlan:
-        """An exact hit after another text: recompute the tokens whose K/V deviate most at the check layer."""
+    def context_recompute(self, signals: WarmupSignals, n: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(recompute, probes) for a changed context (``prefix_routing="check"``), both sorted: the
+        ``prefix_recompute_ratio`` whose K/V deviate most at the check layer, every token past ``prefix_tolerance``,
+        and the probes that verify the rest (``prefix_probe_share`` of it at every rank of its deviation); None when
+        the check alone is more than ``prefix_miss_ratio`` of the image (compute it all)."""
         deviation = signals.check_deviation
         if deviation is None:
-            raise ValueError("prefix_plan needs the fresh and cached K/V of the check layer")
-        n = image.n_tokens
-        score = deviation[0] + deviation[1]
+            raise ValueError("the context check needs the fresh and cached K/V of the check layer")
+        score = (deviation[0] + deviation[1]).float()
         count = max(self.budget(self.prefix_recompute_ratio, n), int((score > self.prefix_tolerance).sum()))
-        recompute, reuse = split_by_score(score, torch.arange(n), count)
-        return ImagePlan(HitKind.EXACT, n, self.prefix_check_layer, recompute, reuse, [], alias)
+        if count > self.prefix_miss_ratio * n:
+            return None
+        order = torch.sort(score, descending=True, stable=True).indices
+        rest = order[count:]
+        probes = rest[:0]
+        if rest.numel() and self.prefix_probe_share > 0:
+            m = min(rest.numel(), max(MIN_PROBES, math.ceil(self.prefix_probe_share * n)))
+            probes = rest[torch.linspace(0, rest.numel() - 1, m).round().long().unique()]
+        return torch.cat([order[:count], probes]).sort().values, probes.sort().values
+
+    def prefix_plan(self, image: ImageFeatures, alias: str, signals: WarmupSignals) -> ImagePlan:
+        """An exact hit after another context: recompute what the context changed (``context_recompute``)."""
+        n = image.n_tokens
+        context = self.context_recompute(signals, n)
+        if context is None:
+            return ImagePlan.full(HitKind.EXACT, n, alias, fallback="context")
+        recompute, probes = context
+        rest = torch.ones(n, dtype=torch.bool)
+        rest[recompute] = False
+        return ImagePlan(HitKind.EXACT, n, self.prefix_check_layer, recompute, torch.nonzero(rest).flatten(), [], alias,
+                         **self.verification(probes))
+
+    def verification(self, probes: torch.Tensor) -> dict:
+        """The ``ImagePlan`` fields that verify a reuse after another context by ``probes``."""
+        return {"verify": probes, "verify_tolerance": self.prefix_probe_tolerance,
+                "verify_confidence": self.prefix_min_confidence}
 
     def miss_plan(self, image: ImageFeatures) -> ImagePlan:
         return ImagePlan.full(HitKind.MISS, image.n_tokens)
@@ -187,6 +230,28 @@ class RoutingPolicy:
         self, image: ImageFeatures, alias: ImageFeatures, prefetched: torch.Tensor, signals: WarmupSignals
     ) -> ImagePlan:
         raise NotImplementedError
+
+
+def changed_tokens(image: ImageFeatures, alias: ImageFeatures) -> torch.Tensor | None:
+    """(N,) True at the tokens whose pixels differ from the alias's (patch hashes; tokens the alias does not show
+    count as changed); None when either image's hashes are unknown."""
+    if image.patch_hashes is None or alias.patch_hashes is None:
+        return None
+    return image.patch_hashes != alias.patch_hashes
+
+
+def reading_dependents(changed: torch.Tensor, hw: tuple[int, int], reach: int | str) -> torch.Tensor:
+    """(N,) True at ``changed`` tokens and at the tokens after each of them in its token row: the next ``reach``,
+    or (``"row"``) the rest of the row. In reading order a later token attends to an earlier one (the rest of a
+    number, a word, a record is read through it), so its cached K/V hold what the changed token showed before."""
+    h, w = hw
+    grid = changed.reshape(h, w)
+    if reach == "row":
+        return grid.to(torch.int8).cummax(1).values.bool().reshape(-1)
+    out = grid.clone()
+    for step in range(1, min(int(reach), w - 1) + 1):
+        out[:, step:] |= grid[:, :-step]
+    return out.reshape(-1)
 
 
 def split_by_score(

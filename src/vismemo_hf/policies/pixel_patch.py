@@ -8,13 +8,12 @@ from typing import ClassVar
 import torch
 
 from vismemo_hf.core.plan import ImageFeatures, ImagePlan, WarmupSignals
-from vismemo_hf.policies.base import RoutingPolicy, approximate_plan, register_policy
+from vismemo_hf.policies.base import RoutingPolicy, approximate_plan, changed_tokens, register_policy
 
 
 def identical_tokens(image: ImageFeatures, alias: ImageFeatures) -> torch.Tensor:
-    if image.patch_hashes is None or alias.patch_hashes is None:
-        return torch.zeros(image.n_tokens, dtype=torch.bool)
-    return image.patch_hashes == alias.patch_hashes
+    changed = changed_tokens(image, alias)
+    return torch.zeros(image.n_tokens, dtype=torch.bool) if changed is None else ~changed
 
 
 @register_policy

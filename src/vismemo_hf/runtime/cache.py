@@ -331,6 +331,11 @@ class VisMemoCache(DynamicCache):
         self.layers = []
         self._length = 0
 
+    def drop_layers(self, first: int) -> None:
+        """Forget what the layers from ``first`` on hold (a prefill that runs them again)."""
+        for i in range(first, len(self.layers)):
+            self.layers[i] = VisMemoLayer()
+
     def advance(self, new_tokens: int) -> None:
         """Close a forward that added ``new_tokens`` request columns (called by ``context.close_forward``)."""
         self._length += new_tokens

@@ -29,7 +29,15 @@ from vismemo_hf.core.features import (
     token_sketch,
 )
 from vismemo_hf.core.plan import HitKind, ImageFeatures
-from vismemo_hf.core.thresholds import MAX_ZOOM_DRIFT, aligned_similarity, best_shift, regional_cosines, zoom_drift
+from vismemo_hf.core.thresholds import (
+    MAX_DRIFT,
+    MAX_ZOOM_DRIFT,
+    aligned_similarity,
+    best_shift,
+    local_drift,
+    regional_cosines,
+    zoom_drift,
+)
 from vismemo_hf.runtime.reference import model_reference
 from vismemo_hf.store.entry import Entry
 from vismemo_hf.store.store import store_call
@@ -55,13 +63,14 @@ class ImageMatch:
     alias_entry: Entry | None = None
     alias_offset: int = 0
     score: float | None = None
-    prefix_changed: bool = False  # exact hits: the stored entry was computed after another context
+    prefix_changed: bool = False  # a hit whose alias's K/V were computed after another context before the image
     lookup_bytes: int = 0  # lookup-section bytes of the candidates the fine stage scored
     lookup_ms: float = 0.0
     encoder_ms: float = 0.0
     thumbnail: Callable[[], torch.Tensor] | None = None  # the image's (H, W) uint8 thumbnail, computed on first call
     pixel_score: float | None = None  # an approximate hit the pixel stage accepted: its aligned thumbnail similarity
-    aligned: bool = True  # False: a copy zoomed so far that no token lines up with the alias's (computed in full)
+    aligned: bool = True  # False: a copy warped (zoomed, turned) so far that its tokens do not line up with the alias's
+    drift: float = 0.0  # approximate hits: how far the copy's corners move against its centre (``local_drift``), tokens
 
     @property
     def n_tokens(self) -> int:
@@ -399,13 +408,16 @@ def _approximate(adapter, match: ImageMatch, cache, get_image_features) -> Image
     chosen = _fine_stage(scored, thresholds, thresholds.fine_for(reference), match.thumbnail, hw)
     if chosen is None:
         return match
-    best, best_score, moved_by, pixel, zoom = chosen
+    best, best_score, moved_by, pixel, zoom, thumb = chosen
     entry = store_call("read", lambda: cache.store.peek(best, owner), None)
     if not _usable(adapter, cache, entry, best, feats.grid):
         return match
+    drift = local_drift(match.thumbnail(), thumb, thumb_per_token(hw)) if thumb is not None and \
+        match.thumbnail is not None else 0.0
     return replace(match, kind=HitKind.APPROXIMATE, alias=entry.features().moved(moved_by, hw),
                    alias_offset=entry.offset, score=best_score, pixel_score=pixel,
-                   aligned=zoom_drift(zoom, hw) <= MAX_ZOOM_DRIFT)
+                   prefix_changed=entry.prefix != match.prefix, drift=drift,
+                   aligned=zoom_drift(zoom, hw) <= MAX_ZOOM_DRIFT and drift <= MAX_DRIFT)
 
 
 #: the most candidates near the fine threshold whose thumbnails the pixel stage aligns, best first
@@ -413,20 +425,20 @@ PIXEL_CANDIDATES = 2
 
 
 def _fine_stage(scored: list, thresholds, tau_fine: float, thumbnail, hw) -> tuple | None:
-    """(key, score, shift, pixel score or None, zoom) of the candidate the fine rule accepts
+    """(key, score, shift, pixel score or None, zoom, thumbnail) of the candidate the fine rule accepts
     (``LookupThresholds.matches``) from ``scored`` ((score, shift, key, thumbnail) of each): the best score when it
     reaches ``tau_fine``, else the first of the ``PIXEL_CANDIDATES`` best near ones whose thumbnail aligns with the
     request's; else None."""
     scored = sorted(scored, key=lambda c: -c[0])  # stable: of equal scores the first found wins
     if not scored:
         return None
-    score, shift, key, _ = scored[0]
+    score, shift, key, thumb = scored[0]
     if score >= tau_fine:
-        return key, score, shift, None, 1.0
+        return key, score, shift, None, 1.0, thumb
     near = [c for c in scored if thresholds.near(c[0], tau_fine) and c[3] is not None][:PIXEL_CANDIDATES]
     mine = thumbnail() if near and thumbnail is not None else None
     for score, shift, key, thumb in near if mine is not None else ():
         pixel, zoom = aligned_similarity(mine, thumb, thumb_per_token(hw))
         if thresholds.matches(score, tau_fine, lambda p=pixel: p):
-            return key, score, shift, pixel, zoom
+            return key, score, shift, pixel, zoom, thumb
     return None

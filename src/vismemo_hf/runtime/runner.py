@@ -22,6 +22,7 @@ from vismemo_hf.runtime.context import ForwardContext
 from vismemo_hf.runtime.lookup import ImageMatch, PrefillRequest
 from vismemo_hf.runtime.schedule import ActiveStates, Layout, Placement, Schedule, causal_mask, pad_rows
 from vismemo_hf.runtime.signals import SignalCollector
+from vismemo_hf.runtime.verify import Verifier
 from vismemo_hf.runtime.writeback import write_entries
 from vismemo_hf.store.store import store_call
 
@@ -38,6 +39,7 @@ class ImageRun:
     plan: ImagePlan | None = None
     prefetched: torch.Tensor | None = None
     timings: dict = field(default_factory=dict)
+    verify_estimate: float | None = None
 
     def placement(self) -> Placement:
         return Placement(self.match.row, self.match.start, self.match.n_tokens, self.plan)
@@ -51,7 +53,8 @@ class ImageRun:
                           masked=plan.mask.numel(), score=m.score, timings=timings, plan=plan,
                           prefix_changed=m.prefix_changed, bytes_read=reader.bytes_read(i) if reader else 0,
                           lookup_bytes=m.lookup_bytes, shift=m.alias.shift if m.alias is not None else (0, 0),
-                          pixel_score=m.pixel_score)
+                          pixel_score=m.pixel_score, fallback=plan.fallback, verify_estimate=self.verify_estimate,
+                          drift=m.drift)
 
 
 def _positions(position_ids: torch.Tensor | None) -> torch.Tensor:
@@ -79,6 +82,8 @@ class PrefillRunner:
         self.signals = SignalCollector(adapter, self.cache, [r.match for r in self.runs], self.batch, self.length,
                                        self.valid, device, window_stats=stats)
         self._plain = Layout(None, causal_mask(self.batch, self.length, self.valid, device), [])
+        self.verifier = Verifier(adapter.num_layers)
+        self._snapshot = None  # (layer, states, time) to run the layers from again when a plan fails verification
 
     # -- planning -----------------------------------------------------------------------------------------
     def _demote(self, i: int) -> None:
@@ -93,8 +98,8 @@ class PrefillRunner:
         """Plans that need no warmup, and the reads that overlap the warmup."""
         for i, run in enumerate(self.runs):
             m = run.match
-            if m.kind is HitKind.APPROXIMATE and not m.aligned:  # zoomed: no token shows what the alias's did
-                run.plan = ImagePlan.full(HitKind.APPROXIMATE, m.n_tokens, m.alias.key)
+            if m.kind is HitKind.APPROXIMATE and not m.aligned:  # warped: its tokens do not show what the alias's did
+                run.plan = ImagePlan.full(HitKind.APPROXIMATE, m.n_tokens, m.alias.key, fallback="warp")
             else:
                 run.plan = self.policy.early_plan(m.kind, m.features, m.alias, m.prefix_changed, self.adapter.num_layers)
             if m.kind is HitKind.MISS:
@@ -125,6 +130,30 @@ class PrefillRunner:
             run.timings["plan"] = run.timings.get("plan", 0.0) + (time.perf_counter() - t0) * 1e3
             if not self.reader.bind(i, run.plan, run.offset):
                 self._demote(i)
+                continue
+            self.verifier.watch(i, run.plan)
+            if self.verifier.active and self._snapshot is None:
+                self._snapshot = (layer, states.snapshot(), time.perf_counter())
+
+    def _rewind(self, failed: list[int], states: ActiveStates, reason: str) -> int:
+        """The images of ``failed`` plans computed in full: the layers from the first decision layer with probes run
+        again from the states that entered it. Returns that layer."""
+        first, snapshot, t0 = self._snapshot
+        for i in failed:
+            run = self.runs[i]
+            m = run.match
+            logger.info("vismemo: the reuse of %s after another context failed verification (estimate %.4g); "
+                        "computing the image in full", m.features.key[:12], self.verifier.estimates.get(i, float("nan")))
+            run.plan = ImagePlan.full(m.kind, m.n_tokens, m.alias.key if m.alias is not None else None,
+                                      fallback=reason)
+            run.timings["rewind"] = (time.perf_counter() - t0) * 1e3
+            self.verifier.forget(i)
+            self.reader.forget(i)
+        self.cache.drop_layers(first)
+        self.signals.layer_stats = self.signals.layer_stats[:first]
+        states.restore(snapshot)
+        self._snapshot = (first, snapshot, time.perf_counter()) if self.verifier.active else None
+        return first
 
     def _watching(self) -> list[int]:
         """Images still warming up whose routing reads the window's attention."""
@@ -152,11 +181,23 @@ class PrefillRunner:
         cos, sin = self.adapter.rope(inputs_embeds, self.positions)
         states = ActiveStates(self.schedule.all_columns, inputs_embeds, cos, sin)
         deepstack = _DeepstackAdder(visual_pos_masks, deepstack_visual_embeds)
-        t_warm_end = None
-        for layer in range(self.adapter.num_layers):
+        self._t_warm_end = None
+        self._layers(states, deepstack, 0)
+        uncertain = self._uncertain(states)
+        if uncertain:
+            self._layers(states, deepstack, self._rewind(uncertain, states, "uncertain"))
+        self.ctx.layout = None
+        hidden = self.adapter.final_norm(states.result())
+        t_end = time.perf_counter()
+        self._finish(t_start, self._t_warm_end or t_end, t_end)
+        return BaseModelOutputWithPast(last_hidden_state=hidden, cache=self.cache)
+
+    def _layers(self, states: ActiveStates, deepstack, layer: int) -> None:
+        """The decoder layers from ``layer`` on (again from a decision layer when a plan fails verification)."""
+        while layer < self.adapter.num_layers:
             self._decide(layer, states)
-            if t_warm_end is None and all(r.plan is not None for r in self.runs):
-                t_warm_end = time.perf_counter()
+            if self._t_warm_end is None and all(r.plan is not None for r in self.runs):
+                self._t_warm_end = time.perf_counter()
             states.narrow(self.schedule.active(layer, [r.placement() for r in self.runs]))
             reused = self.reader.reused(layer, self._plans(), self.batch)
             reused_columns = None if reused is None else reused[2]
@@ -173,12 +214,24 @@ class PrefillRunner:
             self.signals.observe(self.ctx.capture, watching)
             self.ctx.capture = None
             states.hidden = deepstack(layer, states.hidden, states.columns)
-        self.ctx.layout = None
-        hidden = self.adapter.final_norm(states.result())
-        t_end = time.perf_counter()
-        self._finish(t_start, t_warm_end or t_end, t_end)
-        return BaseModelOutputWithPast(last_hidden_state=hidden, cache=self.cache)
+            if self.verifier.active:
+                self.verifier.observe(layer, self.runs, self.cache, self.reader)
+                failed = self.verifier.failed(layer, self.runs)
+                if failed:
+                    layer = self._rewind(failed, states, "context")
+                    continue
+            layer += 1
 
+    def _uncertain(self, states: ActiveStates) -> list[int]:
+        """Verified images of rows whose next token the model is unsure of (top probability below the plan's
+        ``verify_confidence``): any approximation may change such an answer, so they are computed in full."""
+        watched = self.verifier.watched
+        head = self.adapter.output_head
+        if not watched or head is None:
+            return []
+        last = self.adapter.final_norm(states.result()[:, -1:])
+        top = torch.softmax(head(last).float(), -1).amax(-1)[:, 0].cpu()
+        return [i for i in watched if float(top[self.runs[i].match.row]) < self.runs[i].plan.verify_confidence]
     def _finish(self, t_start: float, t_warm_end: float, t_end: float) -> None:
         """After the layers: restored tokens for decoding, entries, compression, the settled layout, the events."""
         cache, plans = self.cache, self._plans()
@@ -187,6 +240,8 @@ class PrefillRunner:
             cache.layer(layer).preload(keys, values, columns)
         write_entries(self.adapter, cache, [(i, r.match, r.plan, r.offset) for i, r in enumerate(self.runs)],
                       self.signals.token_importance)
+        for i, estimate in self.verifier.estimates.items():
+            self.runs[i].verify_estimate = estimate
         for layer in cache.layers:
             layer.settle(self.length)
         if cache.compress is not None and self.runs:
@@ -222,7 +277,8 @@ class _DeepstackAdder:
 
 def record_event(cache, event: CacheEvent) -> None:
     cache.events.append(event)
-    store_call("stats", lambda: cache.store.record(event.kind, prefix_changed=event.prefix_changed), None)
+    store_call("stats", lambda: cache.store.record(event.kind, prefix_changed=event.prefix_changed,
+                                                   fallback=event.fallback), None)
 
 
 def finish_native(adapter, request: PrefillRequest, ctx: ForwardContext, position_ids) -> None:

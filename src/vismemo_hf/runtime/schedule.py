@@ -166,6 +166,14 @@ class ActiveStates:
         rows = torch.arange(self.columns.shape[0], device=ok.device)[:, None].expand_as(self.columns)
         self._out[rows[ok], self.columns[ok]] = self.hidden[ok].to(self._out.dtype)
 
+    def snapshot(self) -> tuple:
+        """What ``restore`` needs to run the layers from here again."""
+        return self.columns, self.hidden.clone(), self.cos, self.sin, self._out.clone()
+
+    def restore(self, snapshot: tuple) -> None:
+        self.columns, hidden, self.cos, self.sin, out = snapshot
+        self.hidden, self._out = hidden.clone(), out.clone()
+
     def narrow(self, columns: torch.Tensor) -> None:
         """Keep the states of ``columns`` (B, A'), a subset of the current columns of every row."""
         if torch.equal(columns, self.columns):

@@ -118,7 +118,8 @@ def _new_stats() -> dict:
     return {"hits": {"exact": 0, "approximate": 0, "miss": 0}, "hits_by_tier": {t: 0 for t in TIERS},
             "puts": 0, "evictions": 0, "demotions": 0, "promotions": 0, "rejected": 0, "corrupt": 0, "forged": 0,
             "write_failures": 0, "bytes_read_full": 0, "bytes_read_sparse": 0, "bytes_read_lookup": 0,
-            "exact_prefix_changed": 0, "writes_read_only": 0}
+            "exact_prefix_changed": 0, "approximate_prefix_changed": 0, "fallbacks": {},
+            "writes_read_only": 0}
 
 
 class VisMemoStore:
@@ -434,11 +435,15 @@ class VisMemoStore:
             self.placement.forget_if_gone(key)
 
     # -- bookkeeping -------------------------------------------------------------------------------
-    def record(self, kind: str, prefix_changed: bool = False) -> None:
-        """Count a served image by hit kind; ``prefix_changed``: an exact hit after another context before it."""
+    def record(self, kind: str, prefix_changed: bool = False, fallback: str | None = None) -> None:
+        """Count a served image by hit kind; ``prefix_changed``: a hit after another context before the image;
+        ``fallback``: why a hit computed every token (``ImagePlan.fallback``)."""
         with self._lock:
             self._stats["hits"][str(kind)] += 1
-            self._stats["exact_prefix_changed"] += int(prefix_changed)
+            if str(kind) in ("exact", "approximate"):
+                self._stats[f"{kind}_prefix_changed"] += int(prefix_changed)
+            if fallback is not None:
+                self._stats["fallbacks"][fallback] = self._stats["fallbacks"].get(fallback, 0) + 1
 
     def __contains__(self, key: str) -> bool:
         self._drain()

@@ -1,0 +1,172 @@
+"""``vismemo report context``: reuse whatever came before the image and however little the page changed ->
+results/quality/context.*
+
+For each class of ``eval/context.py`` (another instruction text of 1-300 characters before an exact or an
+approximate hit, another page before it, one-character edits, small rotations and rescales, inserted rows, erased
+cells) a page is stored by one request and asked about by another, three questions per page, on both readers. Each
+answer is compared with plain transformers' (a never-enabled copy of the weights, ``DynamicCache``) on the same
+request: agreement of the whole greedy answer, ANLS against the page's truth (plain's next to it), stale answers
+(the value before an edit), the hit kinds the lookup made, the share of the image's tokens recomputed (a miss or a
+counted fallback recomputes every token) and the time to the first token against plain's.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import torch
+from transformers import DynamicCache, StoppingCriteriaList
+
+from vismemo_hf import VisMemoCache, VisMemoStore, enable
+from vismemo_hf.bench.report import command as report_command
+from vismemo_hf.bench.report import header, machine
+from vismemo_hf.eval import context
+from vismemo_hf.eval.quality import TokenClock, anls
+
+#: the routings compared: the library's default and the two published baselines under the same lookup and store
+POLICIES = {"default": {}, "cacheblend": {"policy": "cacheblend"}, "vismemo": {"policy": "vismemo"}}
+READERS = {"vismemo-docqa-base": "docpage", "vismemo-docqa-tiny": "synthdoc"}
+
+
+@torch.no_grad()
+def answer(model, processor, parts, question: str, cache, max_new_tokens: int) -> tuple[str, float]:
+    """(greedy answer, ms to the first token) of one request."""
+    messages, images = context.chat(parts, question)
+    text = processor.apply_chat_template(messages, add_generation_prompt=True)
+    inputs = processor(text=[text], images=images, return_tensors="pt").to(model.device)
+    clock = TokenClock(model.device)
+    t0 = time.perf_counter()
+    out = model.generate(**inputs, cache=cache, max_new_tokens=max_new_tokens, do_sample=False,
+                         stopping_criteria=StoppingCriteriaList([clock]))
+    tokens = out[0, inputs["input_ids"].shape[1]:]
+    return processor.tokenizer.decode(tokens, skip_special_tokens=True).strip(), (clock.times[0] - t0) * 1e3
+
+
+def run_case(model, plain, processor, case: context.Case, policies: dict, max_new_tokens: int = 6) -> list[dict]:
+    """Rows (one per policy and question) of one case: the page stored by ``case.stored`` in a fresh store, then each
+    question asked by ``case.asked`` with a cache that stores nothing (the store stays as the first request left it)."""
+    refs = [answer(plain, processor, case.asked, q.question, DynamicCache(), max_new_tokens) for q in case.questions]
+    rows = []
+    for name, options in policies.items():
+        store = VisMemoStore()
+        answer(model, processor, case.stored, case.questions[0].question, VisMemoCache(store=store, **options),
+               max_new_tokens)
+        for q, (ref, ref_ms) in zip(case.questions, refs):
+            cache = VisMemoCache(store=store, store_misses=False, **options)
+            pred, ms = answer(model, processor, case.asked, q.question, cache, max_new_tokens)
+            event = cache.events[-1]  # the page's (another page may come first)
+            rows.append({"class": case.cls, "policy": name, "question": q.question, "prediction": pred,
+                         "plain": ref, "answers": list(q.answers), "agree": pred == ref,
+                         "anls": anls(pred, list(q.answers)), "plain_anls": anls(ref, list(q.answers)),
+                         "stale": q.stale is not None and pred == q.stale and ref != q.stale,
+                         "kind": str(event.kind), "intended": case.intended,
+                         "recomputed_share": event.recomputed / event.n_tokens if event.n_tokens else 0.0,
+                         "prefix_changed": event.prefix_changed, "fallback": event.fallback,
+                         "verify_estimate": event.verify_estimate,
+                         "ttft_ms": ms, "plain_ttft_ms": ref_ms})
+    return rows
+
+
+def summarise(rows: list[dict]) -> dict:
+    """{class: {policy: figures}} over the rows."""
+    out: dict = {}
+    for row in rows:
+        out.setdefault(row["class"], {}).setdefault(row["policy"], []).append(row)
+
+    def mean(xs):
+        return sum(xs) / len(xs) if xs else float("nan")
+
+    for cls, by_policy in out.items():
+        for name, rs in by_policy.items():
+            kinds = {}
+            for r in rs:
+                label = r["fallback"] or r["kind"]
+                kinds[label] = kinds.get(label, 0) + 1
+            by_policy[name] = {
+                "n": len(rs), "agreement": mean([r["agree"] for r in rs]), "anls": mean([r["anls"] for r in rs]),
+                "plain_anls": mean([r["plain_anls"] for r in rs]), "stale": sum(r["stale"] for r in rs),
+                "recomputed_share": mean([r["recomputed_share"] for r in rs]), "kinds": kinds,
+                "ttft_ratio": mean([r["ttft_ms"] / r["plain_ttft_ms"] for r in rs])}
+    return out
+
+
+def measure(reader: str, seed: int, per_class: int, policies: dict, classes=context.CLASSES, max_new_tokens: int = 6,
+            progress=None) -> tuple[list[dict], dict]:
+    """(rows, summary) of ``reader`` on ``per_class`` cases of every class, from ``seed``."""
+    from vismemo_hf.eval.loading import load_model
+
+    model, processor = load_model(reader)
+    plain, _ = load_model(reader)  # never enabled: plain transformers
+    enable(model)
+    cases = context.cases(READERS[reader], seed, per_class, classes)
+    answer(model, processor, cases[0].stored, cases[0].questions[0].question, DynamicCache(), 1)  # warm up
+    rows = []
+    for case in cases:
+        rows.extend(run_case(model, plain, processor, case, policies, max_new_tokens))
+        if progress is not None:
+            progress(case)
+    return rows, summarise(rows)
+
+
+def _table(summary: dict, policies: list[str]) -> list[str]:
+    head = "| class | plain ANLS | " + " | ".join(
+        f"{p}: agreement | {p}: ANLS | {p}: stale | {p}: recomputed | {p}: TTFT / plain | {p}: kinds" for p in policies)
+    lines = [head, "| " + " | ".join(["---"] * (2 + 6 * len(policies))) + " |"]
+    for cls, by_policy in summary.items():
+        first = by_policy[policies[0]]
+        cells = [cls, f"{first['plain_anls']:.3f}"]
+        for p in policies:
+            s = by_policy[p]
+            kinds = ", ".join(f"{k} {v}" for k, v in sorted(s["kinds"].items()))
+            cells += [f"{s['agreement']:.3f}", f"{s['anls']:.3f}", str(s["stale"]), f"{s['recomputed_share']:.3f}",
+                      f"{s['ttft_ratio']:.2f}", kinds]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def main(args) -> int:
+    torch.manual_seed(0)
+    readers = [r for r in args.readers.split(",") if r]
+    unknown = [r for r in readers if r not in READERS]
+    if unknown:
+        raise ValueError(f"unknown reader(s) {unknown}; readers: {', '.join(READERS)}")
+    names = list(POLICIES) if args.policies == "all" else args.policies.split(",")
+    bad = [p for p in names if p not in POLICIES]
+    if bad:
+        raise ValueError(f"unknown policy label(s) {bad}; labels: {', '.join(POLICIES)}")
+    classes = context.CLASSES if args.classes == "all" else tuple(args.classes.split(","))
+    policies = {p: POLICIES[p] for p in names}
+    t0 = time.time()
+    results, all_rows = {}, {}
+    for reader in readers:
+        done = [0]
+
+        def tick(case, reader=reader):
+            done[0] += 1
+            if not args.quiet and done[0] % 10 == 0:
+                print(f"{reader}: {done[0]} cases", flush=True)
+
+        rows, summary = measure(reader, args.seed, args.pairs, policies, classes, args.max_new_tokens, tick)
+        results[reader], all_rows[reader] = summary, rows
+    command = report_command("report context", args, ["readers", "pairs", "seed", "policies", "classes"])
+    report = {"command": command, "machine": machine(note="fp32"), "seconds": round(time.time() - t0),
+              "results": results, "rows": all_rows}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "context.json").write_text(json.dumps(report, indent=1))
+    lines = header("Reuse after another context and small changes", command, report["machine"]) + [
+        "Each page is stored by one request and asked about by another, three questions per page "
+        "(`src/vismemo_hf/eval/context.py`: the first about what changed, where something did). Agreement: the "
+        "whole greedy answer equals plain transformers' on the same request (a never-enabled copy of the weights); "
+        "ANLS against the page's truth (plain's in the second column); stale: answers that give the value before "
+        "an edit (plain does not); recomputed: the share of the image's tokens computed after the warmup (a miss "
+        "or a fallback computes every one); TTFT / plain: time to the first token against plain's on the same "
+        "request (CPU, a few ms each, noisy); kinds: the events (exact, approximate, miss, or the fallback that "
+        "computed the image in full)."]
+    for reader, summary in results.items():
+        lines += ["", f"## {reader}", ""] + _table(summary, names)
+    (out / "context.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0

@@ -1,0 +1,256 @@
+"""Cases where reuse must hold whatever came before the image and however little the page changed
+(docs/METHOD.md §6), for both readers: the page stored in one request, then asked about in another.
+
+Classes (``CLASSES``):
+
+* ``text-exact-A-B`` / ``text-approx-A-B``: another instruction text of A-B characters before the image (before the
+  stored one: none, or another text of that length); an exact hit on the same page, or an approximate one on the
+  page with one value edited (asked about, so a stale reuse answers the old value).
+* ``image-exact`` / ``image-approx``: another page before the image (it was stored alone).
+* ``digit-edit`` / ``key-edit``: one character of one value (of one key) changed, smaller than a visual token's
+  content on the base reader's pages (two glyphs per token), one glyph token of four on the tiny reader's.
+* ``rotate`` / ``rescale``: the page turned by 0.5-1 degree or zoomed by 1-3 % about its centre: every token
+  changes a little.
+* ``insert-row`` / ``erase-cell``: a record inserted (the rows below move down a row), a value erased.
+
+Each case holds three questions (the first about what changed, where something did), whose answers no instruction
+text chooses. The texts come from three generators (sentences, chat turns, random words with digits) drawn by
+seed, so a held-out seed gives other texts, lengths, pages and edits.
+"""
+
+from __future__ import annotations
+
+import random
+import string
+from dataclasses import dataclass
+
+from vismemo_hf.eval import docpage, synthdoc
+
+LENGTHS = ((1, 10), (11, 40), (41, 120), (121, 300))
+CLASSES = tuple(f"text-{kind}-{lo}-{hi}" for lo, hi in LENGTHS for kind in ("exact", "approx")) + (
+    "image-exact", "image-approx", "digit-edit", "key-edit", "rotate", "rescale", "insert-row", "erase-cell")
+
+_WORDS = ("the a of to and in is for on with as by at from this that page report form screen shows please read look "
+          "check total date order number item list below next step user assistant open click file window table row "
+          "column value name account status update new old first last here what which scroll save send done").split()
+
+
+def sentence(n: int, rng: random.Random) -> str:
+    words = []
+    while len(" ".join(words)) < n:
+        words.append(rng.choice(_WORDS))
+    text = " ".join(words)[:n].rstrip()
+    return text[:1].upper() + text[1:]
+
+
+def chat_turns(n: int, rng: random.Random) -> str:
+    turns = []
+    while len(" ".join(turns)) < n:
+        turns.append(rng.choice(["User:", "Assistant:"]) + " " + sentence(rng.randint(6, 40), rng) + ".")
+    return " ".join(turns)[:n].rstrip()
+
+
+def random_words(n: int, rng: random.Random) -> str:
+    words = []
+    while len(" ".join(words)) < n:
+        words.append("".join(rng.choice(string.ascii_lowercase + string.digits) for _ in range(rng.randint(1, 8))))
+    return " ".join(words)[:n].rstrip()
+
+
+TEXTS = (sentence, chat_turns, random_words)
+
+
+def instruction_text(rng: random.Random, lo: int, hi: int) -> str:
+    """A text of ``lo``-``hi`` characters from one of ``TEXTS``."""
+    n = rng.randint(lo, hi)
+    text = rng.choice(TEXTS)(n, rng)
+    return text if len(text) >= lo else (text + " " + "x" * lo)[:n]
+
+
+@dataclass(frozen=True)
+class Asked:
+    question: str
+    answers: tuple[str, ...]
+    stale: str | None = None  # the answer a reuse of the stored page would give, where it differs
+
+
+@dataclass(frozen=True)
+class Case:
+    """A page stored in one request (``stored``: the content before the question, ("text", str) and ("image", PIL)
+    parts) and asked about in another (``asked``); ``intended``: the hit kind the second request should be."""
+
+    cls: str
+    stored: tuple
+    asked: tuple
+    questions: tuple[Asked, ...]
+    intended: str
+
+
+class _Pages:
+    """What a reader's pages offer the cases: docpage pages for the base reader, synthdoc forms for the tiny one."""
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+
+    def page(self, seed: int, i: int):
+        if self.kind == "docpage":
+            return docpage.random_page(2**31 + seed * 1009 + i, layout=docpage.LAYOUTS[i % len(docpage.LAYOUTS)])
+        return synthdoc.random_form(seed * 1009 + i, n_rows=synthdoc.ROWS - 1, style=synthdoc.STYLES[i % 5])
+
+    def render(self, page):
+        return docpage.render(page) if self.kind == "docpage" else synthdoc.render(page)
+
+    def paper(self, page):
+        return docpage.PAPER[page.layout] if self.kind == "docpage" else synthdoc.PAPER[page.style]
+
+    def question(self, page, rng: random.Random, skip=()) -> Asked:
+        """A question whose answer no instruction text chooses (not about the cells in ``skip``)."""
+        if self.kind == "docpage":
+            while True:
+                row, col = rng.randrange(page.n_rows), rng.randrange(len(page.columns))
+                if (row, col) not in skip and page.values[row][col]:
+                    break
+            kind = "cell" if len(page.columns) > 1 and rng.random() < 0.5 else "key"
+            q = docpage.ask(page, kind, row, col)
+            return Asked(q.text, (q.answer,))
+        rows = [r for r in range(len(page.rows)) if (r, 0) not in skip and page.rows[r][1].strip()]
+        key, value = page.rows[rng.choice(rows)]
+        return Asked(synthdoc.question_for(key), (value,))
+
+    def about(self, page, row: int, col: int, stale: str | None, by_key: bool = False) -> Asked:
+        """The question about cell (row, col): its value, or (``by_key``) its row's key from its value."""
+        if self.kind == "docpage":
+            kind = "key" if by_key else ("cell" if len(page.columns) > 1 else "value")
+            q = docpage.ask(page, kind, row, col)
+            return Asked(q.text, (q.answer,), stale)
+        key, value = page.rows[row]
+        return Asked(synthdoc.question_for(key), (value,), stale)
+
+    def cells(self, page) -> list[tuple[int, int]]:
+        if self.kind == "docpage":
+            return [(r, c) for r in range(page.n_rows) for c in range(len(page.columns))]
+        return [(r, 0) for r in range(len(page.rows))]
+
+    def edit_value(self, page, row, col, rng):
+        return docpage.edit_cells(page, [(row, col)], rng) if self.kind == "docpage" else \
+            synthdoc.edit_value(page, row, rng)
+
+    def value(self, page, row, col) -> str:
+        return page.values[row][col] if self.kind == "docpage" else page.rows[row][1]
+
+
+def _three(pages: _Pages, page, rng: random.Random, first: Asked | None = None, skip=()) -> tuple[Asked, ...]:
+    out = [first] if first is not None else []
+    for _ in range(30):  # distinct questions where the page has them
+        if len(out) == 3:
+            break
+        q = pages.question(page, rng, skip)
+        if q.question not in {o.question for o in out}:
+            out.append(q)
+    while len(out) < 3:
+        out.append(pages.question(page, rng, skip))
+    return tuple(out)
+
+
+def make_case(cls: str, pages: _Pages, base, other, rng: random.Random) -> Case | None:
+    """The case of class ``cls`` on page ``base`` (``other``: a page of another layout, for ``image-*``); None when
+    the page does not allow it (no room for another row)."""
+    render = pages.render
+    img = render(base)
+    if cls.startswith("text-"):
+        _, kind, lo, hi = cls.split("-")
+        old = instruction_text(rng, int(lo), int(hi)) if rng.random() < 0.7 else ""
+        new = instruction_text(rng, int(lo), int(hi))
+        while new == old:
+            new = instruction_text(rng, int(lo), int(hi))
+        if kind == "exact":
+            return Case(cls, (("text", old), ("image", img)), (("text", new), ("image", img)),
+                        _three(pages, base, rng), "exact")
+        row, col = rng.choice(pages.cells(base))
+        page = pages.edit_value(base, row, col, rng)
+        first = pages.about(page, row, col, pages.value(base, row, col))
+        return Case(cls, (("text", old), ("image", img)), (("text", new), ("image", render(page))),
+                    _three(pages, page, rng, first, {(row, col)}), "approximate")
+    if cls.startswith("image-"):
+        if cls == "image-exact":
+            return Case(cls, (("image", img),), (("image", render(other)), ("image", img)), _three(pages, base, rng),
+                        "exact")
+        row, col = rng.choice(pages.cells(base))
+        page = pages.edit_value(base, row, col, rng)
+        first = pages.about(page, row, col, pages.value(base, row, col))
+        return Case(cls, (("image", img),), (("image", render(other)), ("image", render(page))),
+                    _three(pages, page, rng, first, {(row, col)}), "approximate")
+    row, col = rng.choice(pages.cells(base))
+    if cls == "digit-edit":
+        if pages.kind == "docpage":
+            page = docpage.edit_char(base, row, col, rng)
+        else:
+            page = synthdoc.edit_digit(base, row, rng)
+        first = pages.about(page, row, col, pages.value(base, row, col))
+    elif cls == "key-edit":
+        if pages.kind == "docpage":
+            page = docpage.edit_key_char(base, row, rng)
+            first = pages.about(page, row, col, base.keys[row], by_key=True)
+        else:
+            page = synthdoc.edit_key_char(base, row, rng)
+            first = pages.about(page, row, col, None)
+    elif cls in ("rotate", "rescale"):
+        if cls == "rotate":
+            turn = rng.choice([-1.0, -0.75, -0.5, 0.5, 0.75, 1.0])
+            page = docpage.rotate(base, turn) if pages.kind == "docpage" else synthdoc.rotate(base, turn)
+        else:
+            factor = rng.choice([0.97, 0.98, 0.99, 1.01, 1.02, 1.03])
+            page = docpage.rescale(base, factor) if pages.kind == "docpage" else synthdoc.rescale(base, factor)
+        return Case(cls, (("image", img),), (("image", render(page)),), _three(pages, page, rng), "approximate")
+    elif cls == "insert-row":
+        n_rows = base.n_rows if pages.kind == "docpage" else len(base.rows)
+        if pages.kind == "docpage" and not docpage.has_room_for_row(base):
+            return None
+        at = rng.randrange(n_rows)
+        page = docpage.insert_row(base, at, rng) if pages.kind == "docpage" else synthdoc.insert_row(base, at, rng)
+        inserted = pages.about(page, at, rng.randrange(len(page.columns)) if pages.kind == "docpage" else 0, None)
+        moved = pages.about(page, rng.randrange(at + 1, n_rows + 1), 0, None)  # a row that moved down
+        return Case(cls, (("image", img),), (("image", render(page)),),
+                    (inserted, moved, pages.question(page, rng, {(at, c) for c in range(3)})), "approximate")
+    elif cls == "erase-cell":
+        if pages.kind == "docpage":
+            page = docpage.erase_cell(base, row, col)
+        else:
+            page = synthdoc.erase_value(base, row)
+        return Case(cls, (("image", img),), (("image", render(page)),), _three(pages, page, rng, skip={(row, col)}),
+                    "approximate")
+    else:
+        raise ValueError(f"unknown context class {cls!r}; classes: {', '.join(CLASSES)}")
+    return Case(cls, (("image", img),), (("image", render(page)),), _three(pages, page, rng, first, {(row, col)}),
+                "approximate")
+
+
+def cases(pages: str, seed: int, per_class: int, classes=CLASSES) -> list[Case]:
+    """``per_class`` cases of every class in ``classes`` on ``pages`` ("docpage" or "synthdoc"), from ``seed``."""
+    source = _Pages(pages)
+    out = []
+    for c, cls in enumerate(classes):
+        rng = random.Random(f"{seed}/{cls}")
+        i = made = 0
+        while made < per_class:
+            base = source.page(seed * 31 + c, i)
+            other = source.page(seed * 31 + c + 7_919, i + 2)
+            i += 1
+            case = make_case(cls, source, base, other, rng)
+            if case is not None:
+                out.append(case)
+                made += 1
+    return out
+
+
+def chat(parts, question: str) -> tuple[list[dict], list]:
+    """(messages, images) of one request: ``parts`` in order, then the question."""
+    content, images = [], []
+    for kind, x in parts:
+        if kind == "image":
+            content.append({"type": "image"})
+            images.append(x)
+        elif x:
+            content.append({"type": "text", "text": x})
+    content.append({"type": "text", "text": question})
+    return [{"role": "user", "content": content}], images
