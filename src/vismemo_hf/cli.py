@@ -493,6 +493,9 @@ def _add_report(sub) -> None:
     p.add_argument("--seed", type=int, default=9000, help="case seed (pages, texts, edits)")
     p.add_argument("--policies", default="all", help="comma-separated of default, cacheblend, vismemo; or all")
     p.add_argument("--classes", default="all", help="comma-separated classes of eval/context.py CLASSES, or all")
+    p.add_argument("--front-pairs", type=int, default=0,
+                   help="pages per class of the context check's front (its options swept on the seed after --seed; "
+                        "0: none)")
     p.add_argument("--max-new-tokens", type=int, default=6, help="tokens generated per answer")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
     _out_option(p, "results/quality")

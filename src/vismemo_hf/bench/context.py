@@ -27,6 +27,15 @@ from vismemo_hf.eval.quality import TokenClock, anls
 
 #: the routings compared: the library's default and the two published baselines under the same lookup and store
 POLICIES = {"default": {}, "cacheblend": {"policy": "cacheblend"}, "vismemo": {"policy": "vismemo"}}
+#: the front of the context check (``--front``): the default's probe tolerance and confidence guard swept, and the
+#: check layer alone (no probes), on the classes of another text or page before the image
+FRONT = {"check layer only": {"prefix_probe_share": 0.0, "prefix_min_confidence": 0.0},
+         "probes 0.064, no guard": {"prefix_probe_tolerance": 0.064, "prefix_min_confidence": 0.0},
+         "probes 0.016, no guard": {"prefix_min_confidence": 0.0},
+         "probes 0.064": {"prefix_probe_tolerance": 0.064}, "probes 0.032": {"prefix_probe_tolerance": 0.032},
+         "probes 0.016 (default)": {}, "probes 0.008": {"prefix_probe_tolerance": 0.008},
+         "probes 0.004": {"prefix_probe_tolerance": 0.004}, "every token (full)": {"policy": "full"}}
+FRONT_CLASSES = tuple(c for c in context.CLASSES if c.startswith(("text-", "image-")))
 READERS = {"vismemo-docqa-base": "docpage", "vismemo-docqa-tiny": "synthdoc"}
 
 
@@ -150,7 +159,7 @@ def main(args) -> int:
 
         rows, summary = measure(reader, args.seed, args.pairs, policies, classes, args.max_new_tokens, tick)
         results[reader], all_rows[reader] = summary, rows
-    command = report_command("report context", args, ["readers", "pairs", "seed", "policies", "classes"])
+    command = report_command("report context", args, ["readers", "pairs", "seed", "policies", "classes", "front_pairs"])
     report = {"command": command, "machine": machine(note="fp32"), "seconds": round(time.time() - t0),
               "results": results, "rows": all_rows}
     out = Path(args.out)
@@ -167,6 +176,28 @@ def main(args) -> int:
         "computed the image in full)."]
     for reader, summary in results.items():
         lines += ["", f"## {reader}", ""] + _table(summary, names)
+    if args.front_pairs:
+        front = {reader: measure(reader, args.seed + 1, args.front_pairs, FRONT, FRONT_CLASSES,
+                                 args.max_new_tokens)[1] for reader in readers}
+        report["front"] = front
+        (out / "context.json").write_text(json.dumps(report, indent=1))
+        lines += ["", "## The context check's front", "",
+                  f"The classes of another text or page before the image (seed {args.seed + 1}, "
+                  f"{args.front_pairs} pages per class, three questions each), the default's probe tolerance "
+                  "(`prefix_probe_tolerance`) and confidence guard (`prefix_min_confidence`, 0.8; \"no guard\": 0) "
+                  "swept, the check layer alone (no probes, `prefix_probe_share=0`) and the `full` policy (every "
+                  "token computed). Worst: the lowest agreement over the classes; recomputed: the mean share of an "
+                  "image's tokens computed (a fallback computes all)."]
+        for reader, summary in front.items():
+            lines += ["", f"### {reader}", "", "| routing | worst agreement | stale | " + " | ".join(
+                f"{c}: agreement / recomputed" for c in FRONT_CLASSES) + " |",
+                      "| " + " | ".join(["---"] * (3 + len(FRONT_CLASSES))) + " |"]
+            for name in FRONT:
+                worst = min(summary[c][name]["agreement"] for c in FRONT_CLASSES)
+                stale = sum(summary[c][name]["stale"] for c in FRONT_CLASSES)
+                cells = [f"{summary[c][name]['agreement']:.3f} / {summary[c][name]['recomputed_share']:.2f}"
+                         for c in FRONT_CLASSES]
+                lines.append(f"| {name} | {worst:.3f} | {stale} | " + " | ".join(cells) + " |")
     (out / "context.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0

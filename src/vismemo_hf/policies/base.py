@@ -103,10 +103,10 @@ class RoutingPolicy:
     #: computed at every layer to verify the rest (``ImagePlan.verify``): a context's effect can grow with depth
     #: where the check layer does not see it; past ``prefix_probe_tolerance`` the image is computed in full
     prefix_probe_share: float = 0.0625
-    prefix_probe_tolerance: float = 0.008
+    prefix_probe_tolerance: float = 0.016
     #: and when, with the reuse, the model's next token has a top probability below this, the image is computed in
     #: full (an unsure answer is one that any approximation may change)
-    prefix_min_confidence: float = 0.5
+    prefix_min_confidence: float = 0.8
     #: reused tokens a compressed alias entry holds no K/V for (docs/METHOD.md §4): ``"mask"`` them (VL-Cache's choice;
     #: they are left out of attention) or ``"recompute"`` them (compute them at every layer)
     missing: str = "mask"

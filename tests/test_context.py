@@ -1,0 +1,265 @@
+"""Reuse whatever came before the image and however little the page changed (docs/METHOD.md §3, §8.7-8.9): the
+context check on approximate hits, its probes and the rewind to a full computation, the reading-order dependents of a
+local edit, warped copies computed in full, and ``vismemo report context``'s rows."""
+
+import math
+import random
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+import vismemo_hf
+from vismemo_hf.core.features import thumb_per_token, thumbnail, token_grid
+from vismemo_hf.core.plan import HitKind, ImageFeatures, ImagePlan, WarmupSignals
+from vismemo_hf.core.thresholds import MAX_DRIFT, local_drift
+from vismemo_hf.eval import context, docpage, docqa_base, docstream
+from vismemo_hf.policies.attend_deviate import AttendDeviatePolicy
+from vismemo_hf.policies.base import MIN_PROBES, reading_dependents
+from vismemo_hf.runtime.verify import checkpoints
+
+
+@pytest.fixture(scope="module")
+def base_reader():
+    from vismemo_hf.eval.loading import load_model
+
+    model, processor = load_model(docqa_base.MODEL_NAME)
+    plain, _ = load_model(docqa_base.MODEL_NAME)  # never enabled
+    vismemo_hf.enable(model)
+    return model, plain, processor
+
+
+def _signals(check: torch.Tensor, prefix_changed=True, warmup=None) -> WarmupSignals:
+    """Signals whose check-layer K + V relative deviation is ``check`` (N,) (K and V each half of it)."""
+    n = check.numel()
+    cached = torch.ones(1, n, 1)
+    fresh = cached + (check / 2).sqrt().reshape(1, n, 1)
+    zeros = torch.zeros(1, n) if warmup is None else warmup[None]
+    return WarmupSignals(key_deviation=zeros / 2, value_deviation=zeros / 2, fresh_kv=(fresh, fresh.clone()),
+                         cached_kv=(cached, cached.clone()), prefix_changed=prefix_changed)
+
+
+def test_the_context_check_recomputes_what_moved_and_spreads_probes_over_the_rest():
+    policy = AttendDeviatePolicy()
+    n = 100
+    check = torch.linspace(0.0, 0.004, n)  # below prefix_tolerance everywhere
+    check[[5, 50, 93]] = torch.tensor([0.5, 0.02, 0.01])  # past it
+    recompute, probes = policy.context_recompute(_signals(check), n)
+    top = set(torch.sort(check, descending=True).indices[: math.ceil(0.15 * n)].tolist())
+    assert top <= set(recompute.tolist()) and {5, 50, 93} <= top
+    assert probes.numel() == max(MIN_PROBES, math.ceil(policy.prefix_probe_share * n))
+    assert not set(probes.tolist()) & top and set(probes.tolist()) <= set(recompute.tolist())
+    rest = torch.sort(check, descending=True).indices[len(top):]
+    assert int(rest[0]) in probes.tolist() and int(rest[-1]) in probes.tolist()  # the rest's every rank
+    many = torch.full((n,), 0.02)  # the context moved every token: compute the image in full
+    assert policy.context_recompute(_signals(many), n) is None
+    assert AttendDeviatePolicy(prefix_miss_ratio=1.0).context_recompute(_signals(many), n)[0].numel() == n
+
+
+def test_an_approximate_plan_after_another_context_adds_the_check_and_its_probes():
+    policy = AttendDeviatePolicy()
+    n = 64
+    image = ImageFeatures("a", (1, 16, 16), torch.randn(n, 8), torch.zeros(n), torch.arange(n))
+    alias = ImageFeatures("b", (1, 16, 16), torch.randn(n, 8), torch.zeros(n), torch.arange(n))
+    check = torch.full((n,), 1e-4)
+    check[7] = 0.3
+    plan = policy.plan(image, alias, torch.arange(n), _signals(check))
+    assert 7 in plan.recompute.tolist() and plan.verify is not None and plan.verify.numel() >= MIN_PROBES
+    assert plan.verify_tolerance == policy.prefix_probe_tolerance and plan.verify_confidence == 0.8
+    same = policy.plan(image, alias, torch.arange(n), _signals(check, prefix_changed=False))
+    assert same.verify is None
+    assert policy.plan(image, alias, torch.arange(n), _signals(torch.full((n,), 0.02))).fallback == "context"
+    with pytest.raises(ValueError, match="verify"):
+        ImagePlan(HitKind.EXACT, 4, 1, [0], [1, 2, 3], [], "a", verify=[2])
+
+
+def test_reading_dependents_are_the_tokens_after_a_change_in_its_row():
+    changed = torch.zeros(12, dtype=torch.bool)
+    changed[5] = True  # row 1, column 1 of a 3 x 4 grid
+    assert torch.nonzero(reading_dependents(changed, (3, 4), "row")).flatten().tolist() == [5, 6, 7]
+    assert torch.nonzero(reading_dependents(changed, (3, 4), 1)).flatten().tolist() == [5, 6]
+    changed[3] = True  # the end of row 0: nothing after it in its row
+    assert torch.nonzero(reading_dependents(changed, (3, 4), "row")).flatten().tolist() == [3, 5, 6, 7]
+
+
+def test_a_local_edit_recomputes_its_rows_rest_and_a_change_everywhere_has_no_dependents():
+    policy = AttendDeviatePolicy()
+    n = 16 * 16
+    hashes = torch.arange(n)
+    alias = ImageFeatures("b", (1, 32, 32), torch.randn(n, 8), torch.zeros(n), hashes)
+    edited = hashes.clone()
+    edited[3 * 16 + 5] = -7  # one token of row 3 changed its pixels
+    warmup = torch.zeros(n)
+    warmup[3 * 16 + 5] = 0.2
+    image = ImageFeatures("a", (1, 32, 32), torch.randn(n, 8), torch.zeros(n), edited)
+    assert image.token_hw == (16, 16)
+    plan = policy.plan(image, alias, torch.arange(n), _signals(torch.zeros(n), False, warmup))
+    assert set(range(3 * 16 + 5, 4 * 16)) <= set(plan.recompute.tolist())
+    assert AttendDeviatePolicy(dependents=0).plan(image, alias, torch.arange(n), _signals(
+        torch.zeros(n), False, warmup)).recompute.tolist() == [3 * 16 + 5]
+    moved = ImageFeatures("a", (1, 32, 32), torch.randn(n, 8), torch.zeros(n), -hashes - 1)  # every token changed
+    plan = policy.plan(moved, alias, torch.arange(n), _signals(torch.zeros(n), False, warmup))
+    assert plan.recompute.tolist() == [3 * 16 + 5]
+    with pytest.raises(ValueError, match="dependents"):
+        AttendDeviatePolicy(dependents="word")
+
+
+def test_probes_are_judged_at_a_few_checkpoints_the_last_layer_included():
+    assert checkpoints(1, 8) == {2, 4, 6, 7}
+    assert checkpoints(1, 36) == {9, 18, 27, 35}
+    assert checkpoints(1, 2) == {1} and checkpoints(3, 3) == set()
+
+
+def _ask(model, processor, parts, question, cache, new_tokens=6):
+    messages, images = context.chat(parts, question)
+    text = processor.apply_chat_template(messages, add_generation_prompt=True)
+    inputs = processor(text=[text], images=images, return_tensors="pt")
+    with torch.no_grad():
+        out = model.generate(**inputs, cache=cache, max_new_tokens=new_tokens, do_sample=False, output_scores=True,
+                             return_dict_in_generate=True)
+    answer = processor.tokenizer.decode(out.sequences[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
+    return answer, torch.log_softmax(out.scores[0][0].float(), -1)
+
+
+def test_an_approximate_hit_after_another_text_is_flagged_checked_and_answers_like_plain(base_reader):
+    model, plain, processor = base_reader
+    rng = random.Random(2)
+    page = docpage.random_page(2**31 + 71_000, layout="table")
+    edited = docpage.edit_cells(page, [(1, 0)], rng)
+    question = docpage.ask(edited, "cell", 1, 0).text
+    store = vismemo_hf.VisMemoStore()
+    _ask(model, processor, [("image", docpage.render(page))], question, vismemo_hf.VisMemoCache(store=store))
+    asked = [("text", "Check it."), ("image", docpage.render(edited))]
+    cache = vismemo_hf.VisMemoCache(store=store, store_misses=False)
+    answer, _ = _ask(model, processor, asked, question, cache)
+    event = cache.events[0]
+    assert event.kind is HitKind.APPROXIMATE and event.prefix_changed
+    assert store.stats()["approximate_prefix_changed"] == 1
+    assert event.fallback is not None or event.plan.verify is not None  # checked: computed in full, or verified
+    assert answer == _ask(plain, processor, asked, question, DynamicCache())[0]
+    paper = vismemo_hf.VisMemoCache(store=store, store_misses=False, policy="vismemo")  # METHOD §2: no check
+    _ask(model, processor, asked, question, paper, 1)
+    assert paper.events[0].prefix_changed and paper.events[0].plan.verify is None and paper.events[0].fallback is None
+
+
+@pytest.mark.parametrize("options, reason", [({"prefix_probe_tolerance": 0.0}, "context"),
+                                             ({"prefix_probe_tolerance": 10.0, "prefix_min_confidence": 1.0},
+                                              "uncertain")])
+def test_a_failed_verification_computes_the_image_in_full_exactly_as_plain(base_reader, options, reason):
+    """The probes (or the confidence guard) fail after the layers ran: they run again from the decision layer with
+    the image computed in full, and the answer and first-token probabilities are plain transformers'."""
+    model, plain, processor = base_reader
+    page = docpage.random_page(2**31 + 72_000, layout="invoice")
+    question = docpage.ask(page, "key", 2, 1).text
+    image = docpage.render(page)
+    store = vismemo_hf.VisMemoStore()
+    _ask(model, processor, [("text", "See:"), ("image", image)], question, vismemo_hf.VisMemoCache(store=store))
+    asked = [("text", "Page 7:"), ("image", image)]
+    cache = vismemo_hf.VisMemoCache(store=store, store_misses=False, **options)
+    answer, logprobs = _ask(model, processor, asked, question, cache)
+    event = cache.events[0]
+    assert event.kind is HitKind.EXACT and event.prefix_changed
+    assert event.fallback == reason and event.recomputed == event.n_tokens and event.timings["rewind"] > 0
+    assert store.stats()["fallbacks"] == {reason: 1}
+    ref, ref_logprobs = _ask(plain, processor, asked, question, DynamicCache())
+    assert answer == ref
+    assert float((logprobs.exp() - ref_logprobs.exp()).abs().max()) <= 1e-4
+    kept = vismemo_hf.VisMemoCache(store=store, store_misses=False, prefix_probe_tolerance=10.0,
+                                   prefix_min_confidence=0.0)
+    _ask(model, processor, asked, question, kept, 1)
+    assert kept.events[0].fallback is None and kept.events[0].verify_estimate is not None
+    assert kept.events[0].recomputed < kept.events[0].n_tokens
+
+
+def test_a_one_letter_key_edit_recomputes_the_rest_of_the_record(base_reader):
+    """Two glyphs share a visual token: the value tokens later in the key's row read the key through it, so they
+    are recomputed with it, and the key answered is the new one."""
+    model, plain, processor = base_reader
+    rng = random.Random(4)
+    for i in range(3):
+        page = docpage.random_page(2**31 + 73_000 + i, layout=docpage.LAYOUTS[i])
+        row = rng.randrange(page.n_rows)
+        edited = docpage.edit_key_char(page, row, rng)
+        question = docpage.ask(edited, "key", row, 0).text
+        store = vismemo_hf.VisMemoStore()
+        _ask(model, processor, [("image", docpage.render(page))], question, vismemo_hf.VisMemoCache(store=store))
+        cache = vismemo_hf.VisMemoCache(store=store, store_misses=False)
+        answer, _ = _ask(model, processor, [("image", docpage.render(edited))], question, cache)
+        plan = cache.events[0].plan
+        key = next(t for t in docpage.cell_texts(edited) if t.kind == "key" and t.row == row)
+        value = next(t for t in docpage.cell_texts(edited) if t.kind == "value" and t.row == row and t.column == 0)
+        assert set(docpage.text_tokens(edited, value)) <= set(plan.recompute.tolist()), i
+        assert set(docpage.text_tokens(edited, key)) & set(plan.recompute.tolist())
+        assert answer == _ask(plain, processor, [("image", docpage.render(edited))], question, DynamicCache())[0]
+        assert answer != page.keys[row]
+
+
+def _thumb(adapter, processor, image):
+    inputs = processor.image_processor(images=[image], return_tensors="pt")
+    grid = tuple(int(x) for x in inputs["image_grid_thw"][0])
+    return thumbnail(inputs["pixel_values"], grid, **adapter.entropy_kwargs()), thumb_per_token(
+        token_grid(grid, adapter.merge)[1:])
+
+
+def test_local_drift_finds_turned_and_zoomed_copies_not_moved_or_edited_ones(base_reader):
+    model, _, processor = base_reader
+    adapter = model._vismemo
+    rng = random.Random(6)
+    for i in range(4):
+        page = docpage.random_page(2**31 + 74_000 + i, layout=docpage.LAYOUTS[i])
+        cached, per = _thumb(adapter, processor, docpage.render(page))
+        warped = [docpage.rotate(page, rng.choice([-1.0, 1.0])), docpage.rescale(page, rng.choice([0.98, 1.02]))]
+        kept = [docpage.shift(page, 2, -2), docpage.edit_cells(page, [(0, 0)], rng), page]
+        for copy in warped:
+            assert local_drift(_thumb(adapter, processor, docpage.render(copy))[0], cached, per) > MAX_DRIFT, (i, copy)
+        for copy in kept:
+            assert local_drift(_thumb(adapter, processor, docpage.render(copy))[0], cached, per) < MAX_DRIFT / 2, i
+    blank = torch.full((112, 112), 200, dtype=torch.uint8)
+    assert local_drift(blank, blank, 7) == 0.0  # no detail: nothing to judge
+
+
+def test_a_turned_page_is_found_and_computed_in_full(base_reader):
+    model, plain, processor = base_reader
+    page = docpage.random_page(2**31 + 75_000, layout="form")
+    turned = docpage.rotate(page, 1.0)
+    question = docpage.ask(turned, "key", 1, 0).text
+    store = vismemo_hf.VisMemoStore()
+    _ask(model, processor, [("image", docpage.render(page))], question, vismemo_hf.VisMemoCache(store=store))
+    cache = vismemo_hf.VisMemoCache(store=store, store_misses=False)
+    answer, logprobs = _ask(model, processor, [("image", docpage.render(turned))], question, cache)
+    event = cache.events[0]
+    assert event.kind is HitKind.APPROXIMATE and event.fallback == "warp" and event.drift > MAX_DRIFT
+    assert event.recomputed == event.n_tokens
+    ref, ref_logprobs = _ask(plain, processor, [("image", docpage.render(turned))], question, DynamicCache())
+    assert answer == ref and float((logprobs.exp() - ref_logprobs.exp()).abs().max()) <= 1e-4
+
+
+def test_context_cases_cover_every_class_with_three_questions_and_a_stale_answer_where_something_changed():
+    for pages in ("docpage", "synthdoc"):
+        cases = context.cases(pages, 11, 1)
+        assert [c.cls for c in cases] == list(context.CLASSES)
+        for case in cases:
+            assert len(case.questions) == 3 and case.intended in ("exact", "approximate")
+            if case.cls.startswith("text-"):
+                lo, hi = (int(x) for x in case.cls.split("-")[2:])
+                assert lo <= len(case.asked[0][1]) <= hi and case.asked[0][1] != case.stored[0][1]
+            if case.cls in ("digit-edit", "text-approx-1-10", "image-approx") or (
+                    case.cls == "key-edit" and pages == "docpage"):
+                assert case.questions[0].stale is not None and case.questions[0].stale not in case.questions[0].answers
+    again = context.cases("docpage", 11, 1)
+    assert [c.questions for c in again] == [c.questions for c in context.cases("docpage", 11, 1)]
+    assert [c.questions for c in again] != [c.questions for c in context.cases("docpage", 12, 1)]
+
+
+def test_the_context_report_compares_each_answer_with_plain_transformers(base_reader):
+    from vismemo_hf.bench import context as report
+
+    model, plain, processor = base_reader
+    case = context.cases("docpage", 13, 1, ("digit-edit",))[0]
+    rows = report.run_case(model, plain, processor, case, {"default": {}}, max_new_tokens=6)
+    assert len(rows) == 3 and {r["policy"] for r in rows} == {"default"}
+    for row in rows:
+        assert row["agree"] == (row["prediction"] == row["plain"]) and row["kind"] in ("approximate", "miss")
+        assert 0.0 <= row["recomputed_share"] <= 1.0 and row["ttft_ms"] > 0
+    summary = report.summarise(rows)["digit-edit"]["default"]
+    assert summary["n"] == 3 and summary["stale"] == sum(r["stale"] for r in rows)
