@@ -148,6 +148,35 @@ def test_disk_budget_holds_on_disk_under_bursts_and_at_reopen(tmp_path):
     small.close()
 
 
+def test_disk_budget_deletes_the_oldest_writes_past_other_programs_keys(tmp_path):
+    """Two stores on one directory (as two processes): the budget deletes the directory's least recently stored
+    blobs first, in the directory's own order: past any number of other programs' keys before them (left alone),
+    and a blob written again counts as stored when written again."""
+    import diskcache
+
+    size = len(blob.encode(_entry("x")))
+    with diskcache.Cache(str(tmp_path), disk_min_file_size=0) as other:  # files, as blobs are, older than any blob
+        for i in range(40):
+            other.set(f"theirs-{i}", b"theirs")
+    first, second = (VisMemoStore(device_bytes=0, host_bytes=0, disk_dir=str(tmp_path), disk_bytes=3 * size + 400)
+                     for _ in range(2))  # both open before either writes: neither holds the other's blobs
+    theirs = {f"theirs-{i}" for i in range(40)}
+    for key in "abc":
+        first.put(_entry(key))
+        first.flush()
+    second.put(_entry("a"))  # "a" again: "b" is now the oldest write
+    second.flush()
+    assert _blob_keys(tmp_path) == {"a", "c"} | theirs
+    for key in "de":
+        second.put(_entry(key))
+        second.flush()
+    assert _blob_keys(tmp_path) == {"a", "d", "e"} | theirs
+    assert second.stats()["tiers"]["disk"]["directory_bytes"] <= 3 * size + 400
+    assert second.stats()["tiers"]["disk"]["directory_evictions"] == 2
+    first.close()
+    second.close()
+
+
 _WRITER = """
 import os, sys, time
 sys.path.insert(0, {tests!r})

@@ -145,6 +145,30 @@ def test_victim_share_keeps_the_entries_with_priors(tmp_path):
     assert store.get("popular", "fp") is not None
 
 
+def test_a_full_victim_share_displaces_its_lowest_scored_entry_for_a_higher_one(tmp_path):
+    """The victim share holds two entries: a higher-prior entry evicted from the host tier displaces the lowest-scored
+    one (out: there is no disk tier); a lower-prior one is turned away and the share keeps what it had."""
+    priors = tmp_path / "priors.json"
+    priors.write_text('{"p1": 1.0, "p2": 2.0, "hi": 5.0, "lo": 0.5}')
+    one = len(blob.encode(_entry("p1")))
+    store = VisMemoStore(device_bytes=0, host_bytes=4 * one + 1, victim_share=0.5, priors=priors)
+
+    def push_out_of_host(key):  # two fillers after ``key``: the host tier's two places go to them
+        assert store.put(_entry(key))
+        for i in range(2):
+            assert store.put(_entry(f"{key}-filler{i}"))
+
+    for key in ("p1", "p2"):
+        push_out_of_host(key)
+    assert set(store.victim.lru) == {"p1", "p2"}  # full
+    push_out_of_host("hi")
+    assert set(store.victim.lru) == {"p2", "hi"} and "p1" not in store
+    push_out_of_host("lo")
+    assert set(store.victim.lru) == {"p2", "hi"} and "lo" not in store
+    assert torch.equal(store.get("hi", "fp").kv, _entry("hi").kv)
+    check_invariants(store)
+
+
 def _corrupt_then_generate(model, processor, image, directory, damage):
     store = VisMemoStore(device_bytes=0, host_bytes=0, disk_dir=directory, disk_bytes=None)
     inputs = build_inputs(processor, [image])

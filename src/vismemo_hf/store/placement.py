@@ -84,7 +84,7 @@ class Placement:
         if not self.victim.budget or size > self.victim.budget or self.score(key) <= 0:
             return False
         while self.victim.bytes + size > self.victim.budget:
-            weakest = min(self.victim.lru, key=self._score)
+            weakest = min(self.victim.lru, key=self.score)
             if self.score(weakest) >= self.score(key):
                 return False
             self.to_disk_or_drop(weakest, self.victim.pop(weakest))

@@ -10,7 +10,9 @@ disk (L3). A put lands in the first tier with room and, when a disk tier exists,
 background (restarts and other processes see it); with a remote tier (``remote.py``, Redis, L4) also there, in
 the background. A full tier gives up the entries ``ExactPriorityLRU`` chooses, each moving to the next tier of
 the chain that takes it (the disk tier already holds it) or out. Every read checks the entry's own key and model
-and its bytes: anything wrong is a miss (logged, removed).
+and its bytes: anything wrong is a miss (logged, removed). Nothing a disk directory holds makes the constructor
+fail: a damaged index is quarantined (``stats()["quarantined"]``), an unusable directory leaves the store without
+its disk tier (logged).
 """
 
 from __future__ import annotations
@@ -119,7 +121,7 @@ def _new_stats() -> dict:
             "puts": 0, "evictions": 0, "demotions": 0, "promotions": 0, "rejected": 0, "corrupt": 0, "forged": 0,
             "write_failures": 0, "bytes_read_full": 0, "bytes_read_sparse": 0, "bytes_read_lookup": 0,
             "exact_prefix_changed": 0, "approximate_prefix_changed": 0, "fallbacks": {},
-            "writes_read_only": 0}
+            "writes_read_only": 0, "quarantined": 0}
 
 
 class VisMemoStore:
@@ -188,7 +190,7 @@ class VisMemoStore:
         self._later: list = []  # entries being built and stored on the writer thread (``put_later``)
         self._builder = None
         if self.disk is not None:
-            self._rebuild_from_disk()
+            self._index_disk()
         self._sync_remote()
 
     # -- construction ------------------------------------------------------------------------------
@@ -198,6 +200,15 @@ class VisMemoStore:
         (default ``default``: small RAM tiers and a disk tier under the user's cache home); ``overrides`` replace
         the preset's options (``kv_format="int8"``, ...)."""
         return cls(**preset_options(path or "default", overrides))
+
+    def _index_disk(self) -> None:
+        """``_rebuild_from_disk``, whose faults (the directory changed or damaged since the tier opened it) end the
+        indexing, logged: the store serves what it indexed, never failing to construct for what is on disk."""
+        try:
+            self._rebuild_from_disk()
+        except Exception as err:  # noqa: BLE001
+            logger.warning("vismemo: disk tier %s: indexing stopped (%s: %s); serving the %d entries indexed",
+                           self.disk.directory, type(err).__name__, err, len(self.disk.lru))
 
     def _rebuild_from_disk(self) -> None:
         """Index the blobs a directory already holds, then trim it to ``disk_bytes`` (oldest first)."""
@@ -466,6 +477,8 @@ class VisMemoStore:
             out = {k: (dict(v) if isinstance(v, dict) else v) for k, v in self._stats.items()}
             if self.remote is not None:  # index records whose header MAC failed
                 out["forged"] += self.remote.counters["records_forged"]
+            if self.disk is not None:  # damaged indexes moved aside when the disk tier opened
+                out["quarantined"] += self.disk.quarantined
             return {**out, "sealed": self.sealed, "entries": len(self.catalog),
                     "bytes": sum(t["bytes"] for t in tiers.values()), "tiers": tiers}
 

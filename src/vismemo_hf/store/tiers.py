@@ -7,7 +7,9 @@ places, touches, evicts and reports on all of them alike; a new tier is one clas
 * ``HostTier`` (L2): blobs as uint8 tensors (pinned when CUDA exists); sparse reads gather.
   Full reads of the lower tiers land in pinned buffers too (``ranges.read_buffer``).
 * ``DiskTier`` (L3): blobs as raw-byte files of a ``diskcache`` directory, read through ``ranges.BlobReader``:
-  sparse reads are positioned reads of the ranges they need. Pickled values are refused, never loaded.
+  sparse reads are positioned reads of the ranges they need. Pickled values are refused, never loaded. A damaged
+  index (``cache.db`` not a database, or malformed) is moved aside into ``quarantine/`` with the blobs it named, and
+  the tier starts empty in the same directory. Only diskcache's public API is used.
 
 Recency order lives here (``OrderedDict``); what to evict and where it goes is decided by
 ``VisMemoStore``.
@@ -19,6 +21,10 @@ import fcntl
 import io
 import logging
 import os
+import re
+import sqlite3
+import tempfile
+import time
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -27,7 +33,7 @@ from typing import Protocol, runtime_checkable
 
 import diskcache
 import torch
-from diskcache.core import MODE_BINARY, MODE_PICKLE
+from diskcache.core import DBNAME, MODE_PICKLE
 
 from vismemo_hf.store import blob
 from vismemo_hf.store.entry import Entry
@@ -231,16 +237,25 @@ class ReadOnlyDirectory:
     through SQLite in read-only mode, each blob opened from its own file. Writes and deletes are refused."""
 
     def __init__(self, directory: str):
-        import sqlite3
         from urllib.parse import quote
 
         self.directory = directory
-        db = quote(os.path.join(directory, "cache.db"))
+        db = quote(os.path.join(directory, DBNAME))
         try:
-            self._db = sqlite3.connect(f"file:{db}?mode=ro", uri=True, check_same_thread=False)
-            self._db.execute("SELECT 1 FROM Cache LIMIT 1")
+            self._db = self._connect(f"file:{db}?mode=ro")
         except sqlite3.Error:  # a WAL database needs its shared-memory file: read the snapshot as it is
-            self._db = sqlite3.connect(f"file:{db}?mode=ro&immutable=1", uri=True, check_same_thread=False)
+            self._db = self._connect(f"file:{db}?mode=ro&immutable=1")  # else the error says why it is unusable
+
+    @staticmethod
+    def _connect(uri: str) -> sqlite3.Connection:
+        """A connection to a diskcache index whose table of keys reads (not some other file named ``cache.db``)."""
+        db = sqlite3.connect(uri, uri=True, check_same_thread=False)
+        try:
+            db.execute("SELECT key, raw, filename, mode FROM Cache LIMIT 1").fetchall()
+        except sqlite3.Error:
+            db.close()
+            raise
+        return db
 
     def iterkeys(self):
         for key, raw in self._db.execute("SELECT key, raw FROM Cache ORDER BY rowid").fetchall():
@@ -264,6 +279,25 @@ class ReadOnlyDirectory:
         self._db.close()
 
 
+#: where a damaged index and the blobs it named are moved, inside the directory (kept, never deleted)
+QUARANTINE = "quarantine"
+#: the index's own files: the database and SQLite's journals of it (a journal must never meet another database)
+_INDEX_FILES = (DBNAME, f"{DBNAME}-wal", f"{DBNAME}-shm", f"{DBNAME}-journal")
+#: diskcache's folders of value files (two hex digits, ``Disk.filename``)
+_VALUE_FOLDER = re.compile(r"[0-9a-f]{2}")
+
+
+def damaged(err: BaseException) -> bool:
+    """Whether SQLite found the index file itself damaged (not a database, malformed), not merely locked, unwritable
+    or of another schema: only such a file is quarantined."""
+    if not isinstance(err, sqlite3.DatabaseError):
+        return False
+    name = getattr(err, "sqlite_errorname", None)  # Python >= 3.11
+    if name is None:  # both codes come as the base class itself; every other code has a subclass
+        return type(err) is sqlite3.DatabaseError
+    return name.startswith(("SQLITE_NOTADB", "SQLITE_CORRUPT"))
+
+
 class DiskTier:
     name = "disk"
     shared = True
@@ -271,19 +305,20 @@ class DiskTier:
     def __init__(self, directory: str, budget: int | None, seal: blob.Seal | None = None):
         self.directory, self.budget = os.path.expanduser(directory), budget
         self.read_only = False
+        self.quarantined = 0  # damaged indexes moved aside (the tier then starts empty here)
         try:
             os.makedirs(self.directory, exist_ok=True)
-            self.cache = diskcache.Cache(self.directory, disk=SafeDisk, size_limit=2**62, eviction_policy="none",
-                                         disk_min_file_size=0)
-        except Exception:  # noqa: BLE001 - not writable here: serve what it holds if it holds anything
-            if not os.path.isfile(os.path.join(self.directory, "cache.db")):
+            self.cache = self._open_writable()
+        except Exception as err:  # noqa: BLE001 - not writable here: serve what it holds if it holds anything
+            if damaged(err) or not os.path.isfile(os.path.join(self.directory, DBNAME)):
                 raise
             self.cache, self.read_only = ReadOnlyDirectory(self.directory), True
-            logger.warning("vismemo: disk tier %s is read-only here: serving its entries, storing nothing new",
-                           self.directory)
+            logger.warning("vismemo: disk tier %s is read-only here (%s: %s): serving its entries, storing nothing "
+                           "new", self.directory, type(err).__name__, err)
         self.lru: OrderedDict[str, int] = OrderedDict()  # key -> blob size
         self.reader = BlobReader(self, seal)
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vismemo-disk")
+        self._closed = False
         self._pending: dict[str, object] = {}  # key -> its queued write
         self._failed: list[str] = []  # appended by the writer thread (list.append is atomic)
         self.bytes = 0
@@ -300,7 +335,53 @@ class DiskTier:
     def stats(self) -> dict:
         return {"bytes": self.bytes, "budget": self.budget, "entries": len(self.lru), "foreign": self.foreign,
                 "range_reads": self.range_reads, "read_only": self.read_only, "directory_bytes": self._directory_bytes(),
-                "directory_evictions": self.others_evicted}
+                "directory_evictions": self.others_evicted, "quarantined": self.quarantined}
+
+    # -- opening ------------------------------------------------------------------------------------
+    def _open_index(self) -> diskcache.Cache:
+        """diskcache's index of the directory, every key of it read once: a damaged index shows now, at open, not
+        in the middle of serving."""
+        cache = diskcache.Cache(self.directory, disk=SafeDisk, size_limit=2**62, eviction_policy="none",
+                                disk_min_file_size=0)
+        try:
+            for _ in cache.iterkeys():
+                pass
+        except BaseException:
+            cache.close()
+            raise
+        return cache
+
+    def _open_writable(self) -> diskcache.Cache:
+        """The directory's index; a damaged one is quarantined and an empty one made in its place. That happens
+        under the directory's lock and after a second try, so that of several processes opening the same damaged
+        directory the first moves it aside and the others open the index it made."""
+        try:
+            return self._open_index()
+        except sqlite3.DatabaseError as err:
+            if not damaged(err):
+                raise
+        with self._directory_lock():
+            try:
+                return self._open_index()
+            except sqlite3.DatabaseError as err:
+                if not damaged(err):
+                    raise
+                self._quarantine(err)
+            return self._open_index()
+
+    def _quarantine(self, err: Exception) -> None:
+        """Move the damaged index, its journals and the value folders it named into ``quarantine/<time>-<id>/``
+        of the directory: the bytes stay for whoever wants to look at them (nothing is deleted), and the blobs of
+        the old index are not left behind unnamed, uncounted, among those of the new one."""
+        folder = os.path.join(self.directory, QUARANTINE)
+        os.makedirs(folder, exist_ok=True)
+        target = tempfile.mkdtemp(prefix=time.strftime("%Y%m%d-%H%M%S-"), dir=folder)
+        for name in sorted(os.listdir(self.directory)):
+            if name in _INDEX_FILES or _VALUE_FOLDER.fullmatch(name):
+                os.replace(os.path.join(self.directory, name), os.path.join(target, name))
+        self.quarantined += 1
+        logger.warning("vismemo: disk tier %s: its index is damaged (%s: %s); moved to %s, starting empty",
+                       self.directory, type(err).__name__, err, target)
 
     def _directory_bytes(self) -> int | None:
         try:
@@ -353,14 +434,22 @@ class DiskTier:
         process's, are deleted first until it fits: the directory's blob bytes stay within ``budget`` whatever the
         number of processes sharing it (this process's own evictions keep their exact-priority order)."""
         if self.budget is None:
-            self.cache.set(key, io.BytesIO(data), read=True)
+            self._store(key, data)
             return
         with self._directory_lock():
             self._fit(len(data), key)
+            self._store(key, data)
+
+    def _store(self, key: str, data: bytes) -> None:
+        """Set ``key``'s blob as a key inserted now. diskcache iterates a directory in the order its keys were
+        inserted, and an overwrite keeps its key's old place: deleting the old blob first, in the same transaction
+        (other processes see one blob or the other, never none), keeps that order the order of the writes."""
+        with self.cache.transact():
+            self.cache.delete(key)
             self.cache.set(key, io.BytesIO(data), read=True)
 
     def shared_bytes(self) -> int:
-        """Bytes of every value in the directory, every process's: diskcache's own count in its database."""
+        """Bytes of every value in the directory, every process's: diskcache's own count (its ``size`` setting)."""
         return int(self.cache.reset("size"))
 
     @contextmanager
@@ -372,18 +461,24 @@ class DiskTier:
             finally:
                 fcntl.flock(handle, fcntl.LOCK_UN)
 
+    def _fits(self, size: int) -> bool:
+        return self.shared_bytes() + size <= self.budget
+
     def _fit(self, size: int, key: str) -> None:
-        while self.shared_bytes() + size > self.budget:
-            oldest = self.cache._sql("SELECT key FROM Cache WHERE raw = 1 AND mode = ? ORDER BY store_time LIMIT 32",
-                                     (MODE_BINARY,)).fetchall()
-            victims = [k for (k,) in oldest if k != key and self._is_blob(k)]
-            if not victims:
+        """Delete the directory's least recently stored blobs (any process's, never ``key``'s) until ``size`` more
+        bytes fit; other programs' keys are passed over, however many come first."""
+        if self._fits(size):
+            return
+        for victim in self._oldest_blobs(key):
+            self.cache.delete(victim)
+            self.others_evicted += 1
+            if self._fits(size):
                 return
-            for victim in victims:
-                self.cache.delete(victim)
-                self.others_evicted += 1
-                if self.shared_bytes() + size <= self.budget:
-                    return
+
+    def _oldest_blobs(self, skip: str):
+        """The directory's blobs, least recently stored first: diskcache's iteration order, the order its keys were
+        inserted (``_store`` inserts a rewritten key anew). Read lazily, a batch at a time, as ``_fit`` deletes."""
+        return (key for key in self.cache if key != skip and self._is_blob(key))
 
     def write_async(self, key: str, data: bytes) -> None:
         """Count the blob as held now and write it on the writer thread. A write that lands after its entry was
@@ -478,6 +573,12 @@ class DiskTier:
         return self.reader.tokens(key, tokens, first_layer)
 
     def close(self) -> None:
+        """Wait for the writes, then close the index: the writer thread's connection too (diskcache keeps one per
+        thread), else it stays open after the tier, its write-ahead log left unmerged into the index. Closing twice
+        is closing once."""
         self.flush()
-        self._writer.shutdown(wait=True)
+        if not self._closed:
+            self._closed = True
+            self._writer.submit(self.cache.close).result()
+            self._writer.shutdown(wait=True)
         self.cache.close()
