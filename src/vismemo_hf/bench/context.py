@@ -30,10 +30,9 @@ POLICIES = {"default": {}, "cacheblend": {"policy": "cacheblend"}, "vismemo": {"
 #: the front of the context check (``--front``): the default's probe tolerance and confidence guard swept, and the
 #: check layer alone (no probes), on the classes of another text or page before the image
 FRONT = {"check layer only": {"prefix_probe_share": 0.0, "prefix_min_confidence": 0.0},
-         "probes 0.064, no guard": {"prefix_probe_tolerance": 0.064, "prefix_min_confidence": 0.0},
-         "probes 0.016, no guard": {"prefix_min_confidence": 0.0},
+         "probes 0.008, no guard": {"prefix_min_confidence": 0.0},
          "probes 0.064": {"prefix_probe_tolerance": 0.064}, "probes 0.032": {"prefix_probe_tolerance": 0.032},
-         "probes 0.016 (default)": {}, "probes 0.008": {"prefix_probe_tolerance": 0.008},
+         "probes 0.016": {"prefix_probe_tolerance": 0.016}, "probes 0.008 (default)": {},
          "probes 0.004": {"prefix_probe_tolerance": 0.004}, "every token (full)": {"policy": "full"}}
 FRONT_CLASSES = tuple(c for c in context.CLASSES if c.startswith(("text-", "image-")))
 READERS = {"vismemo-docqa-base": "docpage", "vismemo-docqa-tiny": "synthdoc"}
@@ -87,7 +86,7 @@ def summarise(rows: list[dict]) -> dict:
     def mean(xs):
         return sum(xs) / len(xs) if xs else float("nan")
 
-    for cls, by_policy in out.items():
+    for by_policy in out.values():
         for name, rs in by_policy.items():
             kinds = {}
             for r in rs:
@@ -117,6 +116,18 @@ def measure(reader: str, seed: int, per_class: int, policies: dict, classes=cont
         if progress is not None:
             progress(case)
     return rows, summarise(rows)
+
+
+class _Progress:
+    """A line every ten cases."""
+
+    def __init__(self, reader: str) -> None:
+        self.reader, self.done = reader, 0
+
+    def __call__(self, case) -> None:
+        self.done += 1
+        if self.done % 10 == 0:
+            print(f"{self.reader}: {self.done} cases", flush=True)
 
 
 def _table(summary: dict, policies: list[str]) -> list[str]:
@@ -150,14 +161,8 @@ def main(args) -> int:
     t0 = time.time()
     results, all_rows = {}, {}
     for reader in readers:
-        done = [0]
-
-        def tick(case, reader=reader):
-            done[0] += 1
-            if not args.quiet and done[0] % 10 == 0:
-                print(f"{reader}: {done[0]} cases", flush=True)
-
-        rows, summary = measure(reader, args.seed, args.pairs, policies, classes, args.max_new_tokens, tick)
+        rows, summary = measure(reader, args.seed, args.pairs, policies, classes, args.max_new_tokens,
+                                None if args.quiet else _Progress(reader))
         results[reader], all_rows[reader] = summary, rows
     command = report_command("report context", args, ["readers", "pairs", "seed", "policies", "classes", "front_pairs"])
     report = {"command": command, "machine": machine(note="fp32"), "seconds": round(time.time() - t0),

@@ -53,8 +53,8 @@ class ImagePlan:
     #: generated later can still attend to them
     restore_masked: bool = False
     #: a hit computed in full, and why: ``"context"`` (the text or images before the image changed its K/V too
-    #: much to reuse), ``"uncertain"`` (after another context, the model is unsure of the answer), ``"changed"`` (the page changed everywhere), ``"warp"`` (a zoomed or turned copy: its tokens do
-    #: not line up with the alias's)
+    #: much to reuse), ``"uncertain"`` (after another context, the model is unsure of the answer), ``"changed"``
+    #: (the page changed everywhere), ``"warp"`` (a zoomed or turned copy: its tokens do not line up with the alias's)
     fallback: str | None = None
     #: tokens of ``recompute`` that verify the reuse of the rest (a changed context's probes): computed at every
     #: layer, their K/V are compared with the alias's; when their mean relative deviation (the largest over the
@@ -66,6 +66,9 @@ class ImagePlan:
     #: below this, the image is computed in full too (``fallback == "uncertain"``): an unsure answer is one any
     #: approximation may change
     verify_confidence: float = 0.0
+    #: and the first this many generated tokens are watched too (``runtime/watch.py``): a step whose top probability
+    #: is below ``verify_confidence`` has the whole sequence computed again in full first
+    verify_watch: int = 0
 
     def __post_init__(self) -> None:
         self.kind = HitKind(self.kind)
@@ -332,6 +335,8 @@ class CacheEvent:
     verify_estimate: float | None = None
     #: approximate hits: how far the copy's corners move against its centre, in visual tokens (``local_drift``)
     drift: float = 0.0
+    #: a watched answer (``ImagePlan.verify_watch``) whose sequence was computed in full at this generated token
+    repaired_at: int | None = None
 
     def as_dict(self) -> dict:
         return {
@@ -352,5 +357,6 @@ class CacheEvent:
             "fallback": self.fallback,
             "verify_estimate": self.verify_estimate,
             "drift": self.drift,
+            "repaired_at": self.repaired_at,
             "timings": dict(self.timings),
         }

@@ -229,7 +229,10 @@ def cases(pages: str, seed: int, per_class: int, classes=CLASSES) -> list[Case]:
     """``per_class`` cases of every class in ``classes`` on ``pages`` ("docpage" or "synthdoc"), from ``seed``."""
     source = _Pages(pages)
     out = []
-    for c, cls in enumerate(classes):
+    for cls in classes:
+        if cls not in CLASSES:
+            raise ValueError(f"unknown context class {cls!r}; classes: {', '.join(CLASSES)}")
+        c = CLASSES.index(cls)  # a class's cases do not depend on which other classes are asked for
         rng = random.Random(f"{seed}/{cls}")
         i = made = 0
         while made < per_class:

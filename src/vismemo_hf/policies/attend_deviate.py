@@ -19,14 +19,21 @@ policy therefore:
    the image; ``mask_below=0`` masks nothing;
 4. with ``restore_masked`` (default), gives decoding the alias's K/V of the masked tokens, so
    tokens generated later can still attend to them;
-5. computes every token (an *early miss*, after the warmup) when the image's median deviation exceeds
-   ``miss_deviation``: the page changed everywhere (an alias that is another image altogether), and outliers
-   measured against that median would reuse most of it stale; near-duplicates move a few tokens, and their median
-   stays near 0 (``tests/test_rules.py``, rule 9).
+5. computes every token (an *early miss*, after the warmup; ``fallback="changed"``) when the image's median
+   deviation exceeds ``miss_deviation``: the page changed everywhere (an alias that is another image altogether),
+   and outliers measured against that median would reuse most of it stale; near-duplicates move a few tokens, and
+   their median stays near 0 (``tests/test_rules.py``, rule 9);
+6. recomputes, with every token whose pixels changed in a local edit (at most ``local_share`` of the image), the
+   tokens after it in its token row (``dependents``): the rest of a number, word or record reads it in later
+   layers, where its deviation does not show at the warmup (``tests/test_context.py``);
+7. when the alias was computed after another context (the text, images or videos before the image), adds the
+   context check (``RoutingPolicy.context_recompute``: the tokens the context moved at the check layer, and probes
+   that verify the rest at every layer, docs/METHOD.md §3); a context that moved most of the image, probes past
+   their tolerance or an unsure next token compute the image in full (``fallback="context"`` / ``"uncertain"``).
 
 The deviation of a token is the largest, over the warmup layers and the check layer, of its
-relative K plus V deviation (``WarmupSignals``). Exact hits after another text before the image
-are checked the same way (``prefix_routing="check"``).
+relative K plus V deviation (``WarmupSignals``). Exact hits after another context are checked the same way
+(``prefix_routing="check"``, ``RoutingPolicy.prefix_plan``).
 """
 
 from __future__ import annotations

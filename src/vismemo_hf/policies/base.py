@@ -103,10 +103,13 @@ class RoutingPolicy:
     #: computed at every layer to verify the rest (``ImagePlan.verify``): a context's effect can grow with depth
     #: where the check layer does not see it; past ``prefix_probe_tolerance`` the image is computed in full
     prefix_probe_share: float = 0.0625
-    prefix_probe_tolerance: float = 0.016
+    prefix_probe_tolerance: float = 0.008
     #: and when, with the reuse, the model's next token has a top probability below this, the image is computed in
     #: full (an unsure answer is one that any approximation may change)
     prefix_min_confidence: float = 0.8
+    #: and the first this many generated tokens are watched the same way (``runtime/watch.py``): at an unsure one the
+    #: sequence so far is computed in full
+    prefix_watch_tokens: int = 16
     #: reused tokens a compressed alias entry holds no K/V for (docs/METHOD.md §4): ``"mask"`` them (VL-Cache's choice;
     #: they are left out of attention) or ``"recompute"`` them (compute them at every layer)
     missing: str = "mask"
@@ -124,8 +127,10 @@ class RoutingPolicy:
             raise ValueError("prefix_check_layer and prefix_tolerance must be >= 0, prefix_recompute_ratio in [0, 1]")
         if not 0.0 <= self.prefix_miss_ratio <= 1.0 or not 0.0 <= self.prefix_probe_share <= 1.0:
             raise ValueError("prefix_miss_ratio and prefix_probe_share must lie in [0, 1]")
-        if self.prefix_probe_tolerance < 0 or not 0.0 <= self.prefix_min_confidence <= 1.0:
-            raise ValueError("prefix_probe_tolerance must be >= 0, prefix_min_confidence in [0, 1]")
+        if self.prefix_probe_tolerance < 0 or not 0.0 <= self.prefix_min_confidence <= 1.0 or \
+                self.prefix_watch_tokens < 0:
+            raise ValueError("prefix_probe_tolerance and prefix_watch_tokens must be >= 0, prefix_min_confidence in "
+                             "[0, 1]")
 
     # -- what the prefill runner asks (it reads no field of a policy) ---------------------------------------
     def signal_needs(self, kind: HitKind) -> SignalNeeds:
@@ -217,7 +222,7 @@ class RoutingPolicy:
     def verification(self, probes: torch.Tensor) -> dict:
         """The ``ImagePlan`` fields that verify a reuse after another context by ``probes``."""
         return {"verify": probes, "verify_tolerance": self.prefix_probe_tolerance,
-                "verify_confidence": self.prefix_min_confidence}
+                "verify_confidence": self.prefix_min_confidence, "verify_watch": self.prefix_watch_tokens}
 
     def miss_plan(self, image: ImageFeatures) -> ImagePlan:
         return ImagePlan.full(HitKind.MISS, image.n_tokens)

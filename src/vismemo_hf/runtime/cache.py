@@ -276,6 +276,8 @@ class VisMemoCache(DynamicCache):
         self.compress = compress
         self.events: list[CacheEvent] = []
         self._length = 0
+        #: the first tokens of an answer whose prefill reused K/V after another context (``runtime/watch.py``)
+        self.watch = None
 
     def owner(self, fingerprint: str) -> str:
         """Whose entries this cache reads and writes for a model (``core/features.py`` ``scoped``)."""
@@ -323,13 +325,37 @@ class VisMemoCache(DynamicCache):
 
     def crop(self, tokens_to_remove: int) -> None:
         self._visible = None
+        self.watch = None
         super().crop(tokens_to_remove)
         self._length -= abs(tokens_to_remove)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        if self.watch is not None:
+            self.watch.reorder(beam_idx)
+        super().reorder_cache(beam_idx)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self.watch = None
+        super().batch_repeat_interleave(repeats)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self.watch = None
+        super().batch_select_indices(indices)
 
     def reset(self) -> None:
         super().reset()
         self.layers = []
         self._length = 0
+        self.watch = None
+
+    def restart(self) -> None:
+        """Forget every layer's K/V: a forward then computes the sequence from its start (``runtime/watch.py``)."""
+        self.layers = []
+        self._length = 0
+
+    def rewound_to(self, length: int) -> None:
+        """The layers hold ``length`` columns before the forward in progress adds its own."""
+        self._length = length
 
     def drop_layers(self, first: int) -> None:
         """Forget what the layers from ``first`` on hold (a prefill that runs them again)."""

@@ -146,11 +146,21 @@ def _text_forward(self, *args, **kwargs):
             return run_prefill(ctx.adapter, request, **{**kwargs, "ctx": ctx})
     if cache.mapped:  # decoding over a layout with left-out slots: the slot masks
         with attention.slot_attention(self.config):
-            return _call_own(self, "forward", *args, **kwargs)
-    out = _call_own(self, "forward", *args, **kwargs)
+            out = _call_own(self, "forward", *args, **kwargs)
+    else:
+        out = _call_own(self, "forward", *args, **kwargs)
     if request is not None:  # a prefill the model computed itself: its complete images become entries
         finish_native(ctx.adapter, request, ctx, kwargs.get("position_ids"))
+    elif cache.watch is not None:  # an answer after a reuse: computed in full when the model is unsure of it
+        if args:
+            cache.watch = None
+        else:
+            out = cache.watch.after_step(self, kwargs, out, cache, ctx.adapter.output_head, _own_forward)
     return out
+
+
+def _own_forward(module, **kwargs):
+    return _call_own(module, "forward", **kwargs)
 
 
 # -- installation -----------------------------------------------------------------------------------------

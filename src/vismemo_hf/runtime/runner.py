@@ -23,6 +23,7 @@ from vismemo_hf.runtime.lookup import ImageMatch, PrefillRequest
 from vismemo_hf.runtime.schedule import ActiveStates, Layout, Placement, Schedule, causal_mask, pad_rows
 from vismemo_hf.runtime.signals import SignalCollector
 from vismemo_hf.runtime.verify import Verifier
+from vismemo_hf.runtime.watch import Watch
 from vismemo_hf.runtime.writeback import write_entries
 from vismemo_hf.store.store import store_call
 
@@ -71,6 +72,7 @@ class PrefillRunner:
         self.adapter, self.ctx, self.cache, self.policy = adapter, ctx, ctx.cache, ctx.cache.policy
         self.batch, self.length, _ = inputs_embeds.shape
         self.positions = _positions(position_ids)
+        self.position_ids = position_ids
         valid = attention_mask.bool() if attention_mask is not None and attention_mask.ndim == 2 else None
         self.valid = None if valid is None or bool(valid.all()) else valid
         self.runs = [ImageRun(m, int(self.positions[0, m.row, m.start])) for m in request.images]
@@ -189,7 +191,13 @@ class PrefillRunner:
         self.ctx.layout = None
         hidden = self.adapter.final_norm(states.result())
         t_end = time.perf_counter()
-        self._finish(t_start, self._t_warm_end or t_end, t_end)
+        events = self._finish(t_start, self._t_warm_end or t_end, t_end)
+        watched = [i for i in self.verifier.watched if self.runs[i].plan.verify_watch]
+        if watched and self.adapter.output_head is not None:
+            plans = [self.runs[i].plan for i in watched]
+            self.cache.watch = Watch(inputs_embeds, self.position_ids, visual_pos_masks, deepstack_visual_embeds,
+                                     max(p.verify_confidence for p in plans), max(p.verify_watch for p in plans),
+                                     [events[i] for i in watched])
         return BaseModelOutputWithPast(last_hidden_state=hidden, cache=self.cache)
 
     def _layers(self, states: ActiveStates, deepstack, layer: int) -> None:
@@ -232,8 +240,9 @@ class PrefillRunner:
         last = self.adapter.final_norm(states.result()[:, -1:])
         top = torch.softmax(head(last).float(), -1).amax(-1)[:, 0].cpu()
         return [i for i in watched if float(top[self.runs[i].match.row]) < self.runs[i].plan.verify_confidence]
-    def _finish(self, t_start: float, t_warm_end: float, t_end: float) -> None:
-        """After the layers: restored tokens for decoding, entries, compression, the settled layout, the events."""
+    def _finish(self, t_start: float, t_warm_end: float, t_end: float) -> list[CacheEvent]:
+        """After the layers: restored tokens for decoding, entries, compression, the settled layout, the events (in
+        the request's order, returned)."""
         cache, plans = self.cache, self._plans()
         for layer, keys, values, columns in self.reader.restore(plans, {i: r.offset for i, r in enumerate(self.runs)},
                                                                 self.batch):
@@ -248,10 +257,13 @@ class PrefillRunner:
             keep = cache.compress.keep(self.signals.layer_stats, self.signals.visual_columns())
             for layer, kept in zip(cache.layers, keep or []):
                 layer.keep_slots(kept)
+        events = []
         for i, run in enumerate(self.runs):
             warm = (t_warm_end - t_start) * 1e3 if run.match.kind is HitKind.APPROXIMATE else 0.0
             run.timings.update(warmup=warm, recompute=(t_end - t_warm_end) * 1e3)
-            record_event(cache, run.event(self.reader, i))
+            events.append(run.event(self.reader, i))
+            record_event(cache, events[-1])
+        return events
 
 
 class _DeepstackAdder:
