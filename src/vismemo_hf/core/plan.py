@@ -333,7 +333,7 @@ class CacheEvent:
     fallback: str | None = None
     #: a plan with probes (``ImagePlan.verify``): its last estimate of the reused tokens' deviation (``runtime/verify``)
     verify_estimate: float | None = None
-    #: approximate hits: how far the copy's corners move against its centre, in visual tokens (``local_drift``)
+    #: approximate hits: how far parts of the copy move against its centre, in visual tokens (``local_drift``)
     drift: float = 0.0
     #: a watched answer (``ImagePlan.verify_watch``) whose sequence was computed in full at this generated token
     repaired_at: int | None = None

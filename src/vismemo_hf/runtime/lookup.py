@@ -70,7 +70,7 @@ class ImageMatch:
     thumbnail: Callable[[], torch.Tensor] | None = None  # the image's (H, W) uint8 thumbnail, computed on first call
     pixel_score: float | None = None  # an approximate hit the pixel stage accepted: its aligned thumbnail similarity
     aligned: bool = True  # False: a copy warped (zoomed, turned) so far that its tokens do not line up with the alias's
-    drift: float = 0.0  # approximate hits: how far the copy's corners move against its centre (``local_drift``), tokens
+    drift: float = 0.0  # approximate hits: how far parts of the copy move against its centre (``local_drift``), tokens
 
     @property
     def n_tokens(self) -> int:

@@ -240,6 +240,7 @@ class PrefillRunner:
         last = self.adapter.final_norm(states.result()[:, -1:])
         top = torch.softmax(head(last).float(), -1).amax(-1)[:, 0].cpu()
         return [i for i in watched if float(top[self.runs[i].match.row]) < self.runs[i].plan.verify_confidence]
+
     def _finish(self, t_start: float, t_warm_end: float, t_end: float) -> list[CacheEvent]:
         """After the layers: restored tokens for decoding, entries, compression, the settled layout, the events (in
         the request's order, returned)."""
