@@ -191,7 +191,7 @@ def test_the_disk_directorys_lock_excludes_every_other_holder(tmp_path):
     store = _disk(tmp_path)
     disk = store.disk
     path = os.path.join(disk.directory, "vismemo-writers.lock")
-    entered, release, order = threading.Event(), threading.Event(), []
+    order = []
 
     def second():
         with disk._directory_lock():
