@@ -412,12 +412,26 @@ def _approximate(adapter, match: ImageMatch, cache, get_image_features) -> Image
     entry = store_call("read", lambda: cache.store.peek(best, owner), None)
     if not _usable(adapter, cache, entry, best, feats.grid):
         return match
+    alias = entry.features().moved(moved_by, hw)
     drift = local_drift(match.thumbnail(), thumb, thumb_per_token(hw)) if thumb is not None and \
-        match.thumbnail is not None else 0.0
-    return replace(match, kind=HitKind.APPROXIMATE, alias=entry.features().moved(moved_by, hw),
+        match.thumbnail is not None and _changed_share(feats, alias) > UNWARPED_SHARE else 0.0
+    return replace(match, kind=HitKind.APPROXIMATE, alias=alias,
                    alias_offset=entry.offset, score=best_score, pixel_score=pixel,
                    prefix_changed=entry.prefix != match.prefix, drift=drift,
                    aligned=zoom_drift(zoom, hw) <= MAX_ZOOM_DRIFT and drift <= MAX_DRIFT)
+
+
+#: a copy with at most this share of its tokens' pixels changed (a local edit) is not checked for a warp: a turned
+#: or zoomed page changes every token that shows anything
+UNWARPED_SHARE = 0.1
+
+
+def _changed_share(image: ImageFeatures, alias: ImageFeatures) -> float:
+    """The share of ``image``'s tokens whose pixels differ from ``alias``'s (1 when either's hashes are unknown)."""
+    mine, theirs = image.patch_hashes, alias.patch_hashes
+    if mine is None or theirs is None or mine.shape != theirs.shape:
+        return 1.0
+    return float((mine != theirs).float().mean())
 
 
 #: the most candidates near the fine threshold whose thumbnails the pixel stage aligns, best first
