@@ -181,6 +181,7 @@ def main(args) -> int:
         "computed the image in full)."]
     for reader, summary in results.items():
         lines += ["", f"## {reader}", ""] + _table(summary, names)
+    (out / "context.md").write_text("\n".join(lines) + "\n")  # the main part kept if the front is interrupted
     if args.front_pairs:
         front = {reader: measure(reader, args.seed + 1, args.front_pairs, FRONT, FRONT_CLASSES,
                                  args.max_new_tokens)[1] for reader in readers}
