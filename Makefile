@@ -21,7 +21,7 @@ test: $(VENV)/.installed
 	$(PY) -m pytest -q
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis
+	rm -rf $(VENV) .pytest_cache .hypothesis .mypy_cache
 
 # transformers' own tests for the four families with VisMemo in the loop (TESTS: a tree such as
 # ../shared/compat/transformers-tests); MODE=enable (every model enabled) or cache (every generate a VisMemoCache)

@@ -1,17 +1,16 @@
-"""``vismemo`` command line: ``vismemo demo`` runs the embedded default end to end."""
+"""The ``vismemo`` command line (``parser``: one builder per command; ``main``: one-line errors)."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import logging
+import re
 import sys
+import textwrap
 import warnings
 
-from vismemo_hf.families import FAMILIES
-from vismemo_hf.runtime.cache import DEFAULT_POLICY
-
-FAMILY_NAMES = list(FAMILIES)
+from vismemo_hf.defaults import DEFAULT_POLICY, FAMILY_NAMES
 
 
 def _demo_requests():
@@ -36,11 +35,12 @@ def _demo_requests():
 def demo(args) -> int:
     import torch
 
-    from vismemo_hf import VisMemoCache, VisMemoStore, enable
+    from vismemo_hf import VisMemoCache, VisMemoStore, enable, get_policy
     from vismemo_hf.eval import synthdoc
     from vismemo_hf.eval.docqa import messages
     from vismemo_hf.eval.loading import load_model
 
+    get_policy(args.policy)  # a bad policy is an error before the model loads
     torch.manual_seed(0)
     model, processor = load_model(args.model, args.family)
     enable(model)
@@ -84,20 +84,35 @@ def tasks_path(args) -> int:
     return 0
 
 
+def list_presets(args) -> int:
+    from vismemo_hf import presets
+
+    print("search path: " + ", ".join(str(d) for d in presets.search_path()))
+    for kind in [args.kind] if args.kind else list(presets.KINDS):
+        print(f"\n{kind} ({presets.KINDS[kind]}s):")
+        found = presets.listing(kind)
+        width = max((len(name) for name, _, _ in found), default=0)
+        for name, path, shadowed in found:
+            print(f"  {name:<{width}}  {path}" + (f"  (shadows {', '.join(map(str, shadowed))})" if shadowed else ""))
+    return 0
+
+
 def profile_vlcache(args) -> int:
     from pathlib import Path
 
     import yaml
 
+    from vismemo_hf import presets
     from vismemo_hf.eval.loading import load_model
     from vismemo_hf.eval.vlcache_profile import layer_sensitivity
 
     model, processor = load_model(args.model, args.family)
     sensitivity = layer_sensitivity(model, processor, pairs=args.pairs, seed=args.seed)
     name = args.name or f"{Path(args.model).name}-{model.config.model_type}"
-    out = Path(args.out) if args.out else Path("configs") / "vlcache" / f"{name}.yaml"
+    out = Path(args.out) if args.out else presets.write_path("vlcache", name)
     out.parent.mkdir(parents=True, exist_ok=True)
-    command = "vismemo profile-vlcache " + " ".join(sys.argv[2:]) if args.record_argv else None
+    command = ("vismemo profile-vlcache " + " ".join(sys.argv[sys.argv.index("profile-vlcache") + 1:])
+               if args.record_argv and "profile-vlcache" in sys.argv else None)  # global options left out
     data = {
         "model": args.model,
         "family": model.config.model_type,
@@ -118,6 +133,7 @@ def calibrate(args) -> int:
 
     import yaml
 
+    from vismemo_hf import presets
     from vismemo_hf.bench.report import header, machine
     from vismemo_hf.eval.calibrate import calibrate as measure
     from vismemo_hf.eval.docstream import reader_pages
@@ -127,7 +143,7 @@ def calibrate(args) -> int:
     pages, _ = reader_pages(args.model, args.pages)
     report = measure(model, per_kind=args.pairs_per_kind, pages=pages)
     name = args.name or (Path(args.model).name if args.family is None else f"{Path(args.model).name}-{args.family}")
-    out = Path(args.out) if args.out else Path("configs") / "lookup" / f"{name}.yaml"
+    out = Path(args.out) if args.out else presets.write_path("lookup", name)
     out.parent.mkdir(parents=True, exist_ok=True)
     command = (f"vismemo calibrate --model {args.model}" + (f" --family {args.family}" if args.family else "")
                + f" --pages {args.pages} --pairs-per-kind {args.pairs_per_kind} --seed {args.seed}")
@@ -202,20 +218,19 @@ def train_docqa(args) -> int:
 
     torch.set_num_threads(args.threads)
     out = args.out or f"checkpoints/docqa-{args.reader}"
-    log = lambda line: print(line, flush=True)
     if args.reader == "base":
         from vismemo_hf.eval.docqa_base import train
 
         options = {k: v for k, v in (("batch_size", args.batch_size), ("lr", args.lr),
                                      ("total_steps", args.total_steps)) if v is not None}
-        result = train(out, minutes=args.minutes, max_steps=args.max_steps, seed=args.seed, log=log, **options)
+        result = train(out, minutes=args.minutes, max_steps=args.max_steps, seed=args.seed, **options)
         print(f"step {result['step']}: latest state in {out}/state, best model in {out}/model "
               f"(held-out exact {result['best']:.3f})")
         return 0
     from vismemo_hf.eval.docqa import train
 
     result = train(out, minutes=args.minutes, max_steps=args.max_steps, batch_size=args.batch_size or 32,
-                   seed=args.seed, lr=args.lr or 2e-3, resume=args.resume, log=log)
+                   seed=args.seed, lr=args.lr or 2e-3, resume=args.resume)
     print(f"saved the best checkpoint to {out} after {result['steps']} steps")
     return 0
 
@@ -291,7 +306,7 @@ def _real_pages(args):
 def _model_options(p, default="vismemo-docqa-tiny", family_choices=True) -> None:
     p.add_argument("--model", default=default,
                    help="vismemo-docqa-tiny / vismemo-docqa-base (packaged readers), a checkpoint folder, a cached hub "
-                        "id, or a preset of configs/models/ (random weights)")
+                        "id, or a model preset (random weights; vismemo presets models)")
     p.add_argument("--family", default=None, choices=FAMILY_NAMES if family_choices else None,
                    help="family of family-agnostic presets such as tiny (default qwen2_vl)")
 
@@ -320,6 +335,15 @@ def _add_demo(sub) -> None:
 def _add_tasks_path(sub) -> None:
     p = sub.add_parser("tasks-path", help="print the folder of the lmms-eval tasks (for lmms-eval --include_path)")
     p.set_defaults(func=tasks_path)
+
+
+def _add_presets(sub) -> None:
+    from vismemo_hf.presets import KINDS
+
+    p = sub.add_parser("presets", help="list the presets (models, policies, stores, lookup thresholds, VL-Cache "
+                                       "profiles) found on the search path")
+    p.add_argument("kind", nargs="?", choices=sorted(KINDS), help="only this kind (default: all)")
+    p.set_defaults(func=list_presets)
 
 
 def _add_profile(sub, argv) -> None:
@@ -454,7 +478,7 @@ def _add_report(sub) -> None:
     p.add_argument("--seeds", default=None, help="explicit stream seeds, comma-separated (instead of --streams)")
     p.add_argument("--bases", type=int, default=20, help="new pages per stream (each with 4 follow-ups)")
     p.add_argument("--policies", default="all",
-                   help="comma-separated policies (default: the library's default policy), or all")
+                   help="comma-separated policy names (`default` names the library's default routing), or all")
     p.add_argument("--no-sweeps", action="store_true", help="skip the recompute and reuse ratio sweeps")
     p.add_argument("--thresholds", default=None,
                    help="lookup thresholds preset or path (vismemo calibrate) for every cache; default: the defaults")
@@ -502,30 +526,106 @@ def _add_report(sub) -> None:
     p.set_defaults(func=_bench("context"))
 
 
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Descriptions as written (paragraphs kept) and every option's default, unless its help already says it or it
+    has none (None, a flag)."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if (action.default is None or action.default is False or action.default == argparse.SUPPRESS
+                or re.search(r"(^|\(|; |, )default[ :]", text) or not action.option_strings
+                or isinstance(action, argparse._VersionAction)):
+            return text
+        return f"{text} (default: %(default)s)"
+
+
+#: what a command writes and where, shown by ``vismemo COMMAND --help`` under its one-line help
+WRITES = {
+    "demo": "Prints one row per request (answer, hit kind, alias, recomputed / reused / masked tokens, prefill ms); "
+            "writes nothing.",
+    "tasks-path": "Prints the folder of the installed lmms-eval tasks: lmms-eval --include_path \"$(vismemo "
+                  "tasks-path)\".",
+    "presets": "Prints the presets found on the search path (./configs/KIND/, $XDG_CONFIG_HOME/vismemo/KIND/, then "
+               "the package's) and where each lives; a name found twice is read from the first place.",
+    "calibrate": "Writes the lookup preset ./configs/lookup/NAME.yaml (the first place of the preset search path, "
+                 "so thresholds=NAME finds it from this directory) and a report NAME.md / NAME.json in --report-dir.",
+    "profile-vlcache": "Writes the VL-Cache profile ./configs/vlcache/NAME.yaml (found by policy=\"vlcache\", "
+                       "profile=NAME from this directory).",
+    "train-docqa": "Writes checkpoints to --out (base: OUT/state to resume, OUT/model the best so far).",
+    "build-stream": "Writes the request stream as parquet, by default where the lmms-eval tasks read it "
+                    "(.cache/vismemo-data/TASK/test.parquet under the directory lmms-eval runs in).",
+    "bench": "Each benchmark writes NAME.md, NAME.json (and a PNG where it plots) to --out.",
+    "report": "Each report writes NAME.md, NAME.json (and PNGs where it plots) to --out.",
+}
+
+
+def _format(p: argparse.ArgumentParser, name: str = "") -> None:
+    """The help formatter on ``p`` and its subcommands, each with its description and what it writes."""
+    p.formatter_class = _HelpFormatter
+    for action in p._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            helps = {a.dest: a.help for a in action._choices_actions}
+            for sub_name, sub in action.choices.items():
+                if sub.description is None:
+                    parts = (helps.get(sub_name), WRITES.get(sub_name))
+                    sub.description = "\n\n".join(textwrap.fill(x, 100) for x in parts if x)
+                _format(sub, sub_name)
+
+
+DESCRIPTION = """Approximate visual KV-cache reuse for Qwen-VL models in transformers.
+
+  vismemo demo                 five document requests through the packaged reader (no downloads, no GPU)
+  vismemo COMMAND --help       what a command does, its options and defaults, what it writes and where"""
+
+
 def parser(argv=None) -> argparse.ArgumentParser:
     from vismemo_hf import __version__
 
-    top = argparse.ArgumentParser(prog="vismemo", description=__doc__)
+    top = argparse.ArgumentParser(prog="vismemo", description=DESCRIPTION)
     top.add_argument("--version", action="version", version=f"vismemo-hf {__version__}")
-    sub = top.add_subparsers(dest="command", required=True)
-    for add in (_add_demo, _add_tasks_path, _add_calibrate, _add_train, _add_build_stream, _add_bench, _add_report):
+    top.add_argument("-q", "--quiet", action="store_true", dest="quiet_all",
+                     help="no progress bars or progress lines (for scripts): warnings, errors and the command's "
+                          "output only; VISMEMO_QUIET=1 turns the bars off too")
+    sub = top.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for add in (_add_demo, _add_tasks_path, _add_presets, _add_calibrate, _add_train, _add_build_stream, _add_bench,
+                _add_report):
         add(sub)
     _add_profile(sub, argv)
+    _format(top)
     return top
 
 
 #: errors of a bad argument or input: one line and exit status 2, not a traceback
 USER_ERRORS = (ValueError, FileNotFoundError, PermissionError, NotADirectoryError, KeyError)
+#: optional modules -> the extra of pyproject.toml that installs them
+EXTRAS = {"datasets": "eval", "matplotlib": "eval", "lmms_eval": "eval", "tqdm": "eval", "pyarrow": "eval",
+          "pandas": "eval", "redis": "remote"}
+
+
+def missing_extra(err: ModuleNotFoundError) -> str | None:
+    """The one-line message of an optional module that is not installed (None for any other missing module)."""
+    top = (err.name or "").split(".")[0]
+    extra = EXTRAS.get(top)
+    return None if extra is None else f"{top} is not installed; it comes with pip install 'vismemo-hf[{extra}]'"
 
 
 def main(argv=None) -> int:
     args = parser(argv).parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    from vismemo_hf import progress
+
+    progress.configure(quiet=args.quiet_all or getattr(args, "quiet", False))  # report context --quiet too
     warnings.filterwarnings("ignore", category=FutureWarning)  # transformers' deprecation notices
     try:
         return args.func(args)
     except USER_ERRORS as err:
         message = err.args[0] if isinstance(err, KeyError) and err.args else err
+        print(f"vismemo {args.command}: error: {message}", file=sys.stderr)
+        return 2
+    except ModuleNotFoundError as err:
+        message = missing_extra(err)
+        if message is None:
+            raise
         print(f"vismemo {args.command}: error: {message}", file=sys.stderr)
         return 2
 

@@ -18,6 +18,7 @@ import torch
 from vismemo_hf.bench.report import command as report_command
 from vismemo_hf.bench.report import header, machine
 from vismemo_hf.bench.store import replay, synthetic_entry, synthetic_trace
+from vismemo_hf.progress import progress as progress_bar
 from vismemo_hf.store import blob
 
 #: (label, kv_format, keep_ratio) of the stored variants compared
@@ -32,7 +33,7 @@ def run(args) -> dict:
     trace = synthetic_trace(args.requests, seed=args.seed)
     budget = int(args.budget_gib * 2**30)
     rows = []
-    for label, kv_format, keep in VARIANTS:
+    for label, kv_format, keep in progress_bar(VARIANTS, desc="capacity", unit="format"):
         stored = entry if keep is None else entry.compressed(torch.topk(entry.entropy, round(keep * args.tokens)).indices)
         size = len(blob.encode(stored, kv_format))
         kv = blob.round_trip(entry.kv, kv_format).float()

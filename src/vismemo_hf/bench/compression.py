@@ -14,6 +14,7 @@ from vismemo_hf.bench.report import command as report_command
 from vismemo_hf.bench.report import header, machine
 from vismemo_hf.eval import synthetic
 from vismemo_hf.eval.loading import load_model
+from vismemo_hf.progress import progress as progress_bar
 
 
 def _kv_bytes(cache) -> int:
@@ -30,9 +31,12 @@ def run(preset: str, family: str, ratios: list[float], new_tokens: int, repeats:
     inputs = processor(text=[text], images=[image], return_tensors="pt")
     n_visual = int((inputs["input_ids"] == model.config.image_token_id).sum())
     records = []
+    bar = progress_bar(total=len(ratios) * (repeats + 1), desc="compression", unit="run")
     for ratio in ratios:
         times, size_bytes = [], None
+        bar.set_postfix_str(f"ratio {ratio}")
         for _ in range(repeats + 1):  # first run warms up
+            bar.update(1)
             compress = VLCacheCompression(ratio) if ratio < 1.0 else None
             cache = VisMemoCache(store=VisMemoStore(), policy="full", compress=compress)
             t0 = time.perf_counter()
@@ -45,6 +49,7 @@ def run(preset: str, family: str, ratios: list[float], new_tokens: int, repeats:
             size_bytes = _kv_bytes(cache)
         records.append({"ratio": ratio, "kv_bytes_after_generate": size_bytes,
                         "decode_ms_per_token": statistics.median(times[1:])})
+    bar.close()
     return {"preset": preset, "family": family, "visual_tokens": n_visual, "prompt_tokens": inputs["input_ids"].shape[1],
             "new_tokens": new_tokens, "repeats": repeats, "records": records}
 

@@ -24,6 +24,7 @@ from vismemo_hf.bench.report import command as report_command
 from vismemo_hf.bench.report import header, machine
 from vismemo_hf.eval import context
 from vismemo_hf.eval.quality import TokenClock, anls
+from vismemo_hf.progress import progress as progress_bar
 
 #: the routings compared: the library's default and the two published baselines under the same lookup and store
 POLICIES = {"default": {}, "cacheblend": {"policy": "cacheblend"}, "vismemo": {"policy": "vismemo"}}
@@ -101,8 +102,9 @@ def summarise(rows: list[dict]) -> dict:
 
 
 def measure(reader: str, seed: int, per_class: int, policies: dict, classes=context.CLASSES, max_new_tokens: int = 6,
-            progress=None) -> tuple[list[dict], dict]:
-    """(rows, summary) of ``reader`` on ``per_class`` cases of every class, from ``seed``."""
+            desc: str | None = None, quiet: bool = False) -> tuple[list[dict], dict]:
+    """(rows, summary) of ``reader`` on ``per_class`` cases of every class, from ``seed``; a bar (``desc``, default
+    the reader; none when ``quiet``) counts the cases."""
     from vismemo_hf.eval.loading import load_model
 
     model, processor = load_model(reader)
@@ -111,23 +113,9 @@ def measure(reader: str, seed: int, per_class: int, policies: dict, classes=cont
     cases = context.cases(READERS[reader], seed, per_class, classes)
     answer(model, processor, cases[0].stored, cases[0].questions[0].question, DynamicCache(), 1)  # warm up
     rows = []
-    for case in cases:
+    for case in progress_bar(cases, desc=desc or reader, unit="case", disable=quiet):
         rows.extend(run_case(model, plain, processor, case, policies, max_new_tokens))
-        if progress is not None:
-            progress(case)
     return rows, summarise(rows)
-
-
-class _Progress:
-    """A line every ten cases."""
-
-    def __init__(self, reader: str) -> None:
-        self.reader, self.done = reader, 0
-
-    def __call__(self, case) -> None:
-        self.done += 1
-        if self.done % 10 == 0:
-            print(f"{self.reader}: {self.done} cases", flush=True)
 
 
 def _table(summary: dict, policies: list[str]) -> list[str]:
@@ -162,7 +150,7 @@ def main(args) -> int:
     results, all_rows = {}, {}
     for reader in readers:
         rows, summary = measure(reader, args.seed, args.pairs, policies, classes, args.max_new_tokens,
-                                None if args.quiet else _Progress(reader))
+                                quiet=args.quiet)
         results[reader], all_rows[reader] = summary, rows
     command = report_command("report context", args, ["readers", "pairs", "seed", "policies", "classes", "front_pairs"])
     report = {"command": command, "machine": machine(note="fp32"), "seconds": round(time.time() - t0),
@@ -184,7 +172,8 @@ def main(args) -> int:
     (out / "context.md").write_text("\n".join(lines) + "\n")  # the main part kept if the front is interrupted
     if args.front_pairs:
         front = {reader: measure(reader, args.seed + 1, args.front_pairs, FRONT, FRONT_CLASSES,
-                                 args.max_new_tokens)[1] for reader in readers}
+                                 args.max_new_tokens, desc=f"{reader} (front)", quiet=args.quiet)[1]
+                 for reader in readers}
         report["front"] = front
         (out / "context.json").write_text(json.dumps(report, indent=1))
         lines += ["", "## The context check's front", "",

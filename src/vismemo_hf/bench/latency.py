@@ -264,7 +264,7 @@ def _plot(records, path: Path) -> None:
 
 
 def main(args) -> int:
-    from tqdm import tqdm
+    from vismemo_hf.progress import progress
 
     dtype = getattr(torch, args.dtype)
     plain, processor = load_model(args.preset, args.family, dtype=dtype, device=args.device)
@@ -275,7 +275,7 @@ def main(args) -> int:
     lengths = [int(x) for x in args.lengths.split(",")]
     policies = args.policies.split(",")
     total = len(lengths) * (args.repeats + 2) * (3 + len(policies))
-    with tqdm(total=total, desc="latency") as bar:
+    with progress(total=total, desc="latency", unit="run") as bar:
         records = run(model, plain, processor, lengths, policies, args.repeats, args.new_tokens, args.long_tokens, bar)
     fixed = fixed_cost_per_layer(records, model.config.text_config.num_hidden_layers)
     out = Path(args.out)

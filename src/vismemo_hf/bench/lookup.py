@@ -11,6 +11,7 @@ full-width centred cosines > tau, best mean first, top k) computed over every en
 from __future__ import annotations
 
 import json
+import logging
 import statistics
 import time
 from pathlib import Path
@@ -20,7 +21,10 @@ import torch.nn.functional as F
 
 from vismemo_hf.bench.report import command as report_command
 from vismemo_hf.bench.report import header, machine
+from vismemo_hf.progress import progress as progress_bar
 from vismemo_hf.store.index import DescriptorIndex
+
+logger = logging.getLogger(__name__)
 
 CLUSTER = 4  # stored near-duplicate copies per page
 TEMPLATES = 16
@@ -75,7 +79,8 @@ def _key(page: int, copy: int) -> str:
 
 
 def run_size(n: int, dim: int, queries: int, recall_queries: int, tau: float, top_k: int, groups: int,
-             seed: int = 0) -> dict:
+             seed: int = 0, bar=None) -> dict:
+    """One size's figures; ``bar``: a progress bar advanced once per chunk of entries indexed."""
     data = ClusteredDescriptors(dim, seed)
     mean = data.reference_mean()
     index = DescriptorIndex()
@@ -111,6 +116,8 @@ def run_size(n: int, dim: int, queries: int, recall_queries: int, tau: float, to
         for q, i in torch.nonzero(ok).tolist():
             passing[q][first + i] = float(cos[q, i].mean())
         first += len(pages)
+        if bar is not None:
+            bar.update(1)
     entries = len(index)
     key_of = [_key(p, c) for p in range(n_pages) for c in range(CLUSTER)]
     found = wanted = best_found = with_answers = 0
@@ -142,11 +149,15 @@ def run_size(n: int, dim: int, queries: int, recall_queries: int, tau: float, to
 def main(args) -> int:
     sizes = [int(float(x)) for x in args.sizes.split(",")]
     records = []
-    for n in sizes:
-        records.append(run_size(n, args.dim, args.queries, args.recall_queries, args.tau, args.top_k, args.groups))
-        r = records[-1]
-        print(f"{r['entries']:,} entries: median {r['median_ms']:.2f} ms, p99 {r['p99_ms']:.2f} ms, "
-              f"{r['index_bytes_per_entry']:.0f} B/entry, recall {r['recall']:.4f}", flush=True)
+    chunks = sum((max(1, n // CLUSTER) + CHUNK_PAGES - 1) // CHUNK_PAGES for n in sizes)
+    with progress_bar(total=chunks, desc="lookup", unit="chunk") as bar:
+        for n in sizes:
+            bar.set_postfix_str(f"{n:,} entries")
+            records.append(run_size(n, args.dim, args.queries, args.recall_queries, args.tau, args.top_k, args.groups,
+                                    bar=bar))
+            r = records[-1]
+            logger.info(f"{r['entries']:,} entries: median {r['median_ms']:.2f} ms, p99 {r['p99_ms']:.2f} ms, "
+                        f"{r['index_bytes_per_entry']:.0f} B/entry, recall {r['recall']:.4f}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     command = report_command("bench lookup", args, ["sizes", "dim", "queries", "recall_queries", "tau", "top_k",

@@ -23,6 +23,7 @@ from vismemo_hf import VisMemoCache, VisMemoStore, enable
 from vismemo_hf.bench.report import machine
 from vismemo_hf.eval import docstream, synthdoc
 from vismemo_hf.eval.quality import evaluate, summarise
+from vismemo_hf.progress import progress as progress_bar
 from vismemo_hf.runtime.cache import DEFAULT_POLICY
 
 #: every policy's budget grid: (policy, options) points
@@ -75,7 +76,7 @@ def floors(preset: str, tokens: int, points: list[tuple[str, dict]]) -> dict:
     start = int((ids == model.config.image_token_id).nonzero()[0])
     miss_flops = plan_flops(model.config, ids.numel(), start, miss["plan"])
     out, by_change = {}, {}
-    for policy, options in points:
+    for policy, options in progress_bar(points, desc=f"pareto: FLOP floor ({preset})", unit="point"):
         label = _label(policy, options)
         if policy == "full":
             out[label], by_change[label] = 1.0, dict.fromkeys(FLOOR_CHANGES, 1.0)
@@ -89,13 +90,17 @@ def floors(preset: str, tokens: int, points: list[tuple[str, dict]]) -> dict:
     return {"preset": preset, "visual_tokens": miss["n_tokens"], "floor": out, "by_change": by_change}
 
 
-def reader_points(model, processor, requests, points, max_new_tokens: int) -> dict:
-    """Quality and measured speed of every point on one reader's requests, against plain transformers."""
-    plain = evaluate(model, processor, requests, "plain", max_new_tokens=max_new_tokens)
+def reader_points(model, processor, requests, points, max_new_tokens: int, desc: str = "pareto") -> dict:
+    """Quality and measured speed of every point on one reader's requests, against plain transformers (a bar,
+    ``desc``, counts the requests answered)."""
+    bar = progress_bar(total=(1 + len(points)) * len(requests), desc=desc, unit="request")
+    bar.set_postfix_str("plain")
+    plain = evaluate(model, processor, requests, "plain", max_new_tokens=max_new_tokens, progress=bar)
     full = summarise(plain)
     rows = []
     for policy, options in points:
-        scored = evaluate(model, processor, requests, policy, max_new_tokens=max_new_tokens, **options)
+        bar.set_postfix_str(_label(policy, options))
+        scored = evaluate(model, processor, requests, policy, max_new_tokens=max_new_tokens, progress=bar, **options)
         summary = summarise(scored, plain)
         approximate = [i for i, s in enumerate(scored) if s.kind == "approximate"]
         speed = (statistics.median(scored[i].ttft_ms for i in approximate)
@@ -107,6 +112,7 @@ def reader_points(model, processor, requests, points, max_new_tokens: int) -> di
                      "stale_rate": summary["stale_rate"], "first_token_kl": summary["first_token_kl"],
                      "n_approximate": summary["n_approximate"], "ttft_ratio_to_plain": speed,
                      "recomputed_share": summary["recomputed_share_approximate"]})
+    bar.close()
     near = [s.anls for s in plain if s.request.intended == "approximate"]  # plain on the near-duplicate requests
     return {"full_anls": full["anls"], "full_anls_approximate": sum(near) / len(near) if near else None,
             "visual_tokens": full["visual_tokens"], "requests": len(requests), "points": rows}
@@ -199,7 +205,7 @@ def main(args) -> int:
         enable(model)
         _, stream = docstream.reader_pages(name, args.pages)
         requests = [r for seed in args.seeds for r in stream(seed, n_bases=args.bases)]
-        readers[name] = reader_points(model, processor, requests, points, args.max_new_tokens)
+        readers[name] = reader_points(model, processor, requests, points, args.max_new_tokens, f"pareto: {name}")
     floor = floors(args.floor_preset, args.floor_tokens, points) if args.floor_tokens else None
     cost = "floor_ratio" if floor else "ttft_ratio_to_plain"
     for reader in readers.values():

@@ -27,6 +27,7 @@ from vismemo_hf.bench.report import header, machine
 from vismemo_hf.eval import docpage, synthdoc
 from vismemo_hf.eval.docqa import messages
 from vismemo_hf.families import FAMILIES
+from vismemo_hf.progress import progress as progress_bar
 
 ROUTINGS = {"reuse": dict(policy="attend-deviate", prefix_routing="reuse"),
             "check": dict(policy="attend-deviate")}
@@ -77,13 +78,16 @@ def docpage_question(page, i: int) -> str:
     return docpage.ask(page, kind, i % page.n_rows, (i // 2) % len(page.columns)).text
 
 
-def measure(model, processor, pages, lengths, prefix_pairs, question=synthdoc_question) -> dict:
+def measure(model, processor, pages, lengths, prefix_pairs, question=synthdoc_question, desc: str | None = None) -> dict:
     """Per routing and changed-prefix length: first-token agreement and mean KL against a full prefill;
-    ``prefix_pairs(n, i)`` gives page i's old and new text, ``question(page, i)`` what is asked."""
+    ``prefix_pairs(n, i)`` gives page i's old and new text, ``question(page, i)`` what is asked; a bar (``desc``)
+    counts the pages measured."""
     out = {name: {} for name in ROUTINGS}
+    bar = progress_bar(total=len(lengths) * len(pages), desc=desc or "prefix", unit="page")
     for n in lengths:
         rows = {name: [] for name in ROUTINGS}
         for i, page in enumerate(pages):
+            bar.update(1)
             q = question(page, i)
             old, new = prefix_pairs(n, i)
             ref = first_token(model, processor, page, q, new, DynamicCache())
@@ -101,6 +105,7 @@ def measure(model, processor, pages, lengths, prefix_pairs, question=synthdoc_qu
             out[name][n] = {"first_token_agreement": sum(x[0] for x in r) / len(r),
                             "first_token_kl": sum(x[1] for x in r) / len(r),
                             "recomputed": sum(x[2] for x in r) / len(r), "pages": len(r)}
+    bar.close()
     return out
 
 
@@ -133,10 +138,13 @@ def base_reader(args, lengths, random_pair) -> dict:
         return "", (many[-1 - i], "")
 
     name = "vismemo-docqa-base"
-    return {f"{name} (training prefixes)": measure(model, processor, many, [0], trained, docpage_question),
-            f"{name} (column instruction)": measure(model, processor, columns, [0], column_pair, column_question),
-            f"{name} (earlier image)": measure(model, processor, pages, [0], earlier_image, docpage_question),
-            name: measure(model, processor, pages, lengths, random_pair, docpage_question)}
+    return {f"{name} (training prefixes)": measure(model, processor, many, [0], trained, docpage_question,
+                                                   f"{name} (training prefixes)"),
+            f"{name} (column instruction)": measure(model, processor, columns, [0], column_pair, column_question,
+                                                    f"{name} (column instruction)"),
+            f"{name} (earlier image)": measure(model, processor, pages, [0], earlier_image, docpage_question,
+                                               f"{name} (earlier image)"),
+            name: measure(model, processor, pages, lengths, random_pair, docpage_question, name)}
 
 
 def main(args) -> int:
@@ -160,17 +168,19 @@ def main(args) -> int:
 
     many = [synthdoc.random_form(args.seed + 10_000 + i, style=synthdoc.STYLES[i % len(synthdoc.STYLES)])
             for i in range(5 * args.pages)]  # the pass / fail row gets five times the pages
-    results["vismemo-docqa-tiny (training prefixes)"] = measure(model, processor, many, [0], trained)
+    results["vismemo-docqa-tiny (training prefixes)"] = measure(model, processor, many, [0], trained,
+                                                                desc="vismemo-docqa-tiny (training prefixes)")
 
     def random_pair(n, i):
         return random_text(8, 2 * i), random_text(n, 2 * i + 1) if n else ""
 
-    results["vismemo-docqa-tiny"] = measure(model, processor, pages, lengths, random_pair)
+    results["vismemo-docqa-tiny"] = measure(model, processor, pages, lengths, random_pair, desc="vismemo-docqa-tiny")
     results.update(base_reader(args, lengths, random_pair))
     for family in FAMILIES:
         model, processor = load_model("tiny", family)
         enable(model)
-        results[f"tiny {family} (random weights)"] = measure(model, processor, pages, lengths, random_pair)
+        results[f"tiny {family} (random weights)"] = measure(model, processor, pages, lengths, random_pair,
+                                                             desc=f"tiny {family} (random weights)")
     command = report_command("report prefix", args, ["pages", "lengths", "seed", "base_model"])
     report = {"command": command, "machine": machine(note="fp32"),
               "seconds": round(time.time() - t0), "results": results}

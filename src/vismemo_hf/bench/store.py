@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from vismemo_hf.bench.report import header, machine
+from vismemo_hf.progress import progress as progress_bar
 from vismemo_hf.store import blob
 from vismemo_hf.store.entry import Entry
 from vismemo_hf.store.remote import safe_url
@@ -254,20 +255,35 @@ def _tiny_entry(key: str) -> Entry:
 def run(args) -> dict:
     geometry = dict(n_tokens=args.tokens, layers=args.layers, heads=args.kv_heads, head_dim=args.head_dim,
                     embed_dim=args.embed_dim)
+    capacities = [int(c) for c in args.capacities.split(",")]
+    bar = progress_bar(total=6 + bool(args.remote) + 2 * len(capacities), desc="store", unit="step")
+
+    def step(what: str, measure, *arguments):
+        bar.set_postfix_str(what)
+        result = measure(*arguments)
+        bar.update(1)
+        return result
+
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        sparse = sparse_io(geometry, args.beta, args.warmup, tmp)
-        throughput = disk_throughput(geometry, args.repeats, tmp)
-        host = host_throughput(geometry, args.repeats)
-        sealed = {"sparse_io": sparse_io(geometry, args.beta, args.warmup, tmp, BENCH_SECRET),
-                  "disk_throughput": disk_throughput(geometry, args.repeats, tmp, BENCH_SECRET),
-                  "host_throughput": host_throughput(geometry, args.repeats, BENCH_SECRET)}
-        remote = remote_vs_disk(geometry, args.beta, args.warmup, args.repeats, args.remote, tmp) if args.remote else None
+        sparse = step("sparse I/O", sparse_io, geometry, args.beta, args.warmup, tmp)
+        throughput = step("disk throughput", disk_throughput, geometry, args.repeats, tmp)
+        host = step("host throughput", host_throughput, geometry, args.repeats)
+        sealed = {"sparse_io": step("sealed sparse I/O", sparse_io, geometry, args.beta, args.warmup, tmp, BENCH_SECRET),
+                  "disk_throughput": step("sealed disk throughput", disk_throughput, geometry, args.repeats, tmp,
+                                          BENCH_SECRET),
+                  "host_throughput": step("sealed host throughput", host_throughput, geometry, args.repeats,
+                                          BENCH_SECRET)}
+        remote = step("remote tier", remote_vs_disk, geometry, args.beta, args.warmup, args.repeats, args.remote,
+                      tmp) if args.remote else None
     trace = synthetic_trace(args.trace_requests, seed=args.seed)
     size = _tiny_entry("x").nbytes
     lru = {}
-    for capacity in [int(c) for c in args.capacities.split(",")]:
-        lru[capacity] = {"plain": replay(trace, capacity, 0, size), "exact_priority": replay(trace, capacity, 2, size)}
+    for capacity in capacities:
+        lru[capacity] = {"plain": step(f"trace at {capacity}, plain LRU", replay, trace, capacity, 0, size),
+                         "exact_priority": step(f"trace at {capacity}, exact priority", replay, trace, capacity, 2,
+                                                size)}
+    bar.close()
     return {"geometry": geometry, "beta": args.beta, "warmup_layers": args.warmup, "sparse_io": sparse,
             "disk_throughput": throughput, "host_throughput": host, "sealed": sealed, "remote": remote,
             "trace_requests": len(trace), "lru": lru}

@@ -49,10 +49,10 @@ def store_variant(policy: str) -> tuple[str, VisMemoStore, dict]:
     return name, VisMemoStore(**kwargs), policy_options
 
 
-def _progress(total: int, desc: str):
-    from tqdm import tqdm
+def _progress(total: int | None, desc: str):
+    from vismemo_hf.progress import progress
 
-    return tqdm(total=total, desc=desc, leave=False)
+    return progress(total=total, desc=desc, unit="request")
 
 
 def heldout_streams(bases: int, pages: str = "synthdoc") -> dict[str, list]:
@@ -72,7 +72,7 @@ def run(model, processor, requests, policies, sweep_rho, sweep_beta, max_new_tok
     """Every policy, sweep and held-out stream; ``thresholds``: the lookup's (a calibrated preset), else the
     defaults."""
     results, scored_by = {}, {}
-    reading = reading_by_type(model, processor, heldout, max_new_tokens, progress=_progress(0, "reader"),
+    reading = reading_by_type(model, processor, heldout, max_new_tokens, progress=_progress(None, "reader"),
                               pages=pages) if heldout else None
     reference = evaluate(model, processor, requests, "full", max_new_tokens=max_new_tokens,
                          progress=_progress(len(requests), "full (reference)"), thresholds=thresholds)

@@ -15,6 +15,7 @@ from pathlib import Path
 from vismemo_hf.bench.report import command as report_command
 from vismemo_hf.bench.report import header, machine
 from vismemo_hf.bench.store import _tiny_entry, replay_into, synthetic_trace
+from vismemo_hf.progress import progress as progress_bar
 from vismemo_hf.store import blob
 from vismemo_hf.store.store import VisMemoStore
 
@@ -32,20 +33,20 @@ def replay(trace, capacity: int, protect: int, tmp: Path) -> dict:
 
 
 def main(args) -> int:
+    import matplotlib  # the plot's extra, before the replays
+
     trace = synthetic_trace(args.requests, seed=args.seed)
     capacities = [int(c) for c in args.capacities.split(",")]
     results = {}
+    runs = [(c, name, protect) for c in capacities for name, protect in (("plain", 0), ("exact_priority", 2))]
     with tempfile.TemporaryDirectory() as tmp:
-        for capacity in capacities:
-            results[capacity] = {name: replay(trace, capacity, protect, Path(tmp))
-                                 for name, protect in (("plain", 0), ("exact_priority", 2))}
+        for capacity, name, protect in progress_bar(runs, desc="trace", unit="replay"):
+            results.setdefault(capacity, {})[name] = replay(trace, capacity, protect, Path(tmp))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     command = report_command("bench trace", args, ["requests", "capacities", "seed"])
     mach = machine()
     (out / "trace.json").write_text(json.dumps({"command": command, "machine": mach, "results": results}, indent=2))
-    import matplotlib
-
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

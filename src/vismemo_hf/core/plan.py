@@ -7,6 +7,7 @@ plan does not depend on where the image sits in the request.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from enum import Enum
 
@@ -156,7 +157,7 @@ class ImageFeatures:
 
     def __init__(self, key: str, grid: tuple[int, int, int], embeds: torch.Tensor, entropy: torch.Tensor | None = None,
                  patch_hashes: torch.Tensor | None = None, kv_tokens: torch.Tensor | None = None,
-                 pixel_features=None):
+                 pixel_features: Callable[[], tuple[torch.Tensor, torch.Tensor | None]] | None = None) -> None:
         self.key, self.grid, self.embeds, self.kv_tokens = key, grid, embeds, kv_tokens
         self._entropy, self._patch_hashes, self._pixel_features = entropy, patch_hashes, pixel_features
 
@@ -224,7 +225,7 @@ class MovedFeatures(ImageFeatures):
     """A cached image seen through a shift (a scrolled or moved page, ``ImageFeatures.moved``): everything indexed
     by the request's token positions. Tokens the shift brings into view (``outside``) have no cached K/V."""
 
-    def __init__(self, cached: ImageFeatures, shift: tuple[int, int], hw: tuple[int, int]):
+    def __init__(self, cached: ImageFeatures, shift: tuple[int, int], hw: tuple[int, int]) -> None:
         (dy, dx), (h, w) = shift, hw
         if h * w != cached.n_tokens:
             raise ValueError(f"a shift needs one frame of {cached.n_tokens} tokens, got a {h} x {w} grid")

@@ -13,6 +13,7 @@ model and writes a preset (``configs/lookup/``) that ``VisMemoCache(thresholds=.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import torch
@@ -66,7 +67,7 @@ class LookupThresholds:
         """A fine score that needs the pixel stage to match: below ``tau_fine``, at or above ``tau_near``."""
         return self.pixel_stage and self.tau_near <= fine < tau_fine
 
-    def matches(self, fine: float, tau_fine: float, pixel) -> bool:
+    def matches(self, fine: float, tau_fine: float, pixel: Callable[[], float]) -> bool:
         """The fine rule: ``fine`` reaches ``tau_fine`` (the model's, ``fine_for``), or it is ``near`` and
         ``pixel()`` (the aligned thumbnail similarity, computed only then) reaches ``tau_pixel``."""
         return fine >= tau_fine or (self.near(fine, tau_fine) and pixel() >= self.tau_pixel)

@@ -45,6 +45,7 @@ from vismemo_hf.core.thresholds import (
 )
 from vismemo_hf.eval import docpage, docstream, synthdoc
 from vismemo_hf.families import ModelAdapter
+from vismemo_hf.progress import progress as progress_bar
 from vismemo_hf.runtime.reference import encode_images, image_processor, model_reference
 
 
@@ -108,26 +109,34 @@ def pairs(seed: int, per_kind: int, pages: str = "synthdoc") -> list[tuple[Image
     return out
 
 
-def thumbnails(adapter, images) -> list[torch.Tensor]:
-    """The lookup's thumbnail of each image, from the model's own processor output."""
+def thumbnails(adapter, images, bar=None) -> list[torch.Tensor]:
+    """The lookup's thumbnail of each image, from the model's own processor output (``bar``: a progress bar whose
+    postfix counts them)."""
     processor = image_processor(adapter)
     out = []
-    for image in images:
+    for i, image in enumerate(images):
+        if bar is not None and i % 20 == 0:
+            bar.set_postfix_str(f"thumbnails {i}/{len(images)}")
         inputs = processor(images=[image.convert("RGB")], return_tensors="pt")
         grid = tuple(int(x) for x in inputs["image_grid_thw"][0])
         out.append(thumbnail(inputs["pixel_values"], grid, **adapter.entropy_kwargs()))
     return out
 
 
-def score_pairs(adapter, get_image_features, pair_list, reference) -> list[dict]:
+def score_pairs(adapter, get_image_features, pair_list, reference, desc: str = "pairs") -> list[dict]:
     """Per pair: coarse (smallest centred regional cosine), fine (``fine_score``), fine_sketch (the same from
-    token sketches) and pixel (``aligned_similarity`` of their thumbnails)."""
+    token sketches) and pixel (``aligned_similarity`` of their thumbnails). A bar (``desc``) counts the pairs
+    scored; its postfix names the step before (encoding the images in one batch, their thumbnails)."""
     descriptor_mean, token_mean = reference.descriptor_mean, reference.token_mean
     images = [im for a, b, _, _ in pair_list for im in (a, b)]
+    bar = progress_bar(total=len(pair_list), desc=desc, unit="pair")
+    bar.set_postfix_str(f"encoding {len(images)} images")
     encoded = encode_images(adapter, get_image_features, images)
-    thumbs = thumbnails(adapter, images)
+    thumbs = thumbnails(adapter, images, bar)
+    bar.set_postfix_str("")
     rows = []
     for i, (_, _, near, what) in enumerate(pair_list):
+        bar.update(1)
         (ea, ga), (eb, gb) = encoded[2 * i], encoded[2 * i + 1]
         if ga != gb:
             continue
@@ -143,6 +152,7 @@ def score_pairs(adapter, get_image_features, pair_list, reference) -> list[dict]
             "coarse_raw": float(torch.nn.functional.cosine_similarity(da, db, dim=-1).min()),
             "fine_raw": float(torch.nn.functional.cosine_similarity(ea, eb, dim=-1).mean()),
         })
+    bar.close()
     return rows
 
 
@@ -200,8 +210,10 @@ def calibrate(model, per_kind: int = 10, seed: int = 1, heldout_seed: int = 2, p
     get_image_features = model.model.get_image_features
     with torch.no_grad():
         reference = model_reference(adapter, get_image_features)
-        rows = score_pairs(adapter, get_image_features, pairs(seed, per_kind, pages), reference)
-        heldout = score_pairs(adapter, get_image_features, pairs(heldout_seed, per_kind, pages), reference)
+        rows = score_pairs(adapter, get_image_features, pairs(seed, per_kind, pages), reference,
+                           "calibrate: calibration pairs")
+        heldout = score_pairs(adapter, get_image_features, pairs(heldout_seed, per_kind, pages), reference,
+                              "calibrate: held-out pairs")
     chosen = choose(rows)
     tau_fine = chosen.tau_fine
     sketch_agree = [(r["fine"] >= tau_fine) == (r["fine_sketch"] >= tau_fine) for r in rows + heldout]

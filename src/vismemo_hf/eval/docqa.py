@@ -16,6 +16,7 @@ vocabulary head and a curriculum on filled rows, plus what made the row lookup l
 from __future__ import annotations
 
 import json
+import logging
 import math
 import random
 import time
@@ -24,6 +25,10 @@ from pathlib import Path
 import torch
 
 from vismemo_hf.eval import synthdoc
+from vismemo_hf.progress import above_bars, fit_total
+from vismemo_hf.progress import progress as progress_bar
+
+logger = logging.getLogger(__name__)
 
 MODEL_NAME = "vismemo-docqa-tiny"
 PACKAGED = Path(__file__).resolve().parents[1] / "models" / "docqa-tiny"
@@ -131,8 +136,11 @@ def sample(rng: random.Random, n_rows: int, style: str | None = None):
 
 
 def train(out: str | Path, minutes: float = 55.0, max_steps: int = 20000, batch_size: int = 32, lr: float = 2e-3,
-          curriculum_steps: int = 1500, seed: int = 0, resume: str | Path | None = None, log=print) -> dict:
-    """Train from scratch, or continue ``resume`` (a saved checkpoint: full curriculum, fresh optimizer)."""
+          curriculum_steps: int = 1500, seed: int = 0, resume: str | Path | None = None, log=None) -> dict:
+    """Train from scratch, or continue ``resume`` (a saved checkpoint: full curriculum, fresh optimizer). A bar
+    counts the steps (loss in its postfix); every 50 steps a line goes to ``log`` (default: this module's logger,
+    INFO)."""
+    log = log or logger.info
     torch.manual_seed(seed)
     rng = random.Random(seed)
     if resume is not None:
@@ -146,13 +154,13 @@ def train(out: str | Path, minutes: float = 55.0, max_steps: int = 20000, batch_
     tok = processor.tokenizer
     model.set_attn_implementation("eager")  # attention probabilities for the supervised head (short sequences)
     model.train()
-    image_id = model.config.image_token_id
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
     warmup = 200
     held_out = [sample(random.Random(10**9 + i), synthdoc.ROWS) for i in range(128)]
     start, step = time.time(), first_step
     best = -1.0  # the best checkpoint of this run is kept (a resumed run may change the task mix)
     budget = minutes * 60
+    bar = progress_bar(total=max_steps, desc="train-docqa tiny", unit="step")
     while step < first_step + max_steps and time.time() - start < budget:
         progress = min(1.0, (time.time() - start) / budget)
         lr_now = lr * min(1.0, (step + 1 - first_step) / warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
@@ -162,53 +170,69 @@ def train(out: str | Path, minutes: float = 55.0, max_steps: int = 20000, batch_
             synthdoc.ROWS - 1, int((synthdoc.ROWS - 1) * step / curriculum_steps + 1e-9))
         pages, questions, answers, prefixes = zip(*[sample(rng, n_rows) for _ in range(batch_size)])
         batch = _batch(processor, pages, questions, answers, prefixes)
-        outputs = model(**batch, output_hidden_states=True, output_attentions=True)
-        logits = outputs.logits
-        ids = batch["input_ids"]
-        n_answer = len(answers[0]) + 1  # digits + <|im_end|>
-        qa_logits = logits[:, -n_answer - 1 : -1]
-        qa_loss = torch.nn.functional.cross_entropy(qa_logits.reshape(-1, qa_logits.shape[-1]),
-                                                    ids[:, -n_answer:].reshape(-1))
-        hidden = outputs.hidden_states  # embeddings, then the output of every layer
-
-        def readout(states):  # what the vocabulary head reads in intermediate states
-            return model.lm_head(model.model.language_model.norm(states))
-
-        # into the last layer: value cells name their row's first key letter (what the looking head matches),
-        # and the positions that predict the digits name the asked key's first letter (what it looks for)
-        last_in = hidden[-2]
-        aux = _aux_targets(tok, pages)
-        aux_loss = torch.nn.functional.cross_entropy(readout(last_in[ids == image_id]), aux.reshape(-1))
-        asked = torch.tensor([_char_id(tok, q[0]) for q in questions]).repeat_interleave(n_answer - 1)
-        query_loss = torch.nn.functional.cross_entropy(
-            readout(last_in[:, -n_answer - 1 : -2]).reshape(-1, logits.shape[-1]), asked)
-        # mid-depth: every visual token names its own glyph (keeps the digits available to read)
-        middle = hidden[len(hidden) // 2][ids == image_id]
-        own_loss = torch.nn.functional.cross_entropy(readout(middle), _own_targets(tok, pages).reshape(-1))
-        look_loss = _look_loss(outputs.attentions[-1][:, 0], ids, image_id, pages, questions, n_answer)
-        loss = qa_loss + aux_loss + query_loss + own_loss + look_loss
+        loss, parts = _losses(model, tok, batch, pages, questions, answers)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         step += 1
+        qa_loss = parts["qa"]
+        bar.set_postfix(loss=f"{loss.item():.3f}", qa=f"{qa_loss.item():.3f}", rows=n_rows, refresh=False)
+        fit_total(bar, step - first_step, time.time() - start, budget, max_steps)
+        bar.update(1)
         if step % 50 == 0:
-            log(f"step {step} rows {n_rows} lr {lr_now:.2e} qa {qa_loss.item():.3f} aux {aux_loss.item():.3f} "
-                f"query {query_loss.item():.3f} look {look_loss.item():.3f} t {time.time() - start:.0f}s")
+            with above_bars():
+                log(f"step {step} rows {n_rows} lr {lr_now:.2e} qa {qa_loss.item():.3f} aux {parts['aux'].item():.3f} "
+                    f"query {parts['query'].item():.3f} look {parts['look'].item():.3f} t {time.time() - start:.0f}s")
         if step % 500 == 0:
+            bar.set_postfix_str("held-out check")
             acc = teacher_forced_accuracy(model, processor, held_out)
             history.append({"step": step, "seconds": round(time.time() - start), "qa_loss": qa_loss.item(),
                             "heldout_exact": acc})
-            log(f"  held-out exact (teacher forced) {acc:.3f}")
+            with above_bars():
+                log(f"  held-out exact (teacher forced) {acc:.3f}")
             if acc >= best:
                 best = acc
                 save(model, processor, out, {"step": step, "history": history})
             model.train()
+    bar.close()
     acc = teacher_forced_accuracy(model, processor, held_out)
     history.append({"step": step, "seconds": round(time.time() - start), "heldout_exact": acc})
     if acc >= best:
         save(model, processor, out, {"step": step, "history": history})
     return {"steps": step, "history": history, "best_heldout_exact": max(best, acc)}
+
+
+def _losses(model, tok, batch, pages, questions, answers) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The training loss of one batch and its parts: the answer (qa), the last layer's key letters (aux) and
+    query, the mid-depth glyphs (own) and the looking head's attention (look)."""
+    image_id = model.config.image_token_id
+    outputs = model(**batch, output_hidden_states=True, output_attentions=True)
+    logits = outputs.logits
+    ids = batch["input_ids"]
+    n_answer = len(answers[0]) + 1  # digits + <|im_end|>
+    qa_logits = logits[:, -n_answer - 1 : -1]
+    qa_loss = torch.nn.functional.cross_entropy(qa_logits.reshape(-1, qa_logits.shape[-1]),
+                                                ids[:, -n_answer:].reshape(-1))
+    hidden = outputs.hidden_states  # embeddings, then the output of every layer
+
+    def readout(states):  # what the vocabulary head reads in intermediate states
+        return model.lm_head(model.model.language_model.norm(states))
+
+    # into the last layer: value cells name their row's first key letter (what the looking head matches),
+    # and the positions that predict the digits name the asked key's first letter (what it looks for)
+    last_in = hidden[-2]
+    aux = _aux_targets(tok, pages)
+    aux_loss = torch.nn.functional.cross_entropy(readout(last_in[ids == image_id]), aux.reshape(-1))
+    asked = torch.tensor([_char_id(tok, q[0]) for q in questions]).repeat_interleave(n_answer - 1)
+    query_loss = torch.nn.functional.cross_entropy(
+        readout(last_in[:, -n_answer - 1 : -2]).reshape(-1, logits.shape[-1]), asked)
+    # mid-depth: every visual token names its own glyph (keeps the digits available to read)
+    middle = hidden[len(hidden) // 2][ids == image_id]
+    own_loss = torch.nn.functional.cross_entropy(readout(middle), _own_targets(tok, pages).reshape(-1))
+    look_loss = _look_loss(outputs.attentions[-1][:, 0], ids, image_id, pages, questions, n_answer)
+    loss = qa_loss + aux_loss + query_loss + own_loss + look_loss
+    return loss, {"qa": qa_loss, "aux": aux_loss, "query": query_loss, "own": own_loss, "look": look_loss}
 
 
 def _look_loss(attention, ids, image_id, pages, questions, n_answer) -> torch.Tensor:

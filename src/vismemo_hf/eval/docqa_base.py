@@ -23,6 +23,7 @@ The probes are linear heads kept in the training checkpoint only; the packaged m
 from __future__ import annotations
 
 import json
+import logging
 import math
 import random
 import time
@@ -32,6 +33,9 @@ import torch
 
 from vismemo_hf.eval import docpage
 from vismemo_hf.eval.docqa import TEMPLATE, messages
+from vismemo_hf.progress import above_bars, fit_total, progress
+
+logger = logging.getLogger(__name__)
 
 MODEL_NAME = "vismemo-docqa-base"
 PACKAGED = Path(__file__).resolve().parents[1] / "models" / "docqa-base"
@@ -264,7 +268,7 @@ LEVEL_GATE, LEVEL_STEP = 0.7, 0.15
 
 # -- training ------------------------------------------------------------------------------------------------
 def train(out: str | Path, minutes: float = 55.0, max_steps: int = 20000, batch_size: int = 16, lr: float = 1.5e-3,
-          total_steps: int | None = None, seed: int = 0, eval_every: int = 250, log=print) -> dict:
+          total_steps: int | None = None, seed: int = 0, eval_every: int = 250, log=None) -> dict:
     """Train ``vismemo-docqa-base`` into ``out`` for ``minutes`` (or until step ``max_steps``); resumes from ``out``
     when it holds a checkpoint. The data of step s come from ``Random((seed, s))`` and the curriculum level is
     kept in the checkpoint, so a resumed run draws what an uninterrupted one would. The curriculum starts on small
@@ -274,22 +278,8 @@ def train(out: str | Path, minutes: float = 55.0, max_steps: int = 20000, batch_
     kept in the checkpoint, and a resumed run may shorten it to anneal sooner)."""
     out = Path(out)
     state_dir, model_dir = out / "state", out / "model"
-    if (state_dir / "config.json").is_file():
-        from transformers import AutoProcessor, Qwen2_5_VLForConditionalGeneration
-
-        model = Qwen2_5_VLForConditionalGeneration.from_pretrained(state_dir, dtype=torch.float32)
-        processor = AutoProcessor.from_pretrained(state_dir)
-        info = json.loads((state_dir / "training.json").read_text())
-    else:
-        processor = new_processor()
-        model = new_model(processor.tokenizer, seed)
-        info = {"step": 0, "history": [], "best": -1.0, "seed": seed, "batch_size": batch_size, "lr": lr,
-                "total_steps": total_steps or 12000}
-    if total_steps and total_steps != info.get("total_steps"):
-        info.setdefault("schedule_changes", []).append({"step": info["step"], "total_steps": total_steps})
-        info["total_steps"] = total_steps
+    model, processor, info = _resumed(state_dir, seed, batch_size, lr, total_steps)
     total_steps = info.get("total_steps", 12000)
-    info.setdefault("level", 0.0)
     torch.manual_seed(seed + info["step"])
     probes = Probes(model.config.text_config.hidden_size)
     opt = torch.optim.AdamW(list(model.parameters()) + list(probes.parameters()), lr=lr, weight_decay=0.01)
@@ -302,6 +292,9 @@ def train(out: str | Path, minutes: float = 55.0, max_steps: int = 20000, batch_
     evaluation, small = held_out(), held_out(48, small=True)
     start, step = time.time(), info["step"]
     last = None
+    log = log or logger.info  # every 25 steps a line; a bar counts the steps (loss in its postfix)
+    first_step = step
+    bar = progress(total=max_steps, initial=min(step, max_steps), desc="train-docqa base", unit="step")
     while step < max_steps and time.time() - start < minutes * 60:
         warm = min(1.0, (step + 1) / 200)
         lr_now = lr * warm * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * min(1.0, step / total_steps))))
@@ -320,11 +313,16 @@ def train(out: str | Path, minutes: float = 55.0, max_steps: int = 20000, batch_
         opt.step()
         step += 1
         last = {k: round(float(v.detach()), 4) for k, v in parts.items()}
+        bar.set_postfix(loss=f"{float(loss.detach()):.3f}", qa=f"{last['qa']:.3f}", rows=max_rows, refresh=False)
+        fit_total(bar, step - first_step, time.time() - start, minutes * 60, max_steps - first_step, first_step)
+        bar.update(1)
         if step % 25 == 0:
             parts_text = " ".join(f"{k} {v:.3f}" for k, v in last.items())
-            log(f"step {step} rows<={max_rows} full {full_share:.2f} lr {lr_now:.2e} {parts_text} "
-                f"t {time.time() - start:.0f}s")
+            with above_bars():
+                log(f"step {step} rows<={max_rows} full {full_share:.2f} lr {lr_now:.2e} {parts_text} "
+                    f"t {time.time() - start:.0f}s")
         if step % eval_every == 0:
+            bar.set_postfix_str("held-out check")
             acc = teacher_forced_accuracy(model, processor, evaluation)
             small_acc = teacher_forced_accuracy(model, processor, small)
             model.train()
@@ -332,15 +330,38 @@ def train(out: str | Path, minutes: float = 55.0, max_steps: int = 20000, batch_
                 info["level"] = round(min(1.0, info["level"] + LEVEL_STEP), 4)
             info["history"].append({"step": step, "losses": last, "heldout_exact": acc, "small_exact": small_acc,
                                     "level": info["level"]})
-            log(f"  held-out exact (teacher forced) {acc:.3f}, small pages {small_acc:.3f}, level {info['level']}")
+            with above_bars():
+                log(f"  held-out exact (teacher forced) {acc:.3f}, small pages {small_acc:.3f}, level {info['level']}")
             if acc >= info["best"]:
                 info["best"] = acc
                 _save_model(model, processor, model_dir, {**info, "step": step})
             info["step"] = step
             _save_state(model, processor, probes, opt, state_dir, info)
+    bar.close()
     info["step"] = step
     _save_state(model, processor, probes, opt, state_dir, info)
     return info
+
+
+def _resumed(state_dir: Path, seed: int, batch_size: int, lr: float, total_steps: int | None):
+    """(model, processor, training info) from the latest state in ``state_dir``, or new ones; ``total_steps``, when
+    given, replaces the schedule length (the change recorded in the info)."""
+    if (state_dir / "config.json").is_file():
+        from transformers import AutoProcessor, Qwen2_5_VLForConditionalGeneration
+
+        model = Qwen2_5_VLForConditionalGeneration.from_pretrained(state_dir, dtype=torch.float32)
+        processor = AutoProcessor.from_pretrained(state_dir)
+        info = json.loads((state_dir / "training.json").read_text())
+    else:
+        processor = new_processor()
+        model = new_model(processor.tokenizer, seed)
+        info = {"step": 0, "history": [], "best": -1.0, "seed": seed, "batch_size": batch_size, "lr": lr,
+                "total_steps": total_steps or 12000}
+    if total_steps and total_steps != info.get("total_steps"):
+        info.setdefault("schedule_changes", []).append({"step": info["step"], "total_steps": total_steps})
+        info["total_steps"] = total_steps
+    info.setdefault("level", 0.0)
+    return model, processor, info
 
 
 def _save_model(model, processor, path: Path, info: dict) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from vismemo_hf.eval.lmms import HIT_KINDS
+from vismemo_hf.eval.lmms import ANSWERS, Answer
 
 KINDS = ("exact", "approximate", "miss")
 
@@ -17,16 +17,38 @@ def doc_to_text(doc, lmms_eval_specific_kwargs=None):
     return doc["question"]
 
 
+def _current_task() -> str | None:
+    """The task lmms-eval is scoring (it names it before each task's ``process_results``), if it says."""
+    try:
+        from lmms_eval.models.model_utils import usage_metrics
+    except ImportError:
+        return None
+    return getattr(usage_metrics, "_CURRENT_TASK_CONTEXT", None)
+
+
+def answer_of(doc, task: str | None = None) -> Answer:
+    """The realised answer of ``doc``'s request in ``task`` (default: the task being scored; without one, the only
+    task that answered a request of that id); kind ``unknown`` when none was recorded."""
+    doc_id = str(doc["id"])
+    task = task or _current_task()
+    if task is not None:
+        return ANSWERS.get((task, doc_id), Answer("unknown"))
+    found = [a for (_, i), a in ANSWERS.items() if i == doc_id]
+    return found[0] if len(found) == 1 else Answer("unknown")
+
+
 def process_results(doc, results):
-    """ANLS overall, per hit kind of this answer (None where it does not apply) and on edited values."""
+    """ANLS overall, per hit kind of this answer (None where it does not apply) and on edited values; the realised
+    hit kind and fallback of this request, as counts (``answers_KIND``, ``answers_fallback``)."""
     from lmms_eval.api.metrics import anls
 
     score = anls(list(doc["answers"]), results)["anls"]
-    kind = HIT_KINDS.get(str(doc["id"]), "unknown")
+    answer = answer_of(doc)
     out = {"anls": score, "anls_edited_value": score if doc.get("about_edit") else None}
     for k in KINDS:
-        out[f"anls_{k}"] = score if kind == k else None
-        out[f"answers_{k}"] = int(kind == k)  # the realized hit kinds, counted
+        out[f"anls_{k}"] = score if answer.kind == k else None
+        out[f"answers_{k}"] = int(answer.kind == k)  # the realized hit kinds, counted
+    out["answers_fallback"] = int(answer.fallback is not None)  # hits computed in full (the context check, ...)
     return out
 
 

@@ -23,6 +23,8 @@ from dataclasses import dataclass, field, replace
 
 from PIL import Image, ImageDraw, ImageEnhance, ImageFont
 
+from vismemo_hf.progress import progress as progress_bar
+
 CELL = 28
 COLS, ROWS = 8, 6
 KEY_LEN, VALUE_LEN, VALUE_COL = 3, 4, 4
@@ -418,7 +420,7 @@ def page_stream(pages, seed: int = 0, near: dict | None = None) -> list[dict]:
         return dict(id=f"{page_id}/{j}", question=question, answers=list(answers), intended=intended,
                     variant=variant, about_edit=False, stale="", prefix="", image=image)
 
-    for page_id, image, qas in order:
+    for page_id, image, qas in progress_bar(order, desc="build-stream: pages", unit="page"):
         image = image.convert("RGB")
         natural = page_id in near
         q0, a0 = qas[0]
@@ -461,7 +463,7 @@ def near_duplicates(images: dict, model, processor, thresholds=None) -> dict:
         reference = model_reference(adapter, adapter.base.get_image_features)
     tau_fine = thresholds.fine_for(reference)
     seen, out = [], {}
-    for page_id, image in images.items():
+    for page_id, image in progress_bar(images.items(), desc="build-stream: near-duplicates", unit="page"):
         inputs = processor.image_processor(images=[image.convert("RGB")], return_tensors="pt")
         grid = tuple(int(x) for x in inputs["image_grid_thw"][0])
         with torch.no_grad():
@@ -484,7 +486,8 @@ def near_duplicates(images: dict, model, processor, thresholds=None) -> dict:
 
 def request_rows(requests: list[Request]) -> list[dict]:
     return [dict(id=r.id, question=r.question, answers=r.answers, intended=r.intended, variant=r.variant,
-                 about_edit=r.about_edit, stale=r.stale or "", prefix=r.prefix, image=render(r.page)) for r in requests]
+                 about_edit=r.about_edit, stale=r.stale or "", prefix=r.prefix, image=render(r.page))
+            for r in progress_bar(requests, desc="build-stream: rendering", unit="request")]
 
 
 def save_rows(rows: list[dict], path) -> str:

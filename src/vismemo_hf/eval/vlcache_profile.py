@@ -11,6 +11,7 @@ import torch
 from transformers import DynamicCache
 
 from vismemo_hf.eval import synthetic
+from vismemo_hf.progress import progress as progress_bar
 
 
 @torch.no_grad()
@@ -27,7 +28,7 @@ def _visual_kv(model, processor, image, question):
 def layer_sensitivity(model, processor, pairs: int = 4, seed: int = 0) -> list[float]:
     """Mean relative K/V deviation per decoder layer over ``pairs`` synthetic (page, edited page) pairs."""
     totals = None
-    for i in range(pairs):
+    for i in progress_bar(range(pairs), desc="profile-vlcache", unit="pair"):
         s = seed + i
         question = "What is the value of the third row?"
         old = _visual_kv(model, processor, synthetic.page(s), question)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, fields
-from typing import ClassVar
+from typing import ClassVar, TypeVar
 
 import torch
 
@@ -15,7 +15,11 @@ _REGISTRY: dict[str, type[RoutingPolicy]] = {}
 MIN_PROBES = 4
 
 
-def register_policy(cls: type[RoutingPolicy]) -> type[RoutingPolicy]:
+#: a ``RoutingPolicy`` subclass ``register_policy`` is given, and returns
+PolicyT = TypeVar("PolicyT", bound="RoutingPolicy")
+
+
+def register_policy(cls: type[PolicyT]) -> type[PolicyT]:
     if not getattr(cls, "name", None):
         raise TypeError(f"{cls.__name__} needs a class attribute `name`")
     _REGISTRY[cls.name] = cls
@@ -36,7 +40,7 @@ def _preset(name: str) -> dict | None:
     return data
 
 
-def get_policy(policy: str | RoutingPolicy, **options) -> RoutingPolicy:
+def get_policy(policy: str | RoutingPolicy, **options: object) -> RoutingPolicy:
     """A policy from a registered name or a preset, with options (unknown options are an error)."""
     if isinstance(policy, RoutingPolicy):
         if options:

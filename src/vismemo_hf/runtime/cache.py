@@ -17,6 +17,7 @@ from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 from vismemo_hf.core.features import checked_namespace, scoped
 from vismemo_hf.core.plan import CacheEvent
 from vismemo_hf.core.thresholds import LookupThresholds
+from vismemo_hf.defaults import DEFAULT_POLICY
 from vismemo_hf.policies import RoutingPolicy, get_policy
 from vismemo_hf.runtime import context
 from vismemo_hf.runtime.compress import VLCacheCompression
@@ -39,7 +40,7 @@ class VisMemoLayer(DynamicLayer):
     reordering afterwards. ``settle`` marks the slots nothing was written to as empty, and gives back the plain
     layout when every column is held."""
 
-    def __init__(self, **kwargs):
+    def __init__(self, **kwargs: object) -> None:
         super().__init__(**kwargs)
         self.columns: torch.Tensor | None = None  # (B, S) long
         self._slot_of: torch.Tensor | None = None  # (B, L) slot of each request column while a prefill writes
@@ -96,7 +97,8 @@ class VisMemoLayer(DynamicLayer):
             raise RuntimeError("preload needs a layer opened with a slot layout")
         self._write(keys, values, columns)
 
-    def update(self, key_states, value_states, *args, columns: torch.Tensor, contiguous: bool, **kwargs):
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: object, columns: torch.Tensor,
+               contiguous: bool, **kwargs: object) -> tuple[torch.Tensor, torch.Tensor]:
         """Computed K/V of request ``columns`` (B, q): written into the open layout of a prefill, else appended
         (``contiguous``: they continue the sequence)."""
         if self._slot_of is not None:
@@ -207,8 +209,17 @@ class _UnsetFloat(float, _Unset):
     pass
 
 
-#: the routing of ``VisMemoCache()`` (README: why)
-DEFAULT_POLICY = "attend-deviate"
+def check_thresholds(thresholds: LookupThresholds | None, model) -> None:
+    """A ValueError when ``thresholds`` were calibrated for another model than ``model`` (enabled or not)."""
+    if thresholds is None or thresholds.fingerprint is None or model is None:
+        return
+    from vismemo_hf.families import ModelAdapter
+
+    adapter = getattr(model, "_vismemo", None) or ModelAdapter.for_model(model)
+    if thresholds.fingerprint != adapter.fingerprint:
+        raise ValueError(f"lookup thresholds calibrated for model {thresholds.fingerprint[:12]} given for model "
+                         f"{adapter.fingerprint[:12]} ({type(model).__name__}): run `vismemo calibrate` for this "
+                         "model or pass thresholds=None")
 
 
 class VisMemoCache(DynamicCache):
@@ -235,6 +246,9 @@ class VisMemoCache(DynamicCache):
     ``namespace`` (a tenant, user or project name; default the store's ``namespace``): like vLLM's ``cache_salt``,
     it enters every exact key and the lookup index, so that this cache never reuses, exactly or approximately, an
     entry another namespace stored, and stores its own for its namespace only.
+
+    ``model`` (optional): the model this cache will serve; given, thresholds calibrated for another model are an
+    error here rather than at the first approximate lookup inside ``generate``.
     """
 
     def __init__(
@@ -251,8 +265,9 @@ class VisMemoCache(DynamicCache):
         store_misses: bool = True,
         compress: VLCacheCompression | None = None,
         namespace: str | None = None,
-        **policy_options,
-    ):
+        model: torch.nn.Module | None = None,
+        **policy_options: object,
+    ) -> None:
         Cache.__init__(self, layer_class_to_replicate=VisMemoLayer)
         if store is not None and not isinstance(store, VisMemoStore):
             raise TypeError(f"store must be a VisMemoStore (one shared by every cache, so that hits happen), got "
@@ -264,6 +279,7 @@ class VisMemoCache(DynamicCache):
         self.policy = get_policy(policy, **given, **policy_options)
         if isinstance(thresholds, str):
             thresholds = LookupThresholds.load(thresholds)
+        check_thresholds(thresholds, model)
         self.thresholds = thresholds
         self._overrides = {k: float(v) for k, v in (("tau", tau), ("tau_fine", tau_fine)) if v is not None}
         if tau_fine is not None:
@@ -295,7 +311,8 @@ class VisMemoCache(DynamicCache):
             self.layers.append(VisMemoLayer())
         return self.layers[layer_idx]
 
-    def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: object,
+               **kwargs: object) -> tuple[torch.Tensor, torch.Tensor]:
         ctx = context.current(self)
         if ctx is None:
             raise RuntimeError(

@@ -19,14 +19,22 @@ from __future__ import annotations
 import contextlib
 import functools
 import types
+from collections.abc import Iterator, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, TypeVar
 
 from vismemo_hf.families import ModelAdapter
 from vismemo_hf.runtime import attention, context
 from vismemo_hf.runtime.cache import VisMemoCache
 from vismemo_hf.runtime.lookup import DeferredImageFeatures, lookup_request
 from vismemo_hf.runtime.runner import finish_native, run_prefill
+
+if TYPE_CHECKING:
+    import torch
+
+#: the model ``enable`` / ``disable`` / ``enabled`` are given, and return
+ModelT = TypeVar("ModelT", bound="torch.nn.Module")
 
 #: set while ``generate`` pre-encodes the images of a request that has a VisMemoCache
 _DEFER_IMAGES: ContextVar[bool] = ContextVar("vismemo_defer_images", default=False)
@@ -190,7 +198,8 @@ def _restore(module) -> None:
             setattr(module, name, own)
 
 
-def enable(model, *, image_mean=None, image_std=None):
+def enable(model: ModelT, *, image_mean: Sequence[float] | None = None,
+           image_std: Sequence[float] | None = None) -> ModelT:
     """Prepare a Qwen2-VL / Qwen2.5-VL / Qwen3-VL (-MoE) model, its ``*ForConditionalGeneration`` or its base
     ``*Model``, for ``VisMemoCache``; returns the model.
 
@@ -218,7 +227,7 @@ def enable(model, *, image_mean=None, image_std=None):
     return model
 
 
-def disable(model):
+def disable(model: ModelT) -> ModelT:
     """Undo ``enable``: hooks removed, the replaced methods restored; the model then computes exactly as before
     ``enable``. Returns the model."""
     adapter = getattr(model, "_vismemo", None)
@@ -238,7 +247,7 @@ def disable(model):
 
 
 @contextlib.contextmanager
-def enabled(model, **options):
+def enabled(model: ModelT, **options: Sequence[float] | None) -> Iterator[ModelT]:
     """``with enabled(model): ...``: VisMemo for the block only (a model enabled before stays enabled)."""
     already = getattr(model, "_vismemo", None) is not None
     enable(model, **options)

@@ -22,9 +22,11 @@ import logging
 import math
 import os
 import re
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -37,6 +39,12 @@ from vismemo_hf.store.eviction import ExactPriorityLRU
 from vismemo_hf.store.placement import Placement
 from vismemo_hf.store.remote import RemoteTier, RemoteUnavailable
 from vismemo_hf.store.tiers import DeviceTier, DiskTier, HostTier, Tier
+
+if TYPE_CHECKING:
+    from vismemo_hf.core.thresholds import LookupThresholds, ModelReference
+
+#: a byte budget: ``1073741824``, ``"1GiB"``, ``"512 MB"``; None: unbounded
+Bytes = int | float | str | None
 
 logger = logging.getLogger(__name__)
 
@@ -71,7 +79,7 @@ def _checked_device(device) -> torch.device:
     return device
 
 
-def parse_bytes(value) -> int | None:
+def parse_bytes(value: Bytes) -> int | None:
     """``1073741824``, ``"1GiB"``, ``"512 MB"`` or ``None`` (unbounded)."""
     if value is None or isinstance(value, int):
         return value
@@ -124,6 +132,33 @@ def _new_stats() -> dict:
             "writes_read_only": 0, "quarantined": 0}
 
 
+def _prepared(entry: Entry, importance: torch.Tensor | None, keep_ratio: float | None, kv_format: str | None) -> Entry:
+    """The entry as every tier will serve it: compressed (``keep_ratio``), K/V in ``kv_format``."""
+    if keep_ratio is not None and entry.kv_tokens is None and keep_ratio < 1.0:
+        score = (importance if importance is not None else entry.entropy).float().cpu()
+        if score.shape != (entry.n_tokens,):
+            raise ValueError(f"importance must hold one score per token ({entry.n_tokens}), got {tuple(score.shape)}")
+        entry = entry.compressed(torch.topk(score, max(1, math.ceil(keep_ratio * entry.n_tokens))).indices)
+    if kv_format is not None:  # what every tier will serve, the device tier included
+        entry = replace(entry, kv=blob.round_trip(entry.kv, kv_format))
+    return entry
+
+
+def _check_options(budgets: dict, host_bytes: int | None, disk_bytes: int | None, victim_share: float,
+                   kv_format: str | None, keep_ratio: float | None) -> None:
+    """ValueErrors of ``VisMemoStore``'s options that no tier checks itself."""
+    for name, v in (("host_bytes", host_bytes), ("disk_bytes", disk_bytes), *budgets.items()):
+        if v is not None and v < 0:
+            raise ValueError(f"{'device_bytes of ' if name not in ('host_bytes', 'disk_bytes') else ''}{name} "
+                             "must be >= 0 or None")
+    if not 0.0 <= victim_share < 1.0:
+        raise ValueError("victim_share must lie in [0, 1)")
+    if kv_format not in (None, *blob.KV_FORMATS):
+        raise ValueError(f"kv_format must be None or one of {sorted(blob.KV_FORMATS)}, got {kv_format!r}")
+    if keep_ratio is not None and not 0.0 < keep_ratio <= 1.0:
+        raise ValueError(f"keep_ratio must lie in (0, 1] or be None, got {keep_ratio!r}")
+
+
 class VisMemoStore:
     """Entries of any number of models in a chain of tiers with byte budgets that are never exceeded.
 
@@ -150,23 +185,16 @@ class VisMemoStore:
     ``namespace``: the namespace of the caches on this store that name none (``VisMemoCache(namespace=...)``).
     """
 
-    def __init__(self, device_bytes=None, host_bytes=0, disk_dir=None, disk_bytes=None, *, device="cpu",
-                 protect: int = 2, victim_share: float = 0.0, priors=None, write_through: bool = True,
-                 remote_url: str | None = None, remote_options: dict | None = None, kv_format: str | None = None,
-                 keep_ratio: float | None = None, thresholds=None, secret: str | bytes | bool | None = None,
-                 namespace: str | None = None):
+    def __init__(self, device_bytes: Bytes | dict[str, Bytes] = None, host_bytes: Bytes = 0,
+                 disk_dir: str | os.PathLike[str] | None = None, disk_bytes: Bytes = None, *,
+                 device: str | torch.device = "cpu", protect: int = 2, victim_share: float = 0.0,
+                 priors: str | os.PathLike[str] | None = None, write_through: bool = True, remote_url: str | None = None,
+                 remote_options: Mapping[str, object] | None = None, kv_format: str | None = None,
+                 keep_ratio: float | None = None, thresholds: str | Iterable[str | LookupThresholds] | None = None,
+                 secret: str | bytes | bool | None = None, namespace: str | None = None) -> None:
         budgets = _device_budgets(device_bytes, device)
         host_bytes, disk_bytes = parse_bytes(host_bytes), parse_bytes(disk_bytes)
-        for name, v in (("host_bytes", host_bytes), ("disk_bytes", disk_bytes), *budgets.items()):
-            if v is not None and v < 0:
-                raise ValueError(f"{'device_bytes of ' if name not in ('host_bytes', 'disk_bytes') else ''}{name} "
-                                 "must be >= 0 or None")
-        if not 0.0 <= victim_share < 1.0:
-            raise ValueError("victim_share must lie in [0, 1)")
-        if kv_format not in (None, *blob.KV_FORMATS):
-            raise ValueError(f"kv_format must be None or one of {sorted(blob.KV_FORMATS)}, got {kv_format!r}")
-        if keep_ratio is not None and not 0.0 < keep_ratio <= 1.0:
-            raise ValueError(f"keep_ratio must lie in (0, 1] or be None, got {keep_ratio!r}")
+        _check_options(budgets, host_bytes, disk_bytes, victim_share, kv_format, keep_ratio)
         self.kv_format, self.keep_ratio, self.write_through = kv_format, keep_ratio, write_through
         if secret is None:
             secret = os.environ.get(SECRET_ENV) or False
@@ -195,7 +223,7 @@ class VisMemoStore:
 
     # -- construction ------------------------------------------------------------------------------
     @classmethod
-    def from_config(cls, path: str | None = None, **overrides) -> VisMemoStore:
+    def from_config(cls, path: str | None = None, **overrides: object) -> VisMemoStore:
         """A store from a YAML preset: a path, or the name of a file in ``configs/store/``
         (default ``default``: small RAM tiers and a disk tier under the user's cache home); ``overrides`` replace
         the preset's options (``kv_format="int8"``, ...)."""
@@ -231,17 +259,6 @@ class VisMemoStore:
             self.catalog.add(key, header.fingerprint, header.grid, descriptors)
 
     # -- writing -----------------------------------------------------------------------------------
-    def _prepared(self, entry: Entry, importance: torch.Tensor | None) -> Entry:
-        """The entry as every tier will serve it: compressed (``keep_ratio``), K/V in ``kv_format``."""
-        if self.keep_ratio is not None and entry.kv_tokens is None and self.keep_ratio < 1.0:
-            score = (importance if importance is not None else entry.entropy).float().cpu()
-            if score.shape != (entry.n_tokens,):
-                raise ValueError(f"importance must hold one score per token ({entry.n_tokens}), got {tuple(score.shape)}")
-            entry = entry.compressed(torch.topk(score, max(1, math.ceil(self.keep_ratio * entry.n_tokens))).indices)
-        if self.kv_format is not None:  # what every tier will serve, the device tier included
-            entry = replace(entry, kv=blob.round_trip(entry.kv, self.kv_format))
-        return entry
-
     def put(self, entry: Entry, importance: torch.Tensor | None = None) -> bool:
         """Store an entry (first tier with room; through to disk). False if it fits nowhere or is malformed.
         ``importance`` (N,): what a compressed store keeps first (``keep_ratio``)."""
@@ -254,7 +271,7 @@ class VisMemoStore:
             self._stats["rejected"] += 1
             return False
         self.placement.settle_writes()
-        entry = self._prepared(entry, importance)
+        entry = _prepared(entry, importance, self.keep_ratio, self.kv_format)
         with self._lock:
             if self.placement.tier_of(entry.key) is not None:
                 return True
@@ -281,7 +298,7 @@ class VisMemoStore:
             self._stats["puts"] += 1
             return True
 
-    def put_later(self, build) -> None:
+    def put_later(self, build: Callable[[], tuple[Entry, torch.Tensor | None] | None]) -> None:
         """Build an entry with ``build()`` (-> (entry, importance) or None) and ``put`` it on the store's writer
         thread, off the request's critical path. Every later read of the store waits for it first."""
         if self._builder is None:
@@ -412,26 +429,27 @@ class VisMemoStore:
             self._stats["bytes_read_lookup"] += nbytes
             return tuple(section)
 
-    def candidates(self, fingerprint: str, grid, descriptors: torch.Tensor, tau: float, top_k: int):
+    def candidates(self, fingerprint: str, grid: tuple[int, int, int], descriptors: torch.Tensor, tau: float,
+                   top_k: int) -> list[tuple[str, float]]:
         """Coarse stage: (key, mean centred regional cosine) of same-grid entries passing all four regions."""
         self._drain()
         with self._lock:
             self._sync_remote()
             return self.catalog.candidates(fingerprint, grid, descriptors, tau, top_k)
 
-    def reference(self, fingerprint: str):
+    def reference(self, fingerprint: str) -> ModelReference | None:
         """The model's ``ModelReference`` (the means the lookup centres by); None until registered."""
         return self.catalog.reference(fingerprint)
 
-    def set_reference(self, fingerprint: str, reference) -> None:
+    def set_reference(self, fingerprint: str, reference: ModelReference) -> None:
         with self._lock:
             self.catalog.set_reference(fingerprint, reference)
 
-    def add_thresholds(self, preset) -> None:
+    def add_thresholds(self, preset: str | LookupThresholds) -> None:
         """Register calibrated lookup thresholds (a ``LookupThresholds``, preset name or path) for their model."""
         self.catalog.add_thresholds(preset)
 
-    def thresholds_for(self, fingerprint: str):
+    def thresholds_for(self, fingerprint: str) -> LookupThresholds | None:
         """The calibrated ``LookupThresholds`` of a model, or None."""
         return self.catalog.thresholds_for(fingerprint)
 
@@ -469,7 +487,7 @@ class VisMemoStore:
         tier = self.placement.tier_of(key)
         return None if tier is None else tier.name
 
-    def stats(self) -> dict:
+    def stats(self) -> dict[str, Any]:
         self._drain()
         self.placement.settle_writes()
         with self._lock:
