@@ -115,6 +115,11 @@ def test_backend_model_args_reach_the_store_and_the_cache():
     assert run.namespace == "2024" and run is not store
     with pytest.raises(ValueError, match="store_scope"):
         VisMemoLMM(pretrained="vismemo-docqa-tiny", store_scope="tasks")
+    # thresholds of another model, or a policy option that does not exist, fail when the backend starts
+    with pytest.raises(ValueError, match="calibrated for model"):
+        VisMemoLMM(pretrained="vismemo-docqa-tiny", thresholds="vismemo-docqa-base")
+    with pytest.raises(TypeError):
+        VisMemoLMM(pretrained="vismemo-docqa-tiny", no_such_option="1")
 
 
 def _two_task_requests(lmm):

@@ -23,10 +23,10 @@ from dataclasses import dataclass
 import torch
 from lmms_eval.api.model import lmms
 from lmms_eval.models.registry_v2 import ModelManifest
-from tqdm import tqdm
 
 from vismemo_hf import VisMemoCache, VisMemoStore, enable
 from vismemo_hf.eval.loading import load_model
+from vismemo_hf.progress import progress
 from vismemo_hf.runtime.cache import DEFAULT_POLICY
 from vismemo_hf.store.store import preset_options
 
@@ -87,6 +87,8 @@ class VisMemoLMM(lmms):
         self.stores: dict[str, VisMemoStore] = {}
         self.policy = policy
         self.options = {k: _number(v) for k, v in method_args.items()}
+        # a bad policy, policy option or thresholds preset (another model's included) fails here, not mid-run
+        VisMemoCache(store=VisMemoStore(), policy=self.policy, model=self.model, **self.options)
         self.max_new_tokens = int(max_new_tokens)
 
     def store_for(self, task: str) -> VisMemoStore:
@@ -104,7 +106,7 @@ class VisMemoLMM(lmms):
         tasks = list(dict.fromkeys(r.args[4] for r in requests))  # lmms-eval's task order
         # each task's requests together, in stream (document) order: a hit depends on what came before it
         order = sorted(range(len(requests)), key=lambda i: (tasks.index(requests[i].args[4]), requests[i].args[3]))
-        for i in tqdm(order, desc="vismemo", disable=len(order) < 2):
+        for i in progress(order, desc="vismemo", disable=len(order) < 2):
             context, gen_kwargs, doc_to_visual, doc_id, task, split = requests[i].args
             doc = self.task_dict[task][split][doc_id]
             images = doc_to_visual(doc)
