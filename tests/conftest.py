@@ -267,3 +267,14 @@ def server():
     srv = RedisServer()
     yield srv
     srv.kill()
+
+
+@pytest.fixture(autouse=True)
+def _progress_switch_reset():
+    """``main(["--quiet", ...])`` turns progress bars off process-wide (as the CLI should); every test starts from
+    the default again (bars on unless VISMEMO_QUIET, other libraries' bars back on)."""
+    yield
+    from vismemo_hf import progress
+
+    progress.set_enabled(None)
+    progress._other_bars(False)

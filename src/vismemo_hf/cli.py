@@ -204,6 +204,24 @@ def _int_list(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"comma-separated integers expected, got {text!r}") from None
 
 
+def _checked_list(cast, what: str):
+    """An argparse type: a comma-separated list of ``what`` checked by ``cast``, kept as the text the commands
+    parse (a bad item is a usage error naming the option, before anything runs)."""
+    def check(text: str) -> str:
+        if not text:  # an empty list (e.g. no sweep)
+            return text
+        try:
+            [cast(x) for x in text.split(",")]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"comma-separated {what} expected, got {text!r}") from None
+        return text
+
+    return check
+
+
+INTS, NUMBERS = _checked_list(int, "integers"), _checked_list(float, "numbers")
+
+
 def _bench(name: str):
     def run(args) -> int:
         import importlib
@@ -277,7 +295,7 @@ def _real_pages(args):
     import datasets
 
     if args.source is None:
-        raise SystemExit(f"build-stream {args.task} needs --source: parquet files or a cached HF dataset name")
+        raise ValueError(f"{args.task} needs --source: parquet files or a cached HF dataset name")
     files = sorted(glob.glob(args.source))
     if files:
         data = datasets.load_dataset("parquet", data_files={"data": files}, split="data")
@@ -285,7 +303,7 @@ def _real_pages(args):
         data = datasets.load_dataset(args.source, split=args.split)
     missing = {"question", "answers", "image"} - set(data.column_names)
     if missing:
-        raise SystemExit(f"{args.source}: no column(s) {sorted(missing)}; expected the DocVQA / InfographicVQA schema")
+        raise ValueError(f"{args.source}: no column(s) {sorted(missing)}; expected the DocVQA / InfographicVQA schema")
     page_col = next(c for c in PAGE_COLUMNS if c in data.column_names) if any(
         c in data.column_names for c in PAGE_COLUMNS) else None
     doc_col = next((c for c in DOCUMENT_COLUMNS if c in data.column_names), None)
@@ -393,7 +411,7 @@ def _add_build_stream(sub) -> None:
     p.add_argument("--source", default=None, help="docvqa/infovqa: parquet glob or cached HF dataset name")
     p.add_argument("--split", default="validation", help="docvqa/infovqa: dataset split")
     p.add_argument("--pages", type=int, default=100, help="docvqa/infovqa: pages to use")
-    p.add_argument("--seeds", default="0", help="synthdoc: stream seeds, comma separated")
+    p.add_argument("--seeds", type=INTS, default="0", help="synthdoc: stream seeds, comma separated")
     p.add_argument("--bases", type=int, default=20, help="synthdoc: new pages per stream")
     p.add_argument("--seed", type=int, default=0, help="docvqa/infovqa: seed of the near-duplicate copies")
     p.add_argument("--near-model", default=None,
@@ -409,7 +427,7 @@ def _add_bench(sub) -> None:
     p = bench_sub.add_parser("compression", help="decoding KV bytes and decode time vs VL-Cache ratio")
     p.add_argument("--preset", default="medium", help="model preset (random weights)")
     p.add_argument("--family", default="qwen2_vl", choices=FAMILY_NAMES, help="model family")
-    p.add_argument("--ratios", default="0.1,0.25,0.5,1.0", help="kept shares of the visual tokens")
+    p.add_argument("--ratios", type=NUMBERS, default="0.1,0.25,0.5,1.0", help="kept shares of the visual tokens")
     p.add_argument("--new-tokens", type=int, default=24, help="decoded tokens per request")
     p.add_argument("--repeats", type=int, default=3, help="timed rounds")
     p.add_argument("--width", type=int, default=448, help="image width, px")
@@ -422,7 +440,7 @@ def _add_bench(sub) -> None:
     p.add_argument("--warmup", type=int, default=3, help="warmup layers a sparse read skips")
     p.add_argument("--repeats", type=int, default=5, help="timed rounds")
     p.add_argument("--trace-requests", type=int, default=4000, help="requests of the eviction trace")
-    p.add_argument("--capacities", default="25,50,100,200", help="store capacities (entries) of the trace")
+    p.add_argument("--capacities", type=INTS, default="25,50,100,200", help="store capacities (entries) of the trace")
     p.add_argument("--seed", type=int, default=0, help="trace seed")
     p.add_argument("--remote", action="append", default=None, metavar="URL",
                    help="also time the shared Redis tier (redis://host:port/db; a cluster is found by asking it) "
@@ -433,7 +451,7 @@ def _add_bench(sub) -> None:
                                              "plain transformers, by visual length")
     p.add_argument("--preset", default="qwen3-vl-8b-narrow", help="model preset (random weights)")
     p.add_argument("--family", default=None, choices=FAMILY_NAMES, help="family of family-agnostic presets")
-    p.add_argument("--lengths", default="256,512,1024,2048,4096", help="visual tokens per image")
+    p.add_argument("--lengths", type=INTS, default="256,512,1024,2048,4096", help="visual tokens per image")
     p.add_argument("--policies", default="attend-deviate,vismemo,cacheblend", help="policies of the approximate hits")
     p.add_argument("--repeats", type=int, default=3, help="timed rounds")
     p.add_argument("--new-tokens", type=int, default=32, help="tokens of every timed generate")
@@ -443,7 +461,7 @@ def _add_bench(sub) -> None:
     _out_option(p, "results/perf")
     p.set_defaults(func=_bench("latency"))
     p = bench_sub.add_parser("lookup", help="coarse-lookup latency, memory and recall vs number of cached entries")
-    p.add_argument("--sizes", default="1000,10000,100000", help="entry counts (1e5 style accepted)")
+    p.add_argument("--sizes", type=NUMBERS, default="1000,10000,100000", help="entry counts (1e5 style accepted)")
     p.add_argument("--dim", type=int, default=4096, help="descriptor width")
     p.add_argument("--queries", type=int, default=200, help="timed queries per size")
     p.add_argument("--recall-queries", type=int, default=100, help="queries checked against the exact rule")
@@ -461,7 +479,7 @@ def _add_bench(sub) -> None:
     p.set_defaults(func=_bench("capacity"))
     p = bench_sub.add_parser("trace", help="synthetic trace through the tiered store at several capacities")
     p.add_argument("--requests", type=int, default=3000, help="requests of the trace")
-    p.add_argument("--capacities", default="20,50,100,200,400", help="store capacities (entries)")
+    p.add_argument("--capacities", type=INTS, default="20,50,100,200,400", help="store capacities (entries)")
     p.add_argument("--seed", type=int, default=0, help="trace seed")
     _out_option(p, "results/perf")
     p.set_defaults(func=_bench("trace"))
@@ -475,15 +493,15 @@ def _add_report(sub) -> None:
     p.add_argument("--pages", default="auto", choices=("auto", "synthdoc", "docpage"),
                    help="the streams' pages (auto: docpage for vismemo-docqa-base and its checkpoints)")
     p.add_argument("--streams", type=int, default=2, help="request streams (the first N of the default seeds)")
-    p.add_argument("--seeds", default=None, help="explicit stream seeds, comma-separated (instead of --streams)")
+    p.add_argument("--seeds", type=INTS, default=None, help="explicit stream seeds, comma-separated (instead of --streams)")
     p.add_argument("--bases", type=int, default=20, help="new pages per stream (each with 4 follow-ups)")
     p.add_argument("--policies", default="all",
                    help="comma-separated policy names (`default` names the library's default routing), or all")
     p.add_argument("--no-sweeps", action="store_true", help="skip the recompute and reuse ratio sweeps")
     p.add_argument("--thresholds", default=None,
                    help="lookup thresholds preset or path (vismemo calibrate) for every cache; default: the defaults")
-    p.add_argument("--sweep-rho", default="0.1,0.2,0.3,0.5,0.8", help="recompute ratios of the sweep")
-    p.add_argument("--sweep-beta", default="0,0.05,0.1,0.2,0.4", help="reuse ratios of the sweep")
+    p.add_argument("--sweep-rho", type=NUMBERS, default="0.1,0.2,0.3,0.5,0.8", help="recompute ratios of the sweep")
+    p.add_argument("--sweep-beta", type=NUMBERS, default="0,0.05,0.1,0.2,0.4", help="reuse ratios of the sweep")
     p.add_argument("--max-new-tokens", type=int, default=6, help="tokens generated per answer")
     p.add_argument("--heldout", type=int, default=40, help="held-out pages per page type for the reader's own accuracy")
     p.add_argument("--heldout-bases", type=int, default=15,
@@ -504,7 +522,7 @@ def _add_report(sub) -> None:
     p.set_defaults(func=_bench("pareto"))
     p = report_sub.add_parser("prefix", help="exact hits after another text before the image vs a full prefill")
     p.add_argument("--pages", type=int, default=20, help="pages per family")
-    p.add_argument("--lengths", default="0,10,50,100,200,400", help="token counts of the changed text")
+    p.add_argument("--lengths", type=INTS, default="0,10,50,100,200,400", help="token counts of the changed text")
     p.add_argument("--seed", type=int, default=4000, help="page seed")
     p.add_argument("--base-model", default="vismemo-docqa-base",
                    help="the docpage reader (packaged name or checkpoint folder)")
@@ -616,17 +634,18 @@ def main(argv=None) -> int:
 
     progress.configure(quiet=args.quiet_all or getattr(args, "quiet", False))  # report context --quiet too
     warnings.filterwarnings("ignore", category=FutureWarning)  # transformers' deprecation notices
+    name = " ".join(x for x in (args.command, getattr(args, "bench", None), getattr(args, "report", None)) if x)
     try:
         return args.func(args)
     except USER_ERRORS as err:
         message = err.args[0] if isinstance(err, KeyError) and err.args else err
-        print(f"vismemo {args.command}: error: {message}", file=sys.stderr)
+        print(f"vismemo {name}: error: {message}", file=sys.stderr)
         return 2
     except ModuleNotFoundError as err:
         message = missing_extra(err)
         if message is None:
             raise
-        print(f"vismemo {args.command}: error: {message}", file=sys.stderr)
+        print(f"vismemo {name}: error: {message}", file=sys.stderr)
         return 2
 
 

@@ -145,6 +145,9 @@ def main(args) -> int:
     if bad:
         raise ValueError(f"unknown policy label(s) {bad}; labels: {', '.join(POLICIES)}")
     classes = context.CLASSES if args.classes == "all" else tuple(args.classes.split(","))
+    unknown = [c for c in classes if c not in context.CLASSES]
+    if unknown:  # before any model loads
+        raise ValueError(f"unknown context class(es) {unknown}; classes: {', '.join(context.CLASSES)}")
     policies = {p: POLICIES[p] for p in names}
     t0 = time.time()
     results, all_rows = {}, {}

@@ -197,7 +197,11 @@ def _plot(readers: dict, path: Path, cost: str) -> None:
 def main(args) -> int:
     from vismemo_hf.eval.loading import load_model
 
-    points = [(p, o) for p in (args.policies.split(",") if args.policies != "all" else SWEEPS) for o in SWEEPS[p]]
+    names = args.policies.split(",") if args.policies != "all" else list(SWEEPS)
+    unknown = [p for p in names if p not in SWEEPS]
+    if unknown:
+        raise ValueError(f"unknown policy(ies) {unknown} for the Pareto sweep; policies: {', '.join(SWEEPS)}")
+    points = [(p, o) for p in names for o in SWEEPS[p]]
     t0 = time.time()
     readers = {}
     for name in args.models.split(","):

@@ -143,15 +143,18 @@ def _plot(sweep: dict, name: str, path: Path) -> None:
 
 def main(args) -> int:
     from vismemo_hf.eval.loading import load_model
+    from vismemo_hf.policies import get_policy
 
+    policies = POLICIES if args.policies == "all" else [DEFAULT_POLICY if p == "default" else p
+                                                         for p in args.policies.split(",")]
+    for policy in policies:  # an unknown name fails before anything runs
+        get_policy(policy)
     torch.manual_seed(0)
     model, processor = load_model(args.model)
     enable(model)
     seeds = _seeds(args)
     pages, stream = docstream.reader_pages(args.model, args.pages)
     requests = [r for seed in seeds for r in stream(seed, n_bases=args.bases)]
-    policies = POLICIES if args.policies == "all" else [DEFAULT_POLICY if p == "default" else p
-                                                         for p in args.policies.split(",")]
     rho = [float(x) for x in args.sweep_rho.split(",")] if args.sweep_rho and not args.no_sweeps else []
     beta = [float(x) for x in args.sweep_beta.split(",")] if args.sweep_beta and not args.no_sweeps else []
     t0 = time.time()

@@ -33,6 +33,8 @@ def load_model(spec: str, family: str | None = None, dtype=torch.float32, seed: 
         if not (Path(spec) / "config.json").is_file():
             raise ValueError(f"{spec} is a folder without config.json: not a model checkpoint")
         return _from_pretrained(spec, dtype, device)
+    if spec.startswith(("/", "./", "../", "~")) and not Path(spec).expanduser().exists():
+        raise ValueError(f"no model folder {spec}")
     try:
         find("models", spec)
     except (FileNotFoundError, ValueError):
