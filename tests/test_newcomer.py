@@ -146,3 +146,8 @@ def test_train_docqa_runs_and_resumes(tmp_path, capsys):
     info = json.loads((base / "state" / "training.json").read_text())
     assert info["step"] == 2 and info["total_steps"] == 12000
     assert "step 2: latest state" in capsys.readouterr().out
+
+
+def test_python_dash_m_runs_the_command_line():
+    out = subprocess.run([sys.executable, "-m", "vismemo_hf", "--version"], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == f"vismemo-hf {vismemo_hf.__version__}"
