@@ -160,3 +160,52 @@ def test_bench_store_puts_one_server_and_a_cluster_side_by_side(server, cluster,
     assert all(r["sparse_bytes"] == rows["disk"]["sparse_bytes"] and r["full_server_bytes"] >= r["blob_bytes"]
                for r in both)
     assert not list(cluster.client().scan_iter("vismemo-bench-*"))
+
+
+def _cluster_down_in_pipeline():
+    """What redis-py raises for a pipelined command a cluster cannot serve now (a node down or just restarted, the
+    cluster failing over): a ``ClusterDownError`` whose text names the command first, not ``CLUSTERDOWN``."""
+    from redis.exceptions import ClusterDownError
+
+    return ClusterDownError("Command # 1 (GETRANGE vismemo:blob:k 0 279) of pipeline caused error: The cluster is down")
+
+
+def test_a_cluster_that_is_down_in_a_pipeline_is_unavailability_not_a_bad_entry():
+    from vismemo_hf.store.remote import RedisLink, RemoteUnavailable
+
+    link = RedisLink("redis://127.0.0.1:1/0", 0.1, 0.3, None, [], on_back=lambda: None)
+
+    def down():
+        raise _cluster_down_in_pipeline()
+
+    with pytest.raises(RemoteUnavailable):
+        link.call(down, "vismemo:blob:k")
+    assert link.counters["errors"] == 1
+
+
+def test_a_read_that_meets_a_down_cluster_keeps_the_entry(server, monkeypatch):
+    """Found by ``vismemo bench soak``: a GETRANGE pipeline meeting a restarting node raised ClusterDownError, which
+    the store took for a corrupt blob: counted corrupt, forgotten and deleted from the server (blob and index
+    record). It is the server's fault, not the entry's: a miss now, the entry kept and read once the server is
+    back."""
+    writer = _store(server.url)
+    entry = _entry("kept", n=5, layers=2)
+    writer.put(entry)
+    writer.flush()
+    reader = _remote_only(server.url)
+    assert reader.tier_of("kept") == "remote"
+    from vismemo_hf.store import remote as remote_module
+
+    real = remote_module.RemoteTier.ranges
+
+    def down(self, key, spans):
+        raise _cluster_down_in_pipeline()
+
+    monkeypatch.setattr(remote_module.RemoteTier, "ranges", lambda self, key, spans: reader.remote.link.call(
+        lambda: down(self, key, spans), self._blob_key(key)))
+    assert reader.get("kept", "fp") is None
+    assert reader.stats()["corrupt"] == 0
+    monkeypatch.setattr(remote_module.RemoteTier, "ranges", real)
+    assert server.client().exists(reader.remote._blob_key("kept"))  # not deleted from the server
+    time.sleep(0.35)  # retry_s
+    assert torch.equal(reader.get("kept", "fp").kv, entry.kv)

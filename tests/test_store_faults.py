@@ -91,3 +91,212 @@ def test_sqlite_damage_codes_are_told_from_other_failures():
     with pytest.raises(sqlite3.OperationalError) as locked:
         con.execute("SELECT * FROM no_such_table")
     assert not damaged(locked.value) and not damaged(PermissionError("read-only"))
+
+
+@pytest.mark.parametrize("cause", ["disk I/O error", "database or disk is full"])
+def test_a_directory_full_at_open_is_written_again_once_it_has_room(tmp_path, monkeypatch, cause):
+    """Found by ``vismemo bench soak``: a process that opened a shared directory while its disk was full (SQLite:
+    "disk I/O error" or "database or disk is full") took it for a read-only directory and stored nothing on disk
+    for the rest of its life. A full disk passes: the tier serves read-only meanwhile, then opens writable again."""
+    from vismemo_hf.store import tiers
+
+    first = VisMemoStore(device_bytes=0, host_bytes=0, disk_dir=tmp_path, disk_bytes=None)
+    first.put(_entry("before"))
+    first.close()
+    real, calls = tiers.DiskTier._open_writable, []
+
+    def full_once(self):
+        calls.append(1)
+        if len(calls) == 1:
+            raise sqlite3.OperationalError(cause)
+        return real(self)
+
+    monkeypatch.setattr(tiers.DiskTier, "_open_writable", full_once)
+    monkeypatch.setattr(tiers, "REOPEN_S", 0.0)
+    store = VisMemoStore(device_bytes=0, host_bytes=0, disk_dir=tmp_path, disk_bytes=None)
+    assert store.stats()["tiers"]["disk"]["read_only"] and store.tier_of("before") == "disk"
+    entry = _entry("after", seed=3)
+    assert store.put(entry)
+    store.flush()
+    assert store.tier_of("after") == "disk" and store.stats()["writes_read_only"] == 0
+    assert not store.stats()["tiers"]["disk"]["read_only"]
+    store.close()
+    reopened = VisMemoStore(device_bytes=0, host_bytes=0, disk_dir=tmp_path, disk_bytes=None)
+    assert torch.equal(reopened.get("after", "fp").kv, entry.kv) and reopened.tier_of("before") == "disk"
+    reopened.close()
+
+
+def test_a_directory_this_process_may_not_write_is_not_retried(tmp_path, monkeypatch):
+    from vismemo_hf.store import tiers
+
+    first = VisMemoStore(device_bytes=0, host_bytes=0, disk_dir=tmp_path, disk_bytes=None)
+    first.put(_entry("before"))
+    first.close()
+    calls = []
+
+    def refuse(self):
+        calls.append(1)
+        raise PermissionError(f"[Errno 30] Read-only file system: {self.directory}")
+
+    monkeypatch.setattr(tiers.DiskTier, "_open_writable", refuse)
+    monkeypatch.setattr(tiers, "REOPEN_S", 0.0)
+    store = VisMemoStore(device_bytes=0, host_bytes=0, disk_dir=tmp_path, disk_bytes=None)
+    assert store.put(_entry("after", seed=3)) is False and store.stats()["writes_read_only"] == 1
+    assert len(calls) == 1 and store.disk.read_only
+
+
+class _CutWrite:
+    """Stands in for ``io.BytesIO`` in ``tiers.py``: the blob's bytes in two halves, and between them ``cut()``."""
+
+    def __init__(self, data, cut):
+        self.data, self.pos, self.cut = bytes(data), 0, cut
+
+    def read(self, size=-1):
+        if self.pos >= len(self.data):
+            return b""
+        if self.pos:
+            self.cut()
+        n = len(self.data) // 2 if self.pos == 0 else len(self.data) - self.pos
+        out = self.data[self.pos : self.pos + n]
+        self.pos += len(out)
+        return out
+
+
+def test_a_rewrite_that_fails_keeps_the_blob_another_process_stored(tmp_path, monkeypatch):
+    """Found by ``vismemo bench soak``: a process writing again a key another process had stored (both missed the
+    page) deletes the old blob and inserts its own in one transaction; when the new file could not be written (disk
+    full) the transaction rolled back, but the old blob's file was already gone: its entry, acknowledged by the
+    other process's ``flush()``, named a missing file (unreadable) for every process."""
+    import errno
+    import types
+
+    from vismemo_hf.store import tiers
+
+    a, b = (VisMemoStore(device_bytes=0, host_bytes=0, disk_dir=tmp_path, disk_bytes=2**30) for _ in range(2))
+    entry = _entry("page", seed=5)
+    a.put(entry)
+    a.flush()  # acknowledged
+
+    def full():
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(tiers, "io", types.SimpleNamespace(BytesIO=lambda data: _CutWrite(data, full)))
+    b.put(_entry("page", seed=5))  # b never saw a's blob: it writes the key again, and the write fails
+    b.flush()
+    assert b.stats()["write_failures"] == 1
+    monkeypatch.undo()
+    reader = VisMemoStore(device_bytes=0, host_bytes=0, disk_dir=tmp_path, disk_bytes=2**30)
+    assert reader.tier_of("page") == "disk" and torch.equal(reader.get("page", "fp").kv, entry.kv)
+    for store in (a, b, reader):
+        store.close()
+
+
+_KILLED_REWRITER = """
+import os, sys, time, types
+sys.path.insert(0, {tests!r})
+from vismemo_hf import VisMemoStore
+from vismemo_hf.store import tiers
+from test_store import _entry
+from test_store_faults import _CutWrite
+
+store = VisMemoStore(device_bytes=0, host_bytes=0, disk_dir={directory!r}, disk_bytes=2**30)
+open({opened!r}, "w").close()
+while not os.path.exists({go!r}):
+    time.sleep(0.01)
+
+def stop():
+    open({marker!r}, "w").close()
+    time.sleep(60)
+
+tiers.io = types.SimpleNamespace(BytesIO=lambda data: _CutWrite(data, stop))
+store.put(_entry("page", seed=5))
+store.flush()
+"""
+
+
+def test_a_process_killed_in_the_middle_of_a_rewrite_keeps_the_blob_another_process_stored(tmp_path):
+    """The same, SIGKILLed half-way through writing the new file (inside the transaction): the old blob and the row
+    naming it are what the directory holds afterwards."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    directory = tmp_path / "shared"
+    paths = {name: str(tmp_path / name) for name in ("opened", "go", "marker")}
+    script = _KILLED_REWRITER.format(tests=os.path.dirname(__file__), directory=str(directory), **paths)
+    proc = subprocess.Popen([sys.executable, "-c", script], env={**os.environ, "VISMEMO_STORE": "memory"})
+    try:
+        for _ in range(600):  # it opened the directory before the entry was stored: it does not know it
+            if os.path.exists(paths["opened"]) or proc.poll() is not None:
+                break
+            time.sleep(0.05)
+        entry = _entry("page", seed=5)
+        a = VisMemoStore(device_bytes=0, host_bytes=0, disk_dir=directory, disk_bytes=2**30)
+        a.put(entry)
+        a.flush()
+        open(paths["go"], "w").close()
+        for _ in range(600):
+            if os.path.exists(paths["marker"]) or proc.poll() is not None:
+                break
+            time.sleep(0.05)
+        assert os.path.exists(paths["marker"]), "the rewrite never started"
+        proc.send_signal(signal.SIGKILL)
+    finally:
+        proc.kill()
+        proc.wait()
+    reader = VisMemoStore(device_bytes=0, host_bytes=0, disk_dir=directory, disk_bytes=2**30)
+    assert reader.tier_of("page") == "disk" and torch.equal(reader.get("page", "fp").kv, entry.kv)
+    assert torch.equal(a.get("page", "fp").kv, entry.kv)
+    a.close()
+    reader.close()
+
+
+def test_a_write_that_fails_half_way_leaves_no_file_behind(tmp_path, monkeypatch):
+    """Found by ``vismemo bench soak``: a blob write failing half-way (disk full) left its partial file in the
+    directory, named by no index: bytes no budget counts, never deleted. The file goes with the failed write."""
+    import errno
+    import types
+
+    from vismemo_hf.store import tiers
+
+    store = VisMemoStore(device_bytes=0, host_bytes=0, disk_dir=tmp_path, disk_bytes=2**30)
+    store.put(_entry("kept"))
+    store.flush()
+
+    def full():
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(tiers, "io", types.SimpleNamespace(BytesIO=lambda data: _CutWrite(data, full)))
+    store.put(_entry("lost", seed=2))
+    store.flush()
+    monkeypatch.undo()
+    assert store.stats()["write_failures"] == 1
+    assert len(list(tmp_path.rglob("*.val"))) == 1  # the blob of "kept" only
+    store.close()
+
+
+def test_a_write_whose_row_cannot_be_stored_leaves_no_file_behind(tmp_path, monkeypatch):
+    """The file written, then the index refusing its row (SQLite: "database or disk is full"): the transaction rolls
+    back and the file, named by no index, goes too."""
+    from vismemo_hf.store import tiers
+
+    store = VisMemoStore(device_bytes=0, host_bytes=0, disk_dir=tmp_path, disk_bytes=2**30)
+    store.put(_entry("kept"))
+    store.flush()
+    real = tiers.diskcache.Cache.set
+
+    def set_then_full(self, *args, **kwargs):
+        real(self, *args, **kwargs)
+        raise sqlite3.OperationalError("database or disk is full")
+
+    monkeypatch.setattr(tiers.diskcache.Cache, "set", set_then_full)
+    store.put(_entry("lost", seed=2))
+    store.flush()
+    monkeypatch.undo()
+    assert store.stats()["write_failures"] == 1
+    assert len(list(tmp_path.rglob("*.val"))) == 1
+    reader = VisMemoStore(device_bytes=0, host_bytes=0, disk_dir=tmp_path, disk_bytes=2**30)
+    assert reader.tier_of("kept") == "disk" and reader.tier_of("lost") is None
+    store.close()
+    reader.close()

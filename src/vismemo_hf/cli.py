@@ -483,6 +483,36 @@ def _add_bench(sub) -> None:
     p.add_argument("--seed", type=int, default=0, help="trace seed")
     _out_option(p, "results/perf")
     p.set_defaults(func=_bench("trace"))
+    p = bench_sub.add_parser("soak", help="processes sharing a disk directory and a local Redis Cluster under injected "
+                                          "faults (worker SIGKILLs, node kills, ENOSPC, maxmemory, damaged blobs "
+                                          "and index), every answer checked against plain transformers")
+    p.add_argument("--processes", type=int, default=4, help="serving processes")
+    p.add_argument("--requests", type=int, default=2000, help="requests of the stream, all processes together")
+    p.add_argument("--seed", type=int, default=0, help="stream and fault-schedule seed")
+    p.add_argument("--kills", type=int, default=20, help="workers SIGKILLed in the middle of a disk write")
+    p.add_argument("--node-kills", type=int, default=5, help="cluster nodes killed and restarted")
+    p.add_argument("--disk-full", type=int, default=2, help="disk-full (ENOSPC) periods")
+    p.add_argument("--redis-full", type=int, default=2, help="Redis maxmemory periods")
+    p.add_argument("--blob-faults", type=int, default=3, help="blobs truncated, and as many overwritten")
+    p.add_argument("--db-faults", type=int, default=1, help="cache.db overwritten in place, and as many replaced")
+    p.add_argument("--preset", default="tiny", help="model preset (random weights, the same in every process)")
+    p.add_argument("--family", default="qwen2_vl", choices=FAMILY_NAMES, help="family of the preset")
+    p.add_argument("--max-new-tokens", type=int, default=3, help="tokens generated per request")
+    p.add_argument("--device-kib", type=int, default=256, help="device-tier budget per process, KiB")
+    p.add_argument("--host-kib", type=int, default=512, help="host-tier budget per process, KiB")
+    p.add_argument("--disk-mib", type=int, default=192, help="the shared directory's budget, MiB")
+    p.add_argument("--tmpfs-mib", type=int, default=320, help="size of the tmpfs the directory is mounted on, MiB")
+    p.add_argument("--node-down-s", type=float, default=3.0, help="seconds a killed node stays down")
+    p.add_argument("--fault-s", type=float, default=3.0, help="seconds a disk-full or maxmemory period lasts")
+    p.add_argument("--grace-s", type=float, default=3.0, help="seconds after a fault its misses are attributed to it")
+    p.add_argument("--arm-timeout", type=float, default=20.0, help="seconds to wait for an armed worker's write")
+    p.add_argument("--baseline-alongside", action="store_true",
+                   help="run the single-process baseline while the soak runs (short runs; TTFTs then share the CPU)")
+    p.add_argument("--pace-ms", type=int, default=0, help="pause of every worker after each request, ms (short runs)")
+    p.add_argument("--keep", action="store_true", help="keep the temporary folder (results, logs, directory)")
+    p.add_argument("--quiet", action="store_true", help="no progress lines")
+    _out_option(p, "results/soak")
+    p.set_defaults(func=_bench("soak"))
 
 
 def _add_report(sub) -> None:

@@ -125,7 +125,7 @@ class Placement:
             with self.lock:
                 self.stats["write_failures"] += 1
                 if key in self.disk:
-                    self.disk.discard(key)
+                    self.disk.forget(key)  # the directory keeps what it held (another process's blob of it)
                 self.forget_if_gone(key)
 
     @contextmanager

@@ -208,6 +208,15 @@ class RedisLink:
             self.counters["cluster"] = True
             self.client.ping()
 
+    def unroutable(self, err: Exception) -> bool:
+        """Whether a server's error reply says the cluster cannot serve the key now (down, a node just restarted,
+        failing over, resharding), not that anything is wrong with the entry. redis-py raises ``ClusterDownError``
+        / ``TryAgainError`` for it; inside a pipeline their text starts with the command, not ``CLUSTERDOWN``."""
+        exceptions = self._redis.exceptions
+        if isinstance(err, (exceptions.ClusterDownError, exceptions.TryAgainError)):
+            return True
+        return str(err).startswith(("CLUSTERDOWN", "TRYAGAIN"))
+
     def call(self, fn, name: str):
         """``fn()`` against the node of Redis key ``name``; a connection fault is ``RemoteUnavailable``."""
         if not self.up(name):
@@ -218,7 +227,7 @@ class RedisLink:
             self.fault("read", err, name)
             raise RemoteUnavailable(self.scrub(err)) from None
         except self._redis.RedisError as err:  # a cluster that cannot route the key now (CLUSTERDOWN, TRYAGAIN)
-            if isinstance(err, self._redis.ResponseError) and not str(err).startswith(("CLUSTERDOWN", "TRYAGAIN")):
+            if isinstance(err, self._redis.ResponseError) and not self.unroutable(err):
                 raise
             self.fault("read", err, name)
             raise RemoteUnavailable(self.scrub(err)) from None

@@ -17,6 +17,7 @@ Recency order lives here (``OrderedDict``); what to evict and where it goes is d
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import io
 import logging
@@ -24,10 +25,11 @@ import os
 import re
 import sqlite3
 import tempfile
+import threading
 import time
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import replace
 from typing import Protocol, runtime_checkable
 
@@ -209,7 +211,34 @@ FOREIGN_KEY = object()
 
 
 class SafeDisk(diskcache.Disk):
-    """diskcache storage that only ever handles raw bytes: pickled keys or values are refused."""
+    """diskcache storage that only ever handles raw bytes: pickled keys or values are refused. Inside
+    ``holding_removals`` the files a thread's operations would delete are deleted only once the block ends without an
+    error (after its transaction committed)."""
+
+    def __init__(self, directory, **kwargs):
+        super().__init__(directory, **kwargs)
+        self._held = threading.local()
+
+    @contextmanager
+    def holding_removals(self):
+        """diskcache deletes a file of a nested operation (a ``delete`` inside ``transact``) when that operation ends,
+        before the transaction commits: a transaction that then rolls back (a write failing, a process killed) would
+        leave its row naming a deleted file. Held here, they are deleted after the block, or not at all after an
+        error (the rows naming them are back)."""
+        held = self._held.files = []
+        try:
+            yield
+        finally:
+            self._held.files = None
+        for path in held:  # reached only when the block ended without an error
+            diskcache.Disk.remove(self, path)
+
+    def remove(self, file_path):
+        held = getattr(self._held, "files", None)
+        if held is not None:
+            held.append(file_path)
+            return
+        super().remove(file_path)
 
     def put(self, key):
         if not isinstance(key, str):
@@ -221,10 +250,38 @@ class SafeDisk(diskcache.Disk):
             return FOREIGN_KEY
         return super().get(key, raw)
 
+    def filename(self, key=diskcache.core.UNKNOWN, value=diskcache.core.UNKNOWN):
+        name, full_path = super().filename(key, value)
+        self._held.writing = full_path  # the file ``store`` is about to write
+        return name, full_path
+
     def store(self, value, read, key=diskcache.core.UNKNOWN):
+        """A value's file; a write that fails half-way (disk full) removes what it wrote (no index names it)."""
         if not (read or isinstance(value, (bytes, bytearray))):
             raise TypeError("vismemo disk values are raw bytes")
-        return super().store(value, read, key=key)
+        self._held.writing = None
+        try:
+            out = super().store(value, read, key=key)
+        except BaseException:
+            if self._held.writing is not None:
+                with suppress(OSError):
+                    os.remove(self._held.writing)
+            raise
+        finally:
+            self._held.written, self._held.writing = self._held.writing, None
+        return out
+
+    def start_write(self) -> None:
+        """Forget which file this thread's last ``store`` wrote (committed since): ``drop_written`` then removes only
+        a file of the write that follows."""
+        self._held.written = None
+
+    def drop_written(self) -> None:
+        """Remove the file this thread's last ``store`` wrote: its row did not commit (the transaction failed)."""
+        path, self._held.written = getattr(self._held, "written", None), None
+        if path is not None:
+            with suppress(OSError):
+                os.remove(path)
 
     def fetch(self, mode, filename, value, read):
         if mode == MODE_PICKLE:
@@ -287,6 +344,21 @@ _INDEX_FILES = (DBNAME, f"{DBNAME}-wal", f"{DBNAME}-shm", f"{DBNAME}-journal")
 _VALUE_FOLDER = re.compile(r"[0-9a-f]{2}")
 
 
+#: seconds between two tries to open writable a directory that was not writable for a passing reason (disk full)
+REOPEN_S = 10.0
+
+
+def passing(err: BaseException) -> bool:
+    """Whether opening a directory writable failed for a reason that passes (a full disk, an I/O error), not
+    because this process may not write it (permissions, a read-only mount or database)."""
+    if isinstance(err, sqlite3.OperationalError):
+        text = str(err).lower()
+        return not any(word in text for word in ("readonly", "read-only", "unable to open", "permission"))
+    if isinstance(err, OSError):
+        return err.errno in (errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.ENOMEM)
+    return False
+
+
 def damaged(err: BaseException) -> bool:
     """Whether SQLite found the index file itself damaged (not a database, malformed), not merely locked, unwritable
     or of another schema: only such a file is quarantined."""
@@ -304,7 +376,8 @@ class DiskTier:
 
     def __init__(self, directory: str, budget: int | None, seal: blob.Seal | None = None):
         self.directory, self.budget = os.path.expanduser(directory), budget
-        self.read_only = False
+        self._read_only = False
+        self._reopen_at: float | None = None  # read-only for a passing reason (disk full): when to try writable again
         self.quarantined = 0  # damaged indexes moved aside (the tier then starts empty here)
         try:
             os.makedirs(self.directory, exist_ok=True)
@@ -312,9 +385,12 @@ class DiskTier:
         except Exception as err:  # noqa: BLE001 - not writable here: serve what it holds if it holds anything
             if damaged(err) or not os.path.isfile(os.path.join(self.directory, DBNAME)):
                 raise
-            self.cache, self.read_only = ReadOnlyDirectory(self.directory), True
+            self.cache, self._read_only = ReadOnlyDirectory(self.directory), True
+            if passing(err):
+                self._reopen_at = time.monotonic() + REOPEN_S
             logger.warning("vismemo: disk tier %s is read-only here (%s: %s): serving its entries, storing nothing "
-                           "new", self.directory, type(err).__name__, err)
+                           "new%s", self.directory, type(err).__name__, err,
+                           "; opening it writable again later" if passing(err) else "")
         self.lru: OrderedDict[str, int] = OrderedDict()  # key -> blob size
         self.reader = BlobReader(self, seal)
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vismemo-disk")
@@ -329,12 +405,26 @@ class DiskTier:
     def __contains__(self, key: str) -> bool:
         return key in self.lru
 
+    @property
+    def read_only(self) -> bool:
+        """Whether this process stores nothing here. A directory that was not writable for a passing reason (a full
+        disk at open) is opened writable again, one try per ``REOPEN_S``, when a write asks."""
+        if self._read_only and self._reopen_at is not None and time.monotonic() >= self._reopen_at:
+            try:
+                cache = self._open_writable()
+            except Exception as err:  # noqa: BLE001 - still not writable
+                self._reopen_at = time.monotonic() + REOPEN_S if passing(err) else None
+            else:
+                self.cache, self._read_only, self._reopen_at = cache, False, None
+                logger.warning("vismemo: disk tier %s is writable again", self.directory)
+        return self._read_only
+
     def touch(self, key: str) -> None:
         self.lru.move_to_end(key)
 
     def stats(self) -> dict:
         return {"bytes": self.bytes, "budget": self.budget, "entries": len(self.lru), "foreign": self.foreign,
-                "range_reads": self.range_reads, "read_only": self.read_only, "directory_bytes": self._directory_bytes(),
+                "range_reads": self.range_reads, "read_only": self._read_only, "directory_bytes": self._directory_bytes(),
                 "directory_evictions": self.others_evicted, "quarantined": self.quarantined}
 
     # -- opening ------------------------------------------------------------------------------------
@@ -443,10 +533,18 @@ class DiskTier:
     def _store(self, key: str, data: bytes) -> None:
         """Set ``key``'s blob as a key inserted now. diskcache iterates a directory in the order its keys were
         inserted, and an overwrite keeps its key's old place: deleting the old blob first, in the same transaction
-        (other processes see one blob or the other, never none), keeps that order the order of the writes."""
-        with self.cache.transact():
-            self.cache.delete(key)
-            self.cache.set(key, io.BytesIO(data), read=True)
+        (other processes see one blob or the other, never none), keeps that order the order of the writes. The old
+        blob's file is deleted only after the commit: a write failing or killed half-way leaves the old blob as it
+        was (another process's, acknowledged), and a failed write's own file is removed with it."""
+        disk = self.cache.disk
+        disk.start_write()
+        try:
+            with disk.holding_removals(), self.cache.transact():  # the old file goes only after the commit
+                self.cache.delete(key)
+                self.cache.set(key, io.BytesIO(data), read=True)
+        except BaseException:
+            disk.drop_written()  # rolled back: no row names the new file
+            raise
 
     def shared_bytes(self) -> int:
         """Bytes of every value in the directory, every process's: diskcache's own count (its ``size`` setting)."""
@@ -518,6 +616,11 @@ class DiskTier:
     def put(self, key: str, data: bytes) -> None:
         self.track(key, len(data))
         self.write(key, data)
+
+    def forget(self, key: str) -> None:
+        """Stop counting ``key`` as held, leaving the directory as it is: after a write of it that failed, what the
+        directory holds under the key (another process's blob, or nothing) is not this process's to delete."""
+        self.bytes -= self.lru.pop(key, 0)
 
     def discard(self, key: str) -> None:
         self.bytes -= self.lru.pop(key, 0)
