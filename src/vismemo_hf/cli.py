@@ -483,6 +483,10 @@ def _add_bench(sub) -> None:
     p.add_argument("--seed", type=int, default=0, help="trace seed")
     _out_option(p, "results/perf")
     p.set_defaults(func=_bench("trace"))
+    _add_soak(bench_sub)
+
+
+def _add_soak(bench_sub) -> None:
     p = bench_sub.add_parser("soak", help="processes sharing a disk directory and a local Redis Cluster under injected "
                                           "faults (worker SIGKILLs, node kills, ENOSPC, maxmemory, damaged blobs "
                                           "and index), every answer checked against plain transformers")
