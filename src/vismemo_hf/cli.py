@@ -662,7 +662,11 @@ def missing_extra(err: ModuleNotFoundError) -> str | None:
 
 
 def main(argv=None) -> int:
-    args = parser(argv).parse_args(argv)
+    """Run one command and return its exit status (0, or 2 for a bad argument, also one argparse refuses)."""
+    try:
+        args = parser(argv).parse_args(argv)
+    except SystemExit as done:  # --help, --version or argparse's own one-line error: its status, not an exception
+        return done.code if isinstance(done.code, int) else 2
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     from vismemo_hf import progress
 

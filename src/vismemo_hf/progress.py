@@ -103,6 +103,13 @@ def configure(quiet: bool = False) -> None:
     _other_bars(quiet)
 
 
+def _datasets_bars():
+    """datasets' module of bar switches (``from datasets.utils import tqdm`` may give its tqdm class instead)."""
+    import importlib
+
+    return importlib.import_module("datasets.utils.tqdm")
+
+
 def _other_bars(quiet: bool) -> None:
     if quiet:
         import huggingface_hub.utils  # transformers' bars follow it (also when transformers is imported later)
@@ -117,8 +124,7 @@ def _other_bars(quiet: bool) -> None:
                 hf_logging.disable_progress_bar()
                 _silenced.add("transformers")
         if "datasets" in sys.modules:
-            from datasets.utils import tqdm as ds_tqdm
-
+            ds_tqdm = _datasets_bars()
             if not ds_tqdm.are_progress_bars_disabled():
                 ds_tqdm.disable_progress_bars()
                 _silenced.add("datasets")
@@ -135,9 +141,7 @@ def _other_bars(quiet: bool) -> None:
 
         hf_logging.enable_progress_bar()
     if "datasets" in _silenced:
-        from datasets.utils import tqdm as ds_tqdm
-
-        ds_tqdm.enable_progress_bars()
+        _datasets_bars().enable_progress_bars()
     if "datasets env" in _silenced and "datasets" not in sys.modules:
         os.environ.pop("HF_DATASETS_DISABLE_PROGRESS_BARS", None)
     _silenced.clear()
