@@ -36,8 +36,8 @@ def test_a_slot_layout_holds_columns_in_order_and_masks_the_future_padding_and_u
     active = torch.tensor([[0, 1, 5]])
     reused = torch.tensor([[3, 2]])
     kept = torch.tensor([[4]])  # a masked token given back for decoding after the prefill
-    slots, layout = schedule.layout(active, reused, kept)
-    assert slots.tolist() == [[0, 1, 2, 3, 4, 5]]
+    writer, layout = schedule.layout(active, reused, kept)
+    assert writer.columns.tolist() == [[0, 1, 2, 3, 4, 5]]
     # query column 1 sees column 1 (not 0: padding); column 5 sees 1, 2, 3 and itself, not the unwritten slot 4
     assert layout.mask[0, 0].tolist() == [[False] * 6, [False, True, False, False, False, False],
                                           [False, True, True, True, False, True]]
@@ -61,6 +61,28 @@ def test_a_layer_opened_with_a_layout_is_written_in_place_and_settles_to_the_pla
     holes.update(k[:, :, [0, 2]], k[:, :, [0, 2]], columns=torch.tensor([[0, 2]]), contiguous=False)
     holes.settle(3)
     assert holes.columns.tolist() == [[0, -1, 2]]  # the unwritten slot is empty, nothing moved
+
+
+def test_layers_with_one_layout_share_its_write_plans_and_settle_alike():
+    from vismemo_hf.runtime.cache import VisMemoLayer
+    from vismemo_hf.runtime.schedule import SlotWriter
+
+    writer = SlotWriter(torch.tensor([[0, 2, 3, 5]]), 6)
+    computed, reused = torch.tensor([[0, 5]]), torch.tensor([[2, 3]])
+    k = torch.arange(6, dtype=torch.float32).view(1, 1, 6, 1).expand(1, 2, 6, 3).contiguous()
+    layers = [VisMemoLayer() for _ in range(3)]
+    for layer in layers:
+        layer.open(writer)
+        layer.preload(k[:, :, [2, 3]], k[:, :, [2, 3]], reused)
+        keys, _ = layer.update(k[:, :, [0, 5]], k[:, :, [0, 5]], columns=computed, contiguous=False)
+        assert torch.equal(keys, k[:, :, [0, 2, 3, 5]])
+    assert writer.plan(reused) is writer.plan(reused) and writer.plan(reused)[0] == "run"
+    assert writer.plan(computed)[0] == "scatter"
+    for layer in layers:
+        layer.settle(6)
+    assert layers[0].columns.tolist() == [[0, 2, 3, 5]] and all(x.columns is layers[0].columns for x in layers)
+    with pytest.raises(RuntimeError, match="does not hold"):
+        writer.plan(torch.tensor([[1]]))
 
 
 def test_query_blocks_see_only_the_keys_their_rows_can():

@@ -250,6 +250,48 @@ def _fds() -> int:
     return len(os.listdir("/proc/self/fd"))
 
 
+def _served(out_path: Path) -> set:
+    """The requests a results file records (a line cut by SIGKILL is skipped)."""
+    done = set()
+    if out_path.exists():
+        for line in out_path.read_text().splitlines():
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue
+            if "i" in rec:
+                done.add(rec["i"])
+    return done
+
+
+def _served_by_vismemo(store, model, inputs, req, run, p_tokens, p_scores) -> dict:
+    """One request through the enabled model: its event, its agreement with plain transformers, and whether its
+    entry was acknowledged by the disk and the remote tiers (or the exception, which must never happen)."""
+    import vismemo_hf
+
+    rec = {}
+    remote_writes = store.remote.counters["writes"] if store.remote is not None else 0
+    puts = store._stats["puts"]
+    try:
+        cache = vismemo_hf.VisMemoCache(store=store, namespace=req["ns"], **OPTS)
+        tokens, scores, ttft = run(model, inputs, cache)
+        event = cache.events[0]
+        rec.update(kind=str(event.kind), fallback=event.fallback, key=event.key, alias=event.alias,
+                   tokens=tokens, ttft_ms=ttft,
+                   equal=tokens == p_tokens, score_diff=float((scores - p_scores).abs().max()),
+                   error=None)
+        store.flush()
+        key = event.key
+        wrote_remote = store.remote is not None and store.remote.counters["writes"] > remote_writes
+        on_disk = store.disk is not None and key in store.disk.lru and not store.disk.read_only
+        fp = store.catalog.fingerprint_of(key)
+        rec["acked"] = {"disk": bool(on_disk and store._stats["puts"] > puts),
+                        "remote": bool(wrote_remote), "fingerprint": fp, "t": time.time()}
+    except Exception as err:  # noqa: BLE001 - what the soak counts: must never happen
+        rec.update(error=f"{type(err).__name__}: {err}", trace=traceback.format_exc()[-2000:])
+    return rec
+
+
 def worker(config_path: str) -> int:
     """Serve this worker's share of the stream (``i % processes == wid``), resuming after the last request its
     results file records."""
@@ -268,15 +310,7 @@ def worker(config_path: str) -> int:
     control, wid, out_path = Path(cfg["control"]), cfg["wid"], Path(cfg["results"])
     if wid >= 0:
         _install_probe(control, wid)
-    done = set()
-    if out_path.exists():
-        for line in out_path.read_text().splitlines():
-            try:
-                rec = json.loads(line)
-            except ValueError:  # a line cut by SIGKILL
-                continue
-            if "i" in rec:
-                done.add(rec["i"])
+    done = _served(out_path)
     with open(out_path, "a") as out:
         def emit(rec):
             out.write(json.dumps(rec) + "\n")
@@ -317,25 +351,7 @@ def worker(config_path: str) -> int:
                    "t0": time.time()}
             p_tokens, p_scores, p_ttft = run(plain, inputs, None)
             rec.update(plain_tokens=p_tokens, plain_ttft_ms=p_ttft)
-            remote_writes = store.remote.counters["writes"] if store.remote is not None else 0
-            puts = store._stats["puts"]
-            try:
-                cache = vismemo_hf.VisMemoCache(store=store, namespace=req["ns"], **OPTS)
-                tokens, scores, ttft = run(model, inputs, cache)
-                event = cache.events[0]
-                rec.update(kind=str(event.kind), fallback=event.fallback, key=event.key, alias=event.alias,
-                           tokens=tokens, ttft_ms=ttft,
-                           equal=tokens == p_tokens, score_diff=float((scores - p_scores).abs().max()),
-                           error=None)
-                store.flush()
-                key = event.key
-                wrote_remote = store.remote is not None and store.remote.counters["writes"] > remote_writes
-                on_disk = store.disk is not None and key in store.disk.lru and not store.disk.read_only
-                fp = store.catalog.fingerprint_of(key)
-                rec["acked"] = {"disk": bool(on_disk and store._stats["puts"] > puts),
-                                "remote": bool(wrote_remote), "fingerprint": fp, "t": time.time()}
-            except Exception as err:  # noqa: BLE001 - what the soak counts: must never happen
-                rec.update(error=f"{type(err).__name__}: {err}", trace=traceback.format_exc()[-2000:])
+            rec.update(_served_by_vismemo(store, model, inputs, req, run, p_tokens, p_scores))
             rec.update(t1=time.time(), rss_kb=_rss_kb(), fds=_fds())
             emit(rec)
             if cfg.get("pace_ms"):
@@ -780,6 +796,69 @@ def summarise(soak: dict[int, dict], base: dict[int, dict], faults: list[dict], 
             "cross_namespace": {"n": len(cross), "exact": sum(1 for r in cross if r.get("kind") == "exact")}}
 
 
+def _inject(drv, cluster, args, rng) -> None:
+    """The fault plan, each fault once its share of the stream is served (a fault that found nothing to hit is
+    tried again a little later)."""
+    plan, extra_kills = _plan(args, rng), args.kills
+    while plan:
+        share, name = plan.pop(0)
+        drv.wait_served(int(share * args.requests))
+        if not drv.alive():
+            break
+        if name == "kill":
+            if not drv.kill_in_write(rng) and extra_kills > 0 and share < 0.9:  # try again a little later
+                extra_kills -= 1
+                plan = sorted([*plan, (min(0.9, share + 0.02), name)])
+        elif name == "node":
+            drv.node_kill(cluster, rng)
+        elif name == "disk_full":
+            drv.disk_full()
+        elif name == "redis_full":
+            drv.redis_full(cluster)
+        elif name in ("truncate", "overwrite"):
+            if not drv.damage_blob(rng, overwrite=name == "overwrite") and share < 0.97:
+                plan = sorted([*plan, (min(0.97, share + 0.03), name)])
+        elif name in ("db_overwrite", "db_replace"):
+            # what the directory holds now is about to go: check every acknowledged entry first
+            so_far = [r for w in range(args.processes) for r in _read_jsonl(drv.results / f"worker-{w}.jsonl")]
+            mid = check_acknowledged(so_far, drv.faults, drv.starts, drv.disk_dir, None, None, args)["disk"]
+            drv.midchecks.append({**mid, "t": time.time()})
+            drv.damage_db(rng, replace=name == "db_replace")
+        if not args.quiet:
+            print(f"soak: {len(drv.served)}/{args.requests} served, {name}", flush=True)
+
+
+def _per_process(records: list[dict]) -> dict:
+    """pid -> its samples (time, RSS, open files, served) and, once it ended cleanly, its store's counters."""
+    procs = {}
+    for r in records:
+        pid = r.get("pid") or r.get("start") or r.get("ready") or r.get("done")
+        if pid is None:
+            continue
+        p = procs.setdefault(pid, {"pid": pid, "samples": [], "served": 0})
+        p["samples"].append([r.get("t1") or r.get("t"), r["rss_kb"], r["fds"], int("i" in r)])
+        p["served"] += int("i" in r)
+        if "w" in r:
+            p["worker"] = r["w"]
+        if "done" in r:
+            p["done"] = {"stats": r["stats"], "disk": r["disk"], "remote": r["remote"]}
+    return procs
+
+
+def _per_worker(soak: dict) -> dict:
+    per_worker = {}
+    for r in soak.values():
+        per_worker[r["w"]] = per_worker.get(r["w"], 0) + 1
+    return per_worker
+
+
+def _counts(faults: list[dict]) -> dict:
+    counts = {}
+    for f in faults:
+        counts[f["fault"]] = counts.get(f["fault"], 0) + 1
+    return counts
+
+
 def run(args) -> dict:
     rng = random.Random(args.seed)
     root = Path(tempfile.mkdtemp(prefix="vismemo-soak-"))
@@ -806,33 +885,7 @@ def run(args) -> dict:
         soak_t0 = time.time()
         for wid in range(args.processes):
             drv.spawn(wid)
-        plan, extra_kills = _plan(args, rng), args.kills
-        while plan:
-            share, name = plan.pop(0)
-            drv.wait_served(int(share * args.requests))
-            if not drv.alive():
-                break
-            if name == "kill":
-                if not drv.kill_in_write(rng) and extra_kills > 0 and share < 0.9:  # try again a little later
-                    extra_kills -= 1
-                    plan = sorted([*plan, (min(0.9, share + 0.02), name)])
-            elif name == "node":
-                drv.node_kill(cluster, rng)
-            elif name == "disk_full":
-                drv.disk_full()
-            elif name == "redis_full":
-                drv.redis_full(cluster)
-            elif name in ("truncate", "overwrite"):
-                if not drv.damage_blob(rng, overwrite=name == "overwrite") and share < 0.97:
-                    plan = sorted([*plan, (min(0.97, share + 0.03), name)])
-            elif name in ("db_overwrite", "db_replace"):
-                # what the directory holds now is about to go: check every acknowledged entry first
-                so_far = [r for w in range(args.processes) for r in _read_jsonl(drv.results / f"worker-{w}.jsonl")]
-                mid = check_acknowledged(so_far, drv.faults, drv.starts, drv.disk_dir, None, None, args)["disk"]
-                drv.midchecks.append({**mid, "t": time.time()})
-                drv.damage_db(rng, replace=name == "db_replace")
-            if not args.quiet:
-                print(f"soak: {len(drv.served)}/{args.requests} served, {name}", flush=True)
+        _inject(drv, cluster, args, rng)
         while drv.alive():
             drv.supervise()
             time.sleep(0.2)
@@ -853,24 +906,7 @@ def run(args) -> dict:
         soak = _final(records)
         summary = summarise(soak, base, drv.faults, args.grace_s)
         errors = [r for r in records if r.get("error")]
-        procs = {}
-        for r in records:
-            pid = r.get("pid") or r.get("start") or r.get("ready") or r.get("done")
-            if pid is None:
-                continue
-            p = procs.setdefault(pid, {"pid": pid, "samples": [], "served": 0})
-            p["samples"].append([r.get("t1") or r.get("t"), r["rss_kb"], r["fds"], int("i" in r)])
-            p["served"] += int("i" in r)
-            if "w" in r:
-                p["worker"] = r["w"]
-            if "done" in r:
-                p["done"] = {"stats": r["stats"], "disk": r["disk"], "remote": r["remote"]}
-        per_worker = {}
-        for r in soak.values():
-            per_worker[r["w"]] = per_worker.get(r["w"], 0) + 1
-        fault_counts = {}
-        for f in drv.faults:
-            fault_counts[f["fault"]] = fault_counts.get(f["fault"], 0) + 1
+        procs, per_worker, fault_counts = _per_process(records), _per_worker(soak), _counts(drv.faults)
         return {"requests": args.requests, "served": len(soak), "attempts": sum(1 for r in records if "i" in r),
                 "processes": args.processes, "soak_s": soak_s, "baseline_s": base_s, "total_s": time.time() - t_begin,
                 "requests_per_s": len(soak) / soak_s if soak_s else None, "served_per_worker": per_worker,

@@ -7,6 +7,7 @@ plan does not depend on where the image sits in the request.
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from enum import Enum
@@ -103,11 +104,26 @@ class ImagePlan:
         late = self.reuse[self.reuse_from > layer]
         return torch.cat([self.recompute, late]).sort().values if late.numel() else self.recompute
 
+    def _reuse_layers(self) -> list[int]:
+        """``reuse_from`` sorted, as host ints: read once per plan, so that the per-layer questions below read no
+        tensor value (on a GPU each read would wait for the stream)."""
+        cached = self.__dict__.get("_reuse_layers_cache")
+        if cached is None or cached[0] is not self.reuse_from:
+            cached = (self.reuse_from, sorted(self.reuse_from.tolist()))
+            self.__dict__["_reuse_layers_cache"] = cached
+        return cached[1]
+
     def computed_count_at(self, layer: int) -> int:
         """``len(computed_at(layer))`` without building the set."""
         if layer < self.warmup_layers:
             return self.n_tokens
-        return self.recompute.numel() + int((self.reuse_from > layer).sum())
+        layers = self._reuse_layers()
+        return self.recompute.numel() + len(layers) - bisect.bisect_right(layers, layer)
+
+    def reused_count_at(self, layer: int) -> int:
+        """``len(reused_at(layer))`` without building the set: with the layer it names the reused set (the sets
+        nest with depth)."""
+        return bisect.bisect_right(self._reuse_layers(), layer)
 
     def reuse_selected_at(self, layer: int) -> torch.Tensor:
         """Boolean over ``reuse``: which of them take alias K/V at ``layer``."""

@@ -67,6 +67,16 @@ class AliasReader:
         self.adapter, self.store, self.matches, self.owner = adapter, store, matches, owner
         self._reads = {i: _Reads() for i in range(len(matches))}
         self._inv_freq = adapter.inv_freq
+        #: what the per-layer gathers index with, built once per distinct set and device rather than per layer:
+        #: (kind, identities...) -> (the objects keyed on, the value); identities stay valid while the objects live
+        self._memo: dict = {}
+
+    def _memoised(self, key: tuple, keep: tuple, build):
+        hit = self._memo.get(key)
+        if hit is None or any(a is not b for a, b in zip(hit[0], keep)):
+            hit = (keep, build())
+            self._memo[key] = hit
+        return hit[1]
 
     # -- reading -----------------------------------------------------------------------------------------
     def _read(self, i: int, tokens: torch.Tensor, first_layer: int, offset: int):
@@ -177,8 +187,14 @@ class AliasReader:
             reads, plan = self._reads[i], plans.get(i)
             if plan is None or reads.reuse_index is None:
                 return None
-            chosen = plan.reuse_selected_at(layer)
-            return reads.fetched, plan.reuse[chosen], reads.reuse_index[chosen]
+            count = plan.reused_count_at(layer)  # with the plan, names the set (the sets nest with depth)
+
+            def chosen():
+                picked = plan.reuse_selected_at(layer)
+                return plan.reuse[picked], reads.reuse_index[picked]
+
+            tokens, index = self._memoised(("reuse", i, count), (plan, reads.reuse_index), chosen)
+            return reads.fetched, tokens, index
 
         return self._gather(layer, select, batch)
 
@@ -228,27 +244,39 @@ class AliasReader:
             if idx.numel() == f.tokens.numel():  # every read token, in order: no gather
                 keys, values = f.keys[at], f.values[at]
             else:
-                idx = idx.to(f.keys.device)
+                idx = self._memoised(("index", id(idx), f.keys.device), (idx,), lambda idx=idx, f=f: idx.to(f.keys.device))
                 keys, values = f.keys[at][:, idx], f.values[at][:, idx]
             per_row[m.row].append((keys.to(device, non_blocking=True), values.to(device, non_blocking=True),
-                                   m.columns(tokens).to(device)))
+                                   i, tokens))
         if not any(per_row):
             return None
+        picked = tuple((p[2], p[3]) for parts in per_row for p in parts)
+        # the same tokens give the same columns tensor at every layer: the layers' writes recognise it
+        cols = self._memoised(("columns", device, *(id(t) for _, t in picked)), tuple(t for _, t in picked),
+                              lambda: self._columns(per_row, batch, device))
         if batch == 1 and len(per_row[0]) == 1:  # the common case: one image, no padding to build
-            keys, values, cols = per_row[0][0]
-            return keys[None], values[None], cols[None]
-        width = max(sum(p[2].numel() for p in parts) for parts in per_row)
+            keys, values = per_row[0][0][:2]
+            return keys[None], values[None], cols
+        width = cols.shape[1]
         ref = next(p for parts in per_row for p in parts)[0]
         keys = ref.new_zeros(batch, ref.shape[0], width, ref.shape[-1])
         values = ref.new_zeros(batch, ref.shape[0], width, ref.shape[-1])
-        cols = torch.full((batch, width), -1, dtype=torch.long, device=device)
         for b, parts in enumerate(per_row):
             if parts:
-                n = sum(p[2].numel() for p in parts)
+                n = sum(p[3].numel() for p in parts)
                 keys[b, :, :n] = torch.cat([p[0] for p in parts], dim=1)
                 values[b, :, :n] = torch.cat([p[1] for p in parts], dim=1)
-                cols[b, :n] = torch.cat([p[2] for p in parts])
         return keys, values, cols
+
+    def _columns(self, per_row: list, batch: int, device) -> torch.Tensor:
+        """(B, T) request columns of the gathered tokens, rows padded with -1."""
+        rows = [torch.cat([self.matches[i].columns(t) for _, _, i, t in parts]) if parts
+                else torch.empty(0, dtype=torch.long) for parts in per_row]
+        width = max(r.numel() for r in rows)
+        cols = torch.full((batch, width), -1, dtype=torch.long)
+        for b, r in enumerate(rows):
+            cols[b, : r.numel()] = r
+        return cols.to(device)
 
     # -- accounting ---------------------------------------------------------------------------------------
     def bytes_read(self, i: int) -> int:

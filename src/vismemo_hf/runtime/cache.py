@@ -21,14 +21,8 @@ from vismemo_hf.defaults import DEFAULT_POLICY
 from vismemo_hf.policies import RoutingPolicy, get_policy
 from vismemo_hf.runtime import context
 from vismemo_hf.runtime.compress import VLCacheCompression
-from vismemo_hf.runtime.schedule import positions_of, slot_mask
+from vismemo_hf.runtime.schedule import SlotWriter, slot_mask
 from vismemo_hf.store.store import VisMemoStore, default_store
-
-
-def _is_run(slots: torch.Tensor) -> bool:
-    """Whether ``slots`` (1-D) are consecutive and increasing."""
-    return slots.numel() > 0 and int(slots[-1]) - int(slots[0]) == slots.numel() - 1 and (
-        slots.numel() == 1 or bool((slots[1:] - slots[:-1] == 1).all()))
 
 
 class VisMemoLayer(DynamicLayer):
@@ -43,8 +37,8 @@ class VisMemoLayer(DynamicLayer):
     def __init__(self, **kwargs: object) -> None:
         super().__init__(**kwargs)
         self.columns: torch.Tensor | None = None  # (B, S) long
-        self._slot_of: torch.Tensor | None = None  # (B, L) slot of each request column while a prefill writes
-        self._filled: torch.Tensor | None = None  # (B, S) written slots while a prefill writes
+        self._writer: SlotWriter | None = None  # the open layout while a prefill writes, shared with other layers
+        self._written: list[tuple] = []  # the writer's plans written so far
         self._visible: torch.Tensor | None = None  # (B, S) the last decoding step's mask (mapped layers)
 
     @property
@@ -57,11 +51,11 @@ class VisMemoLayer(DynamicLayer):
             self.columns = torch.arange(n, device=device).expand(batch, n).clone()
         return self.columns
 
-    def open(self, slot_columns: torch.Tensor, length: int) -> None:
-        """Lay the layer out as ``slot_columns`` (B, S), sorted, -1 padded, before a prefill writes it."""
-        self.columns = slot_columns
-        self._slot_of = positions_of(slot_columns, length)
-        self._filled = torch.zeros(slot_columns.shape, dtype=torch.bool, device=slot_columns.device)
+    def open(self, layout: SlotWriter | torch.Tensor, length: int | None = None) -> None:
+        """Lay the layer out as ``layout`` (a ``SlotWriter``, or slot columns (B, S), sorted, -1 padded, with the
+        request ``length``) before a prefill writes it."""
+        writer = layout if isinstance(layout, SlotWriter) else SlotWriter(layout, int(length))
+        self.columns, self._writer, self._written = writer.columns, writer, []
         self.keys = self.values = None
         self.is_initialized = False
         self._visible = None
@@ -72,28 +66,22 @@ class VisMemoLayer(DynamicLayer):
             self.lazy_initialization(keys, values)
             shape = (keys.shape[0], keys.shape[1], self.columns.shape[1], keys.shape[-1])
             self.keys, self.values = keys.new_zeros(shape), values.new_zeros(shape)
-        columns = columns.to(self._slot_of.device)
-        ok = columns >= 0
-        rows = torch.arange(columns.shape[0], device=columns.device)[:, None].expand_as(columns)[ok]
-        slots = self._slot_of.gather(1, columns.clamp(min=0))[ok]
-        if bool((slots < 0).any()):
-            raise RuntimeError("K/V written to a column the layer's layout does not hold")
-        if columns.shape[0] == 1 and bool(ok.all()) and _is_run(slots):  # one row into consecutive slots: a copy
-            s0, s1 = int(slots[0]), int(slots[-1]) + 1
+        plan = self._writer.plan(columns)
+        self._written.append(plan)
+        if plan[0] == "run":  # one row into consecutive slots: a copy
+            _, s0, s1 = plan
             self.keys[:, :, s0:s1] = keys.to(self.keys.dtype)
             self.values[:, :, s0:s1] = values.to(self.values.dtype)
-            self._filled[:, s0:s1] = True
             return
-        where = torch.arange(columns.shape[1], device=columns.device)[None].expand_as(columns)[ok]
+        _, rows, slots, where = plan
         device = self.keys.device
         rows, slots, where = rows.to(device), slots.to(device), where.to(device)
         self.keys[rows, :, slots] = keys[rows, :, where].to(self.keys.dtype)
         self.values[rows, :, slots] = values[rows, :, where].to(self.values.dtype)
-        self._filled[rows.to(self._filled.device), slots.to(self._filled.device)] = True
 
     def preload(self, keys: torch.Tensor, values: torch.Tensor, columns: torch.Tensor) -> None:
         """Write reused K/V (B, H, R, D) of request ``columns`` (B, R) into the open layout."""
-        if self._slot_of is None:
+        if self._writer is None:
             raise RuntimeError("preload needs a layer opened with a slot layout")
         self._write(keys, values, columns)
 
@@ -101,7 +89,7 @@ class VisMemoLayer(DynamicLayer):
                contiguous: bool, **kwargs: object) -> tuple[torch.Tensor, torch.Tensor]:
         """Computed K/V of request ``columns`` (B, q): written into the open layout of a prefill, else appended
         (``contiguous``: they continue the sequence)."""
-        if self._slot_of is not None:
+        if self._writer is not None:
             self._write(key_states, value_states, columns)
             return self.keys, self.values
         if contiguous and not self.mapped:
@@ -151,9 +139,13 @@ class VisMemoLayer(DynamicLayer):
         """End of a prefill: slots nothing was written to become empty, and the layer is the plain layout again when
         it holds every column once in order (later forwards and readers then see a DynamicCache's layout)."""
         self._visible = None
-        if self._filled is not None:
-            self.columns = self.columns.masked_fill(~self._filled, -1)
-            self._slot_of = self._filled = None
+        if self._writer is not None:
+            writer, written = self._writer, self._written
+            self._writer, self._written = None, []
+            if self.is_initialized:
+                self.columns = writer.settled(written)  # worked out once per layout and set of writes
+                return
+            self.columns = torch.full_like(writer.columns, -1)  # nothing was written
         if not self.mapped or not self.is_initialized:
             return
         cols = self.columns

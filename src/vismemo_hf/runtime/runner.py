@@ -86,6 +86,7 @@ class PrefillRunner:
         self._plain = Layout(None, causal_mask(self.batch, self.length, self.valid, device), [])
         self.verifier = Verifier(adapter.num_layers)
         self._snapshot = None  # (layer, states, time) to run the layers from again when a plan fails verification
+        self._kept = None  # (plans, columns) of the masked tokens given back for decoding
 
     # -- planning -----------------------------------------------------------------------------------------
     def _demote(self, i: int) -> None:
@@ -167,14 +168,18 @@ class PrefillRunner:
 
     def _restored(self, layer: int) -> torch.Tensor | None:
         """(B, K) columns of the masked tokens given back for decoding at ``layer`` (their slots are kept free)."""
-        rows = [[] for _ in range(self.batch)]
-        for run in self.runs:
-            plan = run.plan
-            if plan is not None and plan.restore_masked and plan.mask.numel() and layer >= plan.warmup_layers:
-                rows[run.match.row].append(run.match.columns(stored_tokens(run.match.alias, plan.mask)))
-        if not any(rows):
+        given = [r for r in self.runs if r.plan is not None and r.plan.restore_masked and r.plan.mask.numel()
+                 and layer >= r.plan.warmup_layers]
+        if not given:
             return None
-        return pad_rows([torch.cat(r) if r else torch.empty(0, dtype=torch.long) for r in rows], -1, self.schedule.device)
+        key = tuple(r.plan for r in given)  # one tensor per set of plans: the schedule recognises it at each layer
+        if self._kept is None or len(self._kept[0]) != len(key) or any(a is not b for a, b in zip(self._kept[0], key)):
+            rows = [[] for _ in range(self.batch)]
+            for run in given:
+                rows[run.match.row].append(run.match.columns(stored_tokens(run.match.alias, run.plan.mask)))
+            self._kept = (key, pad_rows([torch.cat(r) if r else torch.empty(0, dtype=torch.long) for r in rows], -1,
+                                        self.schedule.device))
+        return self._kept[1]
 
     # -- the loop -----------------------------------------------------------------------------------------
     def run(self, inputs_embeds, visual_pos_masks=None, deepstack_visual_embeds=None) -> BaseModelOutputWithPast:
@@ -212,8 +217,8 @@ class PrefillRunner:
             if self.schedule.is_plain(states.columns, reused_columns):
                 self.ctx.layout = self._plain
             else:
-                slots, self.ctx.layout = self.schedule.layout(states.columns, reused_columns, self._restored(layer))
-                self.cache.layer(layer).open(slots, self.length)
+                writer, self.ctx.layout = self.schedule.layout(states.columns, reused_columns, self._restored(layer))
+                self.cache.layer(layer).open(writer)
                 if reused is not None:
                     self.cache.layer(layer).preload(*reused)
             watching = self._watching()

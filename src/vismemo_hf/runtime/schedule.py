@@ -89,6 +89,68 @@ class Placement:
     plan: object | None
 
 
+class SlotWriter:
+    """Where a layer's writes land in one slot layout, worked out once and shared by every layer with that layout.
+
+    ``columns`` (B, S): the request column of each slot, sorted, -1 padded. ``plan(columns)`` says where K/V of
+    request ``columns`` (B, T) go: ``("run", s0, s1)`` (one row into consecutive slots: a copy) or
+    ``("scatter", rows, slots, where)``; it is kept per columns tensor, so that the layers, which write the same
+    tensors (a layout's queries, a reused set), read no tensor value after the first of them. ``settled`` is the
+    layout once the prefill wrote some of those plans: unwritten slots empty (-1), or None when every column is
+    held in order (the plain layout)."""
+
+    def __init__(self, columns: torch.Tensor, length: int) -> None:
+        self.columns, self.length = columns, length
+        self.slot_of = positions_of(columns, length)
+        self._plans: dict = {}
+        self._settled: dict = {}
+
+    def plan(self, columns: torch.Tensor) -> tuple:
+        hit = self._plans.get(id(columns))
+        if hit is None or hit[0] is not columns:
+            hit = (columns, self._plan(columns))
+            self._plans[id(columns)] = hit
+        return hit[1]
+
+    def _plan(self, columns: torch.Tensor) -> tuple:
+        columns = columns.to(self.slot_of.device)
+        ok = columns >= 0
+        rows = torch.arange(columns.shape[0], device=columns.device)[:, None].expand_as(columns)[ok]
+        slots = self.slot_of.gather(1, columns.clamp(min=0))[ok]
+        if bool((slots < 0).any()):
+            raise RuntimeError("K/V written to a column the layer's layout does not hold")
+        if columns.shape[0] == 1 and bool(ok.all()) and _is_run(slots):
+            return ("run", int(slots[0]), int(slots[-1]) + 1)
+        where = torch.arange(columns.shape[1], device=columns.device)[None].expand_as(columns)[ok]
+        return ("scatter", rows, slots, where)
+
+    def settled(self, written: list[tuple]) -> torch.Tensor | None:
+        key = tuple(id(p) for p in written)
+        hit = self._settled.get(key)
+        if hit is None or any(a is not b for a, b in zip(hit[0], written)):
+            hit = (list(written), self._settle(written))
+            self._settled[key] = hit
+        return hit[1]
+
+    def _settle(self, written: list[tuple]) -> torch.Tensor | None:
+        filled = torch.zeros(self.columns.shape, dtype=torch.bool, device=self.columns.device)
+        for p in written:
+            if p[0] == "run":
+                filled[:, p[1] : p[2]] = True
+            else:
+                filled[p[1].to(filled.device), p[2].to(filled.device)] = True
+        cols = self.columns.masked_fill(~filled, -1)
+        if cols.shape[1] == self.length and bool((cols == torch.arange(self.length, device=cols.device)).all()):
+            return None
+        return cols
+
+
+def _is_run(slots: torch.Tensor) -> bool:
+    """Whether ``slots`` (1-D) are consecutive and increasing."""
+    return slots.numel() > 0 and int(slots[-1]) - int(slots[0]) == slots.numel() - 1 and (
+        slots.numel() == 1 or bool((slots[1:] - slots[:-1] == 1).all()))
+
+
 class Schedule:
     """Active columns and slot layouts of one prefill, each built once per change."""
 
@@ -134,22 +196,25 @@ class Schedule:
         return marked
 
     def layout(self, active: torch.Tensor, reused_columns: torch.Tensor | None,
-               kept_columns: torch.Tensor | None = None) -> tuple[torch.Tensor, Layout]:
-        """(slot columns (B, S), sorted and -1 padded; the ``Layout``) of a layer computing ``active`` (B, A) and
-        reusing ``reused_columns`` (B, R); its slots also hold ``kept_columns`` (B, K), written after the prefill
-        (masked tokens given back for decoding) and invisible until then."""
+               kept_columns: torch.Tensor | None = None) -> tuple[SlotWriter, Layout]:
+        """(the ``SlotWriter`` of the slots, sorted and -1 padded; the ``Layout``) of a layer computing ``active``
+        (B, A) and reusing ``reused_columns`` (B, R); its slots also hold ``kept_columns`` (B, K), written after the
+        prefill (masked tokens given back for decoding) and invisible until then."""
         key = (active, reused_columns, kept_columns)
         if self._slots is None or not all(_same(a, b) for a, b in zip(self._slots, key)):
             visible = self._mark(active, reused_columns)
             kept = visible | self._mark(kept_columns)
             slots = pad_rows([torch.nonzero(kept[b]).flatten() for b in range(self.batch)], -1, self.device)
             mask = slot_mask(slots, active, self.valid) & visible.gather(1, slots.clamp(min=0))[:, None, None, :]
-            self._slots, self._layout = key, (slots, Layout(active, mask, query_blocks(mask)))
+            self._slots, self._layout = key, (SlotWriter(slots, self.length), Layout(active, mask, query_blocks(mask)))
         return self._layout
 
 
 def _same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
-    return (a is None and b is None) or (a is not None and b is not None and a.shape == b.shape and torch.equal(a, b))
+    """The same columns: the same tensor (the schedule and the reader hand out one per set), else equal values."""
+    if a is b:
+        return True
+    return a is not None and b is not None and a.shape == b.shape and torch.equal(a, b)
 
 
 class ActiveStates:
@@ -176,7 +241,7 @@ class ActiveStates:
 
     def narrow(self, columns: torch.Tensor) -> None:
         """Keep the states of ``columns`` (B, A'), a subset of the current columns of every row."""
-        if torch.equal(columns, self.columns):
+        if columns is self.columns or torch.equal(columns, self.columns):
             return
         self._park()
         where = positions_of(self.columns, self._out.shape[1])

@@ -1,0 +1,241 @@
+"""``vismemo bench overhead``: what a request spends outside the arithmetic, per kind, against plain transformers.
+
+For each depth (``--layers``, the preset's other dimensions kept) and each kind (plain transformers on a
+never-enabled copy of the same weights, a miss, an exact hit, an approximate hit of each policy):
+
+- **host syncs** of one ``generate`` of one new token, counted by ``SyncCounter`` (every call that reads a
+  tensor's value or whose output size depends on it; on the CPU an upper bound of what a GPU would wait for), with
+  the code sites of the enabled kinds' counts. A hit path shaped for a GPU reads a constant number of values per
+  request, whatever the depth.
+- **fixed cost**: prefill times (``forward`` of the whole prompt, vision encoder included) at every visual length
+  and depth, fitted per kind by least squares as ``a + b * layers + c * GFLOP`` (FLOPs of the kind's plan, as
+  ``bench latency`` counts them): ``b`` is the cost per layer that a faster chip does not shrink.
+- **outside the kernels**: at the largest length and depth, the share of the prefill's wall time not spent in
+  matrix products and attention kernels (``torch.profiler``'s self times of those operators).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import statistics
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+from vismemo_hf import VisMemoCache, VisMemoStore, enable
+from vismemo_hf.bench.latency import any_size, page_pair, plan_flops, request_inputs
+from vismemo_hf.bench.report import command as report_command
+from vismemo_hf.bench.report import header, machine
+from vismemo_hf.bench.syncs import SyncCounter
+from vismemo_hf.core.plan import HitKind, ImagePlan
+
+#: operators whose self time is the arithmetic (matrix products, attention kernels)
+KERNELS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::matmul", "aten::linear",
+           "aten::_scaled_dot_product", "aten::scaled_dot_product", "aten::_flash", "aten::_efficient",
+           "aten::convolution", "aten::_convolution", "aten::mkldnn_convolution")
+
+
+def _models(args, layers: int):
+    from vismemo_hf.families import build_model
+    from vismemo_hf.offline import offline_processor
+
+    family = args.family or "qwen2_vl"
+    processor = offline_processor(family)
+    plain = build_model(args.preset, family, dtype=getattr(torch, args.dtype), tokenizer=processor.tokenizer,
+                        device=args.device, num_hidden_layers=layers)
+    model = copy.deepcopy(plain)
+    enable(model)
+    any_size(processor, model)
+    return plain, model, processor
+
+
+def _kinds(plain, model, base, edited, seeded, policies) -> dict:
+    """kind label -> (model, inputs, cache factory, expected hit kind)."""
+    kinds = {"plain": (plain, base, lambda: None, None),
+             "miss": (model, base, lambda: VisMemoCache(store=VisMemoStore()), "miss"),
+             "exact": (model, base, lambda: VisMemoCache(store=seeded), "exact")}
+    for policy in policies:
+        kinds[f"approximate {policy}"] = (model, edited, lambda p=policy: VisMemoCache(store=seeded, policy=p,
+                                                                                        store_misses=False),
+                                          "approximate")
+    return kinds
+
+
+def _check(cache, expected, label: str) -> dict | None:
+    if cache is None:
+        return None
+    (event,) = cache.events
+    if str(event.kind) != expected and expected != "approximate":
+        raise RuntimeError(f"{label}: expected a {expected} hit, got {event.kind}")
+    return event  # a policy whose lookup finds no alias here is reported with the kind it got
+
+
+@torch.no_grad()
+def _syncs(case, label: str) -> tuple[SyncCounter, object]:
+    runner, inputs, make, expected = case
+    cache = make()
+    cuda = runner.device.type == "cuda"
+    with warnings.catch_warnings(record=True) as caught, SyncCounter(sites=True) as counter:
+        warnings.simplefilter("always")
+        if cuda:  # the driver's own count of the synchronising calls
+            torch.cuda.set_sync_debug_mode("warn")
+        try:
+            runner.generate(**inputs, **({"cache": cache} if cache is not None else {}), max_new_tokens=1,
+                            do_sample=False)
+        finally:
+            if cuda:
+                torch.cuda.set_sync_debug_mode("default")
+    counter.cuda_syncs = sum("synchroniz" in str(w.message) for w in caught) if cuda else None
+    return counter, _check(cache, expected, label)
+
+
+@torch.no_grad()
+def _prefill_ms(case, label: str, repeats: int) -> tuple[float, object]:
+    runner, inputs, make, expected = case
+    times, event = [], None
+    for _ in range(repeats + 1):  # the first round warms up
+        cache = make()
+        kwargs = {"cache": cache} if cache is not None else {}
+        if runner.device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        runner(**inputs, **kwargs, use_cache=True)
+        if runner.device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append((time.perf_counter() - t0) * 1e3)
+        event = _check(cache, expected, label)
+    return statistics.median(times[1:] or times), event
+
+
+@torch.no_grad()
+def _outside_kernels(case) -> float:
+    """Share of one prefill's wall time outside the ``KERNELS`` operators."""
+    from torch.profiler import ProfilerActivity, profile
+
+    runner, inputs, make, _ = case
+    cache = make()
+    kwargs = {"cache": cache} if cache is not None else {}
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        t0 = time.perf_counter()
+        runner(**inputs, **kwargs, use_cache=True)
+        wall = (time.perf_counter() - t0) * 1e6
+    kernels = sum(e.self_cpu_time_total for e in prof.key_averages() if e.key.startswith(KERNELS))
+    return max(0.0, 1.0 - kernels / wall)
+
+
+def _flops(config, inputs, event) -> float:
+    """GFLOPs of the prefill's plan (plain transformers: every token computed, as a miss)."""
+    ids = inputs["input_ids"][0].cpu()
+    is_image = ids == config.image_token_id
+    start = int(is_image.nonzero()[0])
+    plan = event.plan if event is not None else ImagePlan.full(HitKind.MISS, int(is_image.sum()))
+    return plan_flops(config, ids.numel(), start, plan) / 1e9
+
+
+def fit(points: list[tuple[int, float, float]]) -> dict | None:
+    """Least squares of ``ms = a + b * layers + c * gflop`` over ``(layers, gflop, ms)`` points."""
+    if len(points) < 3 or len({p[0] for p in points}) < 2:
+        return None
+    x = torch.tensor([[1.0, p[0], p[1]] for p in points], dtype=torch.float64)
+    y = torch.tensor([[p[2]] for p in points], dtype=torch.float64)
+    a, b, c = torch.linalg.lstsq(x, y).solution.flatten().tolist()
+    return {"ms_per_request": a, "ms_per_layer": b, "ms_per_gflop": c, "points": len(points)}
+
+
+def measure(args) -> dict:
+    from vismemo_hf.progress import progress
+
+    depths = [int(x) for x in args.layers.split(",")] if isinstance(args.layers, str) else list(args.layers)
+    lengths = [int(x) for x in args.lengths.split(",")] if isinstance(args.lengths, str) else list(args.lengths)
+    policies = args.policies.split(",") if isinstance(args.policies, str) else list(args.policies)
+    syncs, cuda_syncs, sites, timings, outside, got = {}, {}, {}, {}, {}, {}
+    with progress(total=len(depths) * len(lengths), desc="overhead", unit="size") as bar:
+        for layers in depths:
+            plain, model, processor = _models(args, layers)
+            patch = model.config.vision_config.patch_size
+            for n in lengths:
+                base_img, edited_img = page_pair(n, patch)
+                base, edited = (request_inputs(processor, im).to(model.device) for im in (base_img, edited_img))
+                seeded = VisMemoStore()
+                with torch.no_grad():
+                    model(**base, cache=VisMemoCache(store=seeded), use_cache=True)  # the alias entry
+                seeded.flush()
+                kinds = _kinds(plain, model, base, edited, seeded, policies)
+                for label, case in kinds.items():
+                    if n == lengths[0]:
+                        counter, event = _syncs(case, label)
+                        if event is not None and str(event.kind) != (case[3] or ""):
+                            got.setdefault(label, {})[layers] = str(event.kind)
+                        syncs.setdefault(label, {})[layers] = counter.total
+                        if counter.cuda_syncs is not None:
+                            cuda_syncs.setdefault(label, {})[layers] = counter.cuda_syncs
+                        if label != "plain":
+                            sites.setdefault(label, {})[layers] = dict(counter.sites.most_common(args.sites))
+                    ms, event = _prefill_ms(case, label, args.repeats)
+                    gflop = _flops(model.config, case[1], event)
+                    timings.setdefault(label, []).append({"layers": layers, "visual_tokens": n, "gflop": gflop,
+                                                          "prefill_ms": ms})
+                    if layers == depths[-1] and n == lengths[-1]:
+                        outside[label] = _outside_kernels(case)
+                bar.update(1)
+            del plain, model
+    fits = {label: fit([(r["layers"], r["gflop"], r["prefill_ms"]) for r in rows]) for label, rows in timings.items()}
+    return {"syncs": syncs, "cuda_syncs": cuda_syncs, "sites": sites, "timings": timings, "fits": fits,
+            "outside_kernels": outside, "depths": depths, "lengths": lengths, "got": got}
+
+
+def _report(data: dict, args, command: str, mach: dict) -> list[str]:
+    depths = data["depths"]
+    lines = header("Overhead of a request outside the arithmetic, against plain transformers", command, mach)
+    lines += [f"Preset `{args.preset}` ({args.family or 'qwen2_vl'}), {args.dtype}, random weights; depths "
+              f"{', '.join(map(str, depths))} layers (the preset's other dimensions kept).", "",
+              f"## Host syncs of one generate (one new token, {data['lengths'][0]} visual tokens)", "",
+              "| kind | " + " | ".join(f"{d} layers" for d in depths) + " | per extra layer | over plain |",
+              "| --- | " + " | ".join("---" for _ in depths) + " | --- | --- |"]
+    plain = data["syncs"]["plain"]
+    for label, counts in data["syncs"].items():
+        per = (counts[depths[-1]] - counts[depths[0]]) / max(1, depths[-1] - depths[0])
+        over = max(counts[d] - plain[d] for d in depths)
+        if label in data["got"]:
+            at = ", ".join(f"{d} layers" for d in data["got"][label])
+            label = f"{label} (its lookup: a {next(iter(data['got'][label].values()))} at {at})"
+        lines.append(f"| {label} | " + " | ".join(str(counts[d]) for d in depths) + f" | {per:.2f} | {over:+d} |")
+    if data["cuda_syncs"]:
+        lines += ["", "CUDA's own count (`torch.cuda.set_sync_debug_mode`): " + "; ".join(
+            f"{label} " + " / ".join(str(c[d]) for d in depths) for label, c in data["cuda_syncs"].items())]
+    lines += ["", "## Fixed cost (prefill ms = a + b * layers + c * GFLOP, fitted over lengths and depths)", "",
+              "| kind | a: ms per request | b: ms per layer | c: ms per GFLOP | outside the kernels |",
+              "| --- | --- | --- | --- | --- |"]
+    for label, f in data["fits"].items():
+        share = data["outside_kernels"].get(label)
+        share_s = f"{share:.0%}" if share is not None else "-"
+        if f is None:
+            lines.append(f"| {label} | - | - | - | {share_s} |")
+        else:
+            lines.append(f"| {label} | {f['ms_per_request']:.1f} | {f['ms_per_layer']:.2f} | {f['ms_per_gflop']:.1f} "
+                         f"| {share_s} |")
+    lines += ["", f"Outside the kernels: share of one prefill at {data['lengths'][-1]} visual tokens and {depths[-1]} "
+              "layers not spent in matrix products and attention kernels (torch.profiler self times).", "",
+              "## Where the enabled kinds read values (largest depth)", ""]
+    for label, per_depth in data["sites"].items():
+        top = list(per_depth[depths[-1]].items())[: args.sites]
+        lines.append(f"- {label}: " + "; ".join(f"{site} x{k}" for site, k in top))
+    return lines
+
+
+def main(args) -> int:
+    data = measure(args)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    options = ["preset"] + (["family"] if args.family else []) + ["layers", "lengths", "policies", "repeats", "dtype",
+                                                                  "device"]
+    command = report_command("bench overhead", args, options)
+    mach = machine(args.device)
+    (out / "overhead.json").write_text(json.dumps({"command": command, "machine": mach, **data}, indent=2,
+                                                  default=str))
+    (out / "overhead.md").write_text("\n".join(_report(data, args, command, mach)) + "\n")
+    print((out / "overhead.md").read_text())
+    return 0
