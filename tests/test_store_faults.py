@@ -300,3 +300,33 @@ def test_a_write_whose_row_cannot_be_stored_leaves_no_file_behind(tmp_path, monk
     assert reader.tier_of("kept") == "disk" and reader.tier_of("lost") is None
     store.close()
     reader.close()
+
+
+@pytest.mark.parametrize("how", ["replace", "overwrite"])
+def test_a_process_whose_index_was_replaced_or_overwritten_writes_where_the_others_look(tmp_path, how):
+    """Found by ``vismemo bench soak``: ``cache.db`` replaced by another file while processes had it open (they went
+    on writing into the old one, which no process opening the directory sees), or overwritten in place (every write
+    failed from then on). A write now checks that the directory's index is the one it opened, and opens it again
+    when it is not, or when it is damaged where it lies."""
+    db = tmp_path / "cache.db"
+    a = VisMemoStore(device_bytes=0, host_bytes=0, disk_dir=tmp_path, disk_bytes=2**30)
+    a.put(_entry("before", seed=1))
+    a.flush()
+    garbage = os.urandom(max(8192, db.stat().st_size))
+    if how == "replace":
+        (tmp_path / "new.tmp").write_bytes(garbage)
+        os.replace(tmp_path / "new.tmp", db)
+    else:
+        with open(db, "r+b") as handle:
+            handle.write(garbage)
+    after = _entry("after", seed=2)
+    assert a.put(after)
+    a.flush()
+    assert a.stats()["tiers"]["disk"]["reopened"] == 1 and a.stats()["write_failures"] == 0
+    assert torch.equal(a.get("after", "fp").kv, after.kv)
+    assert a.get("before", "fp") is None  # the damaged index's entries went to quarantine: a miss, never garbage
+    fresh = VisMemoStore(device_bytes=0, host_bytes=0, disk_dir=tmp_path, disk_bytes=2**30)
+    assert fresh.tier_of("after") == "disk" and torch.equal(fresh.get("after", "fp").kv, after.kv)
+    assert list((tmp_path / QUARANTINE).glob("*/cache.db"))  # the garbage kept, never deleted
+    for store in (a, fresh):
+        store.close()

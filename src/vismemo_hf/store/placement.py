@@ -127,6 +127,11 @@ class Placement:
                 if key in self.disk:
                     self.disk.forget(key)  # the directory keeps what it held (another process's blob of it)
                 self.forget_if_gone(key)
+        for key in self.disk.take_lost():  # the index was opened again without it: a miss from now on
+            with self.lock:
+                if key in self.disk:
+                    self.disk.forget(key)
+                self.forget_if_gone(key)
 
     @contextmanager
     def in_transit(self, key: str):

@@ -379,6 +379,7 @@ class DiskTier:
         self._read_only = False
         self._reopen_at: float | None = None  # read-only for a passing reason (disk full): when to try writable again
         self.quarantined = 0  # damaged indexes moved aside (the tier then starts empty here)
+        self._index_id: tuple | None = None  # (device, inode) of the index file this process has open
         try:
             os.makedirs(self.directory, exist_ok=True)
             self.cache = self._open_writable()
@@ -397,6 +398,8 @@ class DiskTier:
         self._closed = False
         self._pending: dict[str, object] = {}  # key -> its queued write
         self._failed: list[str] = []  # appended by the writer thread (list.append is atomic)
+        self._lost: list[str] = []  # held keys an index opened again does not name (appended by the writer thread)
+        self.reopened = 0  # times the index was opened again (replaced or damaged under this process)
         self.bytes = 0
         self.foreign = 0  # keys or values in the directory that are not vismemo blobs (skipped, left alone)
         self.range_reads = 0  # positioned reads of sparse (approximate-hit) reads
@@ -425,7 +428,8 @@ class DiskTier:
     def stats(self) -> dict:
         return {"bytes": self.bytes, "budget": self.budget, "entries": len(self.lru), "foreign": self.foreign,
                 "range_reads": self.range_reads, "read_only": self._read_only, "directory_bytes": self._directory_bytes(),
-                "directory_evictions": self.others_evicted, "quarantined": self.quarantined}
+                "directory_evictions": self.others_evicted, "quarantined": self.quarantined,
+                "reopened": self.reopened}
 
     # -- opening ------------------------------------------------------------------------------------
     def _open_index(self) -> diskcache.Cache:
@@ -445,6 +449,11 @@ class DiskTier:
         """The directory's index; a damaged one is quarantined and an empty one made in its place. That happens
         under the directory's lock and after a second try, so that of several processes opening the same damaged
         directory the first moves it aside and the others open the index it made."""
+        cache = self._open_writable_index()
+        self._index_id = self._file_id()
+        return cache
+
+    def _open_writable_index(self) -> diskcache.Cache:
         try:
             return self._open_index()
         except sqlite3.DatabaseError as err:
@@ -458,6 +467,31 @@ class DiskTier:
                     raise
                 self._quarantine(err)
             return self._open_index()
+
+    def _file_id(self) -> tuple | None:
+        try:
+            st = os.stat(os.path.join(self.directory, DBNAME))
+        except OSError:
+            return None
+        return st.st_dev, st.st_ino
+
+    def _reopen(self, why: str, writing: str) -> None:
+        """Open the directory's index again: the one this process had is no longer the directory's (another file
+        under its name, or damaged where it lies). Later writes go where every other process looks; the entries
+        this process counted and the new index does not name are misses from now on (their bytes are not read)."""
+        old = self.cache
+        self.cache = self._open_writable()
+        with suppress(Exception):
+            old.close()
+        named = set(self.cache.iterkeys())
+        self._lost.extend(k for k in list(self.lru) if k not in named and k != writing)  # the serving thread forgets
+        self.reopened += 1
+        logger.warning("vismemo: disk tier %s: %s; opened its index again", self.directory, why)
+
+    def _current(self, key: str) -> None:
+        """Before writing ``key``: reopen the index if the directory's file is not the one this process opened."""
+        if self._index_id is not None and self._file_id() != self._index_id:
+            self._reopen("its index file was replaced", key)
 
     def _quarantine(self, err: Exception) -> None:
         """Move the damaged index, its journals and the value folders it named into ``quarantine/<time>-<id>/``
@@ -523,6 +557,16 @@ class DiskTier:
         directory's lock (every process's writes in turn), the least recently stored blobs of the directory, any
         process's, are deleted first until it fits: the directory's blob bytes stay within ``budget`` whatever the
         number of processes sharing it (this process's own evictions keep their exact-priority order)."""
+        self._current(key)
+        try:
+            self._write(key, data)
+        except sqlite3.DatabaseError as err:  # the index was overwritten where it lies: reopen it, write again
+            if not damaged(err):
+                raise
+            self._reopen(f"its index is damaged ({err})", key)
+            self._write(key, data)
+
+    def _write(self, key: str, data: bytes) -> None:
         if self.budget is None:
             self._store(key, data)
             return
@@ -612,6 +656,13 @@ class DiskTier:
         while self._failed:
             failed.append(self._failed.pop())
         return failed
+
+    def take_lost(self) -> list[str]:
+        """Keys this process held that the index, opened again, does not name."""
+        lost = []
+        while self._lost:
+            lost.append(self._lost.pop())
+        return lost
 
     def put(self, key: str, data: bytes) -> None:
         self.track(key, len(data))
