@@ -140,15 +140,18 @@ def best_shift(a: torch.Tensor, b: torch.Tensor, hw: tuple[int, int],
     if a.shape[0] != h * w or b.shape != a.shape:
         return best
     grid_a, grid_b = a.reshape(h, w, -1), b.reshape(h, w, -1)
+    shifts, scores = [], []
     for dy in range(-max_shift, max_shift + 1):
         for dx in range(-max_shift, max_shift + 1):
             if (dy, dx) == (0, 0) or (h - abs(dy)) * (w - abs(dx)) < MIN_OVERLAP * h * w:
                 continue
             part_a = grid_a[max(0, -dy): h - max(0, dy), max(0, -dx): w - max(0, dx)]
             part_b = grid_b[max(0, dy): h - max(0, -dy), max(0, dx): w - max(0, -dx)]
-            score = float((part_a * part_b).sum(-1).mean())
-            if score > best[0]:
-                best = (score, (dy, dx))
+            shifts.append((dy, dx))
+            scores.append((part_a * part_b).sum(-1).mean())
+    for shift, score in zip(shifts, torch.stack(scores).tolist() if scores else []):  # one read for every shift
+        if score > best[0]:
+            best = (score, shift)
     return best
 
 

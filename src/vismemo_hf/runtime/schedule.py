@@ -29,12 +29,11 @@ def pad_rows(rows: list[torch.Tensor], fill: int, device) -> torch.Tensor:
 
 def positions_of(columns: torch.Tensor, length: int) -> torch.Tensor:
     """(B, length) position of each request column inside ``columns`` (B, A) (-1 where it is absent): the
-    inverse of a padded column layout."""
-    where = torch.full((columns.shape[0], length), -1, dtype=torch.long, device=columns.device)
-    ok = columns >= 0
-    rows = torch.arange(columns.shape[0], device=columns.device)[:, None].expand_as(columns)
-    where[rows[ok], columns[ok]] = torch.nonzero(ok)[:, 1]
-    return where
+    inverse of a padded column layout. A scatter, with the pads sent to a spare column: no value is read."""
+    where = torch.full((columns.shape[0], length + 1), -1, dtype=torch.long, device=columns.device)
+    target = torch.where(columns >= 0, columns, length)
+    where.scatter_(1, target, torch.arange(columns.shape[1], device=columns.device).expand_as(columns))
+    return where[:, :length]
 
 
 def slot_mask(key_columns: torch.Tensor, query_columns: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
@@ -61,12 +60,12 @@ def query_blocks(mask: torch.Tensor) -> list[tuple[int, int, int]]:
     blocks = min(MAX_BLOCKS, q_len // MIN_BLOCK_ROWS)
     if blocks <= 1:
         return [(0, q_len, s_len)]
-    bounds = torch.linspace(0, q_len, blocks + 1).round().long().tolist()
-    out = []
-    for r0, r1 in zip(bounds[:-1], bounds[1:]):
-        seen = torch.nonzero(mask[:, :, r0:r1].any(dim=(0, 1, 2))).flatten()
-        out.append((r0, r1, int(seen[-1]) + 1 if seen.numel() else s_len))
-    return out
+    bounds = [round(k * q_len / blocks) for k in range(blocks + 1)]
+    # the last slot each row sees (0 for a row that sees none), then each block's largest: one read for all blocks
+    slots = torch.arange(1, s_len + 1, device=mask.device)
+    last = (mask.any(dim=(0, 1)) * slots).amax(-1)  # (q,)
+    ends = torch.stack([last[r0:r1].amax() for r0, r1 in zip(bounds[:-1], bounds[1:])]).tolist()
+    return [(r0, r1, int(end) if end else s_len) for r0, r1, end in zip(bounds[:-1], bounds[1:], ends)]
 
 
 @dataclass(frozen=True)
@@ -115,14 +114,20 @@ class SlotWriter:
     def _plan(self, columns: torch.Tensor) -> tuple:
         columns = columns.to(self.slot_of.device)
         ok = columns >= 0
-        rows = torch.arange(columns.shape[0], device=columns.device)[:, None].expand_as(columns)[ok]
-        slots = self.slot_of.gather(1, columns.clamp(min=0))[ok]
-        if bool((slots < 0).any()):
+        slots = self.slot_of.gather(1, columns.clamp(min=0))
+        # one read decides: a written column the layout lacks; one row, no pads, consecutive slots (a copy)
+        steps = slots[:, 1:] - slots[:, :-1]
+        lacking, pads, gaps, first, last = torch.stack([
+            ((slots < 0) & ok).sum(), (~ok).sum(), (steps != 1).sum() if steps.numel() else slots.new_zeros(()),
+            slots[0, 0] if slots.numel() else slots.new_zeros(()),
+            slots[0, -1] if slots.numel() else slots.new_zeros(())]).tolist()
+        if lacking:
             raise RuntimeError("K/V written to a column the layer's layout does not hold")
-        if columns.shape[0] == 1 and bool(ok.all()) and _is_run(slots):
-            return ("run", int(slots[0]), int(slots[-1]) + 1)
+        if columns.shape[0] == 1 and columns.numel() and not pads and not gaps:
+            return ("run", int(first), int(last) + 1)
+        rows = torch.arange(columns.shape[0], device=columns.device)[:, None].expand_as(columns)[ok]
         where = torch.arange(columns.shape[1], device=columns.device)[None].expand_as(columns)[ok]
-        return ("scatter", rows, slots, where)
+        return ("scatter", rows, slots[ok], where)
 
     def settled(self, written: list[tuple]) -> torch.Tensor | None:
         key = tuple(id(p) for p in written)
@@ -143,12 +148,6 @@ class SlotWriter:
         if cols.shape[1] == self.length and bool((cols == torch.arange(self.length, device=cols.device)).all()):
             return None
         return cols
-
-
-def _is_run(slots: torch.Tensor) -> bool:
-    """Whether ``slots`` (1-D) are consecutive and increasing."""
-    return slots.numel() > 0 and int(slots[-1]) - int(slots[0]) == slots.numel() - 1 and (
-        slots.numel() == 1 or bool((slots[1:] - slots[:-1] == 1).all()))
 
 
 class Schedule:
@@ -187,13 +186,12 @@ class Schedule:
 
     def _mark(self, *columns: torch.Tensor | None) -> torch.Tensor:
         """(B, L) True at every request column of ``columns`` ((B, k) each, -1 padded)."""
-        marked = torch.zeros(self.batch, self.length, dtype=torch.bool, device=self.device)
+        marked = torch.zeros(self.batch, self.length + 1, dtype=torch.bool, device=self.device)
         for cols in columns:
             if cols is not None:
-                ok = cols >= 0
-                rows = torch.arange(self.batch, device=self.device)[:, None].expand_as(cols)
-                marked[rows[ok], cols[ok].to(self.device)] = True
-        return marked
+                cols = cols.to(self.device)
+                marked.scatter_(1, torch.where(cols >= 0, cols, self.length), True)  # pads to a spare column
+        return marked[:, : self.length]
 
     def layout(self, active: torch.Tensor, reused_columns: torch.Tensor | None,
                kept_columns: torch.Tensor | None = None) -> tuple[SlotWriter, Layout]:
@@ -204,10 +202,18 @@ class Schedule:
         if self._slots is None or not all(_same(a, b) for a, b in zip(self._slots, key)):
             visible = self._mark(active, reused_columns)
             kept = visible | self._mark(kept_columns)
-            slots = pad_rows([torch.nonzero(kept[b]).flatten() for b in range(self.batch)], -1, self.device)
+            slots = _held(kept)
             mask = slot_mask(slots, active, self.valid) & visible.gather(1, slots.clamp(min=0))[:, None, None, :]
             self._slots, self._layout = key, (SlotWriter(slots, self.length), Layout(active, mask, query_blocks(mask)))
         return self._layout
+
+
+def _held(kept: torch.Tensor) -> torch.Tensor:
+    """(B, S) the columns where ``kept`` (B, L) is True, in order, rows padded with -1: one read (the width)."""
+    width = int(kept.sum(1).max()) if kept.numel() else 0
+    columns = torch.arange(kept.shape[1], device=kept.device).expand_as(kept)
+    order = torch.sort((~kept).to(torch.int8), dim=1, stable=True).indices[:, :width]  # held columns first, in order
+    return torch.where(kept.gather(1, order), columns.gather(1, order), -1)
 
 
 def _same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
@@ -223,25 +229,34 @@ class ActiveStates:
 
     def __init__(self, columns: torch.Tensor, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
         self.columns, self.hidden, self.cos, self.sin = columns, hidden, cos, sin
+        self._all = columns  # the first columns: every column of every row, in order
         self._cos_all, self._sin_all = cos, sin
-        self._out = hidden.clone()
+        # every column's last state, and a spare column the pads of a narrowed layout are written to
+        self._buf = torch.cat([hidden, hidden.new_zeros(hidden.shape[0], 1, hidden.shape[-1])], 1)
+
+    @property
+    def _out(self) -> torch.Tensor:
+        return self._buf[:, :-1]
 
     def _park(self) -> None:
-        ok = self.columns >= 0
-        rows = torch.arange(self.columns.shape[0], device=ok.device)[:, None].expand_as(self.columns)
-        self._out[rows[ok], self.columns[ok]] = self.hidden[ok].to(self._out.dtype)
+        cols = self.columns
+        if cols is self._all:  # every column, in order
+            self._out.copy_(self.hidden.to(self._buf.dtype))
+            return
+        target = torch.where(cols >= 0, cols, self._buf.shape[1] - 1)[..., None].expand(-1, -1, self._buf.shape[-1])
+        self._buf.scatter_(1, target, self.hidden.to(self._buf.dtype))  # a scatter reads no value
 
     def snapshot(self) -> tuple:
         """What ``restore`` needs to run the layers from here again."""
-        return self.columns, self.hidden.clone(), self.cos, self.sin, self._out.clone()
+        return self.columns, self.hidden.clone(), self.cos, self.sin, self._buf.clone()
 
     def restore(self, snapshot: tuple) -> None:
-        self.columns, hidden, self.cos, self.sin, out = snapshot
-        self.hidden, self._out = hidden.clone(), out.clone()
+        self.columns, hidden, self.cos, self.sin, buf = snapshot
+        self.hidden, self._buf = hidden.clone(), buf.clone()
 
     def narrow(self, columns: torch.Tensor) -> None:
         """Keep the states of ``columns`` (B, A'), a subset of the current columns of every row."""
-        if columns is self.columns or torch.equal(columns, self.columns):
+        if columns is self.columns or (columns.shape == self.columns.shape and torch.equal(columns, self.columns)):
             return
         self._park()
         where = positions_of(self.columns, self._out.shape[1])
