@@ -370,6 +370,36 @@ def damaged(err: BaseException) -> bool:
     return name.startswith(("SQLITE_NOTADB", "SQLITE_CORRUPT"))
 
 
+def _file_id(directory: str) -> tuple | None:
+    """(device, inode) of the directory's index file (None: there is none)."""
+    try:
+        st = os.stat(os.path.join(directory, DBNAME))
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+def _drain(items: list) -> list:
+    """Everything another thread appended to ``items``, taken out (list.pop is atomic)."""
+    out = []
+    while items:
+        out.append(items.pop())
+    return out
+
+
+def quarantine(directory: str) -> str:
+    """Move a damaged index, its journals and the value folders it named into ``quarantine/<time>-<id>/`` of the
+    directory: the bytes stay for whoever wants to look at them (nothing is deleted), and the blobs of the old index
+    are not left behind unnamed, uncounted, among those of the new one. Returns that folder."""
+    folder = os.path.join(directory, QUARANTINE)
+    os.makedirs(folder, exist_ok=True)
+    target = tempfile.mkdtemp(prefix=time.strftime("%Y%m%d-%H%M%S-"), dir=folder)
+    for name in sorted(os.listdir(directory)):
+        if name in _INDEX_FILES or _VALUE_FOLDER.fullmatch(name):
+            os.replace(os.path.join(directory, name), os.path.join(target, name))
+    return target
+
+
 class DiskTier:
     name = "disk"
     shared = True
@@ -450,7 +480,7 @@ class DiskTier:
         under the directory's lock and after a second try, so that of several processes opening the same damaged
         directory the first moves it aside and the others open the index it made."""
         cache = self._open_writable_index()
-        self._index_id = self._file_id()
+        self._index_id = _file_id(self.directory)
         return cache
 
     def _open_writable_index(self) -> diskcache.Cache:
@@ -468,13 +498,6 @@ class DiskTier:
                 self._quarantine(err)
             return self._open_index()
 
-    def _file_id(self) -> tuple | None:
-        try:
-            st = os.stat(os.path.join(self.directory, DBNAME))
-        except OSError:
-            return None
-        return st.st_dev, st.st_ino
-
     def _reopen(self, why: str, writing: str) -> None:
         """Open the directory's index again: the one this process had is no longer the directory's (another file
         under its name, or damaged where it lies). Later writes go where every other process looks; the entries
@@ -490,19 +513,11 @@ class DiskTier:
 
     def _current(self, key: str) -> None:
         """Before writing ``key``: reopen the index if the directory's file is not the one this process opened."""
-        if self._index_id is not None and self._file_id() != self._index_id:
+        if self._index_id is not None and _file_id(self.directory) != self._index_id:
             self._reopen("its index file was replaced", key)
 
     def _quarantine(self, err: Exception) -> None:
-        """Move the damaged index, its journals and the value folders it named into ``quarantine/<time>-<id>/``
-        of the directory: the bytes stay for whoever wants to look at them (nothing is deleted), and the blobs of
-        the old index are not left behind unnamed, uncounted, among those of the new one."""
-        folder = os.path.join(self.directory, QUARANTINE)
-        os.makedirs(folder, exist_ok=True)
-        target = tempfile.mkdtemp(prefix=time.strftime("%Y%m%d-%H%M%S-"), dir=folder)
-        for name in sorted(os.listdir(self.directory)):
-            if name in _INDEX_FILES or _VALUE_FOLDER.fullmatch(name):
-                os.replace(os.path.join(self.directory, name), os.path.join(target, name))
+        target = quarantine(self.directory)
         self.quarantined += 1
         logger.warning("vismemo: disk tier %s: its index is damaged (%s: %s); moved to %s, starting empty",
                        self.directory, type(err).__name__, err, target)
@@ -652,17 +667,11 @@ class DiskTier:
             future.result()
 
     def take_failures(self) -> list[str]:
-        failed = []
-        while self._failed:
-            failed.append(self._failed.pop())
-        return failed
+        return _drain(self._failed)
 
     def take_lost(self) -> list[str]:
         """Keys this process held that the index, opened again, does not name."""
-        lost = []
-        while self._lost:
-            lost.append(self._lost.pop())
-        return lost
+        return _drain(self._lost)
 
     def put(self, key: str, data: bytes) -> None:
         self.track(key, len(data))
