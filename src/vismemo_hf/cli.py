@@ -464,7 +464,8 @@ def _add_bench(sub) -> None:
                                               "each kind, against plain transformers, at two depths")
     p.add_argument("--preset", default="medium", help="model preset (random weights)")
     p.add_argument("--family", default=None, choices=FAMILY_NAMES, help="family of family-agnostic presets")
-    p.add_argument("--layers", type=INTS, default="4,36", help="decoder depths (the preset's other dimensions kept)")
+    p.add_argument("--layers", type=INTS, default="4,12,36",
+                   help="decoder depths (the preset's other dimensions kept; syncs compared at the first and last)")
     p.add_argument("--lengths", type=INTS, default="256,512,1024", help="visual tokens per image")
     p.add_argument("--policies", default=DEFAULT_POLICY, help="policies of the approximate hits")
     p.add_argument("--repeats", type=int, default=3, help="timed prefills per kind and size")

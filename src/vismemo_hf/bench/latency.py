@@ -21,6 +21,7 @@ import torch
 from transformers import StoppingCriteriaList
 
 from vismemo_hf import VisMemoCache, VisMemoStore, enable
+from vismemo_hf.bench.flops import encoder_share, kind_floor, patches_of, plan_flops, real_configs
 from vismemo_hf.bench.report import command as report_command
 from vismemo_hf.bench.report import header, machine
 from vismemo_hf.eval import synthetic
@@ -28,39 +29,6 @@ from vismemo_hf.eval.loading import load_model
 from vismemo_hf.eval.quality import TokenClock
 
 STAGES = ("lookup", "encoder", "warmup", "fetch_wait", "plan", "recompute")
-
-
-def layer_flops(config, queries: int, keys: int) -> float:
-    """Forward FLOPs of one decoder layer: projections and MLP for ``queries`` tokens, attention over ``keys``."""
-    t = config.text_config
-    d, heads, kv, ffn = t.hidden_size, t.num_attention_heads, t.num_key_value_heads, t.intermediate_size
-    head_dim = getattr(t, "head_dim", None) or d // heads
-    linear = 2 * queries * (d * heads * head_dim * 2 + 2 * d * kv * head_dim + 3 * d * ffn)
-    attention = 4 * heads * head_dim * queries * keys
-    return linear + attention
-
-
-def plan_flops(config, length: int, start: int, plan) -> float:
-    """FLOPs of a prefill of ``length`` columns whose image (at column ``start``) is routed by ``plan``: at each
-    layer the text and the plan's computed tokens are queries, and each query attends to exactly the keys it
-    sees (text, computed and reused tokens at or before its column; masked tokens are no keys)."""
-    n = plan.n_tokens
-    per_layout = {}
-    total = 0.0
-    for layer in range(config.text_config.num_hidden_layers):
-        computed, reused = plan.computed_at(layer), plan.reused_at(layer)
-        layout = (computed.numel(), reused.numel())  # the sets nest with depth: their sizes name them
-        if layout not in per_layout:
-            query = torch.ones(length, dtype=torch.bool)
-            query[start : start + n] = False
-            query[start + computed] = True
-            key = query.clone()
-            key[start + reused] = True
-            pairs = int(key.long().cumsum(0)[query].sum())
-            queries = int(query.sum())
-            per_layout[layout] = layer_flops(config, queries, pairs / queries)
-        total += per_layout[layout]
-    return total
 
 
 def page_pair(tokens: int, family_patch: int, seed: int = 1):
@@ -182,6 +150,12 @@ def _records(config, miss_in, runs: dict, long: dict, family: str, new_tokens: i
     n_visual = miss[0]["event"]["n_tokens"]
     miss_ms = statistics.median(r["event"]["timings"]["prefill"] for r in miss)
     miss_flops = plan_flops(config, ids.numel(), start, miss[0]["event"]["plan"])
+    # the TTFT floor, encoder included, here and at the real models' geometry (the same plan priced there)
+    geometries = {"stand-in": config, **real_configs()}
+    patches = patches_of(config, n_visual)
+    plain_floor = {g: kind_floor(c, ids.numel(), start, miss[0]["event"]["plan"], patches_of(c, n_visual))
+                   for g, c in geometries.items()}
+    shares = {g: encoder_share(c, ids.numel(), start, n_visual) for g, c in geometries.items()}
     med = lambda outs, key: statistics.median(o[key] for o in outs)  # noqa: E731
     plain = runs[("plain", "-")]
     plain_ttft, plain_step, plain_total = med(plain, "ttft_ms"), med(plain, "step_ms"), med(plain, "total_ms")
@@ -200,6 +174,11 @@ def _records(config, miss_in, runs: dict, long: dict, family: str, new_tokens: i
             first = outs[0]["event"]
             flops = plan_flops(config, ids.numel(), start, first["plan"])
             median = {s: statistics.median(o["event"]["timings"].get(s, 0.0) for o in outs) for s in STAGES + ("prefill",)}
+            encoded = 0 if kind == "exact" else patches  # an exact hit skips the tower; the others run it whole
+            record["ttft_floor"] = {g: kind_floor(c, ids.numel(), start, first["plan"],
+                                                  encoded and patches_of(c, n_visual)) / plain_floor[g]
+                                    for g, c in geometries.items()}
+            record["encoder_share"] = shares
             record.update({"prefill_ms": median["prefill"], "ratio_to_miss": median["prefill"] / miss_ms,
                            "floor_ratio": flops / miss_flops, "plan_gflops": flops / 1e9,
                            "recomputed": first["recomputed"], "reused": first["reused"], "masked": first["masked"],
@@ -291,6 +270,26 @@ def main(args) -> int:
     return 0
 
 
+def _floors(records) -> list[str]:
+    """The TTFT floors (encoder included) on the stand-in and at the real geometries, and the encoder's share."""
+    hits = [r for r in records if r["kind"] != "plain" and "ttft_floor" in r]
+    if not hits:
+        return []
+    names = list(hits[0]["ttft_floor"])
+    lines = ["", "## TTFT floors, the vision encoder included", "",
+             "The FLOPs each kind runs over plain transformers' (`bench.flops`: the vision encoder unless the kind is "
+             "an exact hit, which skips it, then the plan's decoder layers), on this stand-in and for the same plan at "
+             "the real models' published geometry; `encoder share`: the encoder's part of a miss's FLOPs there.", "",
+             "| visual tokens | kind | policy | measured TTFT / plain | " + " | ".join(f"floor {n}" for n in names)
+             + " | " + " | ".join(f"encoder share {n}" for n in names) + " |",
+             "| --- | --- | --- | --- | " + " | ".join("---" for _ in names * 2) + " |"]
+    for r in hits:
+        lines.append(f"| {r['visual_tokens']} | {r['kind']} | {r['policy'] if r['kind'] == 'approximate' else '-'} | "
+                     f"{r['ratio_to_plain']:.3f} | " + " | ".join(f"{r['ttft_floor'][n]:.3f}" for n in names) + " | "
+                     + " | ".join(f"{r['encoder_share'][n]:.0%}" for n in names) + " |")
+    return lines
+
+
 def _report(records, fixed, args, command, mach) -> list[str]:
     long = f" and {args.long_tokens}" if args.long_tokens else ""
     lines = header(f"Latency against plain transformers ({args.preset})", command, mach) + [
@@ -323,6 +322,7 @@ def _report(records, fixed, args, command, mach) -> list[str]:
                      f"{r['ratio_to_miss'] / r['floor_ratio']:.2f} | {r['recomputed']} / {r['reused']} / {r['masked']} | "
                      f"{r['bytes_read'] / 2**20:.1f} | {b['lookup']:.1f} | {b['encoder']:.1f} | {b['warmup']:.1f} | "
                      f"{b['fetch_wait']:.1f} | {b['plan']:.1f} | {b['recompute']:.1f} |")
+    lines += _floors(records)
     if fixed is not None:
         lines += ["", f"Fixed cost of the prefill loop: {fixed['ms_per_layer']:.2f} ms per layer, "
                   f"{fixed['ms_per_gflop']:.2f} ms per GFLOP (least squares of the {fixed['points']} hit prefills' time "

@@ -8,8 +8,9 @@ never-enabled copy of the same weights, a miss, an exact hit, an approximate hit
   the code sites of the enabled kinds' counts. A hit path shaped for a GPU reads a constant number of values per
   request, whatever the depth.
 - **fixed cost**: prefill times (``forward`` of the whole prompt, vision encoder included) at every visual length
-  and depth, fitted per kind by least squares as ``a + b * layers + c * GFLOP`` (FLOPs of the kind's plan, as
-  ``bench latency`` counts them): ``b`` is the cost per layer that a faster chip does not shrink.
+  and depth, fitted per kind by least squares as ``a + b * layers + c * GFLOP`` (FLOPs of what the kind runs:
+  the encoder unless it is an exact hit, and its plan's decoder layers, ``bench.flops``): ``b`` is the cost per
+  layer that a faster chip does not shrink.
 - **outside the kernels**: at the largest length and depth, the share of the prefill's wall time not spent in
   matrix products and attention kernels (``torch.profiler``'s self times of those operators).
 """
@@ -26,7 +27,8 @@ from pathlib import Path
 import torch
 
 from vismemo_hf import VisMemoCache, VisMemoStore, enable
-from vismemo_hf.bench.latency import any_size, page_pair, plan_flops, request_inputs
+from vismemo_hf.bench.flops import kind_floor, patches_of
+from vismemo_hf.bench.latency import any_size, page_pair, request_inputs
 from vismemo_hf.bench.report import command as report_command
 from vismemo_hf.bench.report import header, machine
 from vismemo_hf.bench.syncs import SyncCounter
@@ -127,12 +129,14 @@ def _outside_kernels(case) -> float:
 
 
 def _flops(config, inputs, event) -> float:
-    """GFLOPs of the prefill's plan (plain transformers: every token computed, as a miss)."""
+    """GFLOPs of the prefill: the vision encoder (not run by an exact hit) and the plan's decoder layers (plain
+    transformers: every token computed, as a miss)."""
     ids = inputs["input_ids"][0].cpu()
     is_image = ids == config.image_token_id
-    start = int(is_image.nonzero()[0])
-    plan = event.plan if event is not None else ImagePlan.full(HitKind.MISS, int(is_image.sum()))
-    return plan_flops(config, ids.numel(), start, plan) / 1e9
+    start, n = int(is_image.nonzero()[0]), int(is_image.sum())
+    plan = event.plan if event is not None else ImagePlan.full(HitKind.MISS, n)
+    exact = event is not None and str(event.kind) == "exact"
+    return kind_floor(config, ids.numel(), start, plan, 0 if exact else patches_of(config, n)) / 1e9
 
 
 def fit(points: list[tuple[int, float, float]]) -> dict | None:

@@ -59,7 +59,8 @@ def _changed(base, edited, change: str):
 def floors(preset: str, tokens: int, points: list[tuple[str, dict]]) -> dict:
     """Each point's plan FLOPs over a miss's on ``preset`` (random weights) at about ``tokens`` visual tokens, per
     change of ``FLOOR_CHANGES`` and their mean (a change the point serves as a miss costs a miss)."""
-    from vismemo_hf.bench.latency import any_size, page_pair, plan_flops, request_inputs, timed_prefill
+    from vismemo_hf.bench.flops import plan_flops
+    from vismemo_hf.bench.latency import any_size, page_pair, request_inputs, timed_prefill
     from vismemo_hf.eval.loading import load_model
 
     model, processor = load_model(preset)

@@ -1,0 +1,47 @@
+"""The analytic FLOPs the benchmarks' floors rest on (issue R): the vision encoder's count against what torch counts
+running it, the real models' published figures, and stand-ins that keep the real encoder's share of a miss."""
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from vismemo_hf.bench.flops import encoder_flops, encoder_share, miss_flops, patches_of
+from vismemo_hf.families import preset_config
+
+
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
+def test_the_encoder_count_matches_torchs_count_of_the_tower(family):
+    from vismemo_hf.testing import tiny_model
+
+    model, processor = tiny_model(family)
+    model.set_attn_implementation("eager")  # attention as matrix products, which torch counts (SDPA on a CPU: not)
+    v = model.config.vision_config
+    side = 2 * v.patch_size * 8  # 16 x 16 patches: several windows of Qwen2.5-VL's tower
+    from PIL import Image
+
+    image = Image.new("RGB", (side, side), (200, 30, 90))
+    inputs = processor.image_processor(images=[image], return_tensors="pt")
+    grid = inputs["image_grid_thw"]
+    with torch.no_grad(), FlopCounterMode(display=False) as counter:
+        model.model.visual(inputs["pixel_values"], grid_thw=grid)
+    counted = counter.get_total_flops()
+    analytic = encoder_flops(model.config, int(grid.prod()))
+    assert counted > 0 and abs(analytic - counted) / counted < 0.1, (analytic, counted)
+
+
+def test_the_real_geometries_give_their_published_encoder_costs_and_shares():
+    q3 = preset_config("qwen3-vl-8b")
+    assert encoder_flops(q3, patches_of(q3, 1024)) == pytest.approx(5.8e12, rel=0.05)
+    assert encoder_flops(q3, patches_of(q3, 4096)) == pytest.approx(48.2e12, rel=0.05)
+    q25 = preset_config("qwen2.5-vl-7b")
+    assert encoder_flops(q25, patches_of(q25, 4096)) == pytest.approx(26.7e12, rel=0.05)  # windowed layers
+    assert encoder_share(q3, 4126, 15, 4096) > encoder_share(q3, 1054, 15, 1024) > 0.25
+
+
+@pytest.mark.parametrize("tokens", [1024, 4096])
+def test_the_narrow_stand_in_keeps_the_real_encoder_share(tokens):
+    real, stand_in = preset_config("qwen3-vl-8b"), preset_config("qwen3-vl-8b-narrow")
+    length, start = tokens + 30, 15
+    assert abs(encoder_share(stand_in, length, start, tokens) - encoder_share(real, length, start, tokens)) < 0.05
+    enc, llm = miss_flops(stand_in, length, start, tokens)
+    assert enc > 0 and llm > 0
