@@ -330,3 +330,28 @@ def test_a_process_whose_index_was_replaced_or_overwritten_writes_where_the_othe
     assert list((tmp_path / QUARANTINE).glob("*/cache.db"))  # the garbage kept, never deleted
     for store in (a, fresh):
         store.close()
+
+
+def test_value_files_no_entry_names_are_swept_at_open_once_old(tmp_path):
+    """Found by ``vismemo bench soak``: a process killed while writing a blob leaves its file, which no row names and
+    no budget counts. Opening the directory removes such files once older than ``ORPHAN_S`` (a younger one may be
+    another process's write in flight); named blobs stay."""
+    import time
+
+    from vismemo_hf.store import tiers
+
+    store = VisMemoStore(device_bytes=0, host_bytes=0, disk_dir=tmp_path, disk_bytes=2**30)
+    entry = _entry("kept", seed=3)
+    store.put(entry)
+    store.close()
+    folder = next(p for p in tmp_path.iterdir() if p.is_dir() and len(p.name) == 2)
+    old, young = folder / "cut-old.val", folder / "cut-young.val"
+    for path in (old, young):
+        path.write_bytes(b"half a blob")
+    past = time.time() - tiers.ORPHAN_S - 60
+    os.utime(old, (past, past))
+    reopened = VisMemoStore(device_bytes=0, host_bytes=0, disk_dir=tmp_path, disk_bytes=2**30)
+    assert not old.exists() and young.exists()
+    assert reopened.stats()["tiers"]["disk"]["swept"] == 1
+    assert torch.equal(reopened.get("kept", "fp").kv, entry.kv)
+    reopened.close()

@@ -32,6 +32,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager, suppress
 from dataclasses import replace
 from typing import Protocol, runtime_checkable
+from urllib.parse import quote
 
 import diskcache
 import torch
@@ -294,8 +295,6 @@ class ReadOnlyDirectory:
     through SQLite in read-only mode, each blob opened from its own file. Writes and deletes are refused."""
 
     def __init__(self, directory: str):
-        from urllib.parse import quote
-
         self.directory = directory
         db = quote(os.path.join(directory, DBNAME))
         try:
@@ -387,6 +386,49 @@ def _drain(items: list) -> list:
     return out
 
 
+#: seconds after which a value file no index row names is taken for an interrupted write and removed at open
+ORPHAN_S = 600.0
+
+
+def sweep_orphans(directory: str, before: float) -> int:
+    """Remove the value files of ``directory`` that its index does not name and that were last written before
+    ``before`` (a time); returns how many. The caller holds the directory's lock, under which writes commit."""
+    uri = "file:" + quote(os.path.join(directory, DBNAME)) + "?mode=ro"
+    db = sqlite3.connect(uri, uri=True)
+    try:
+        named = {f for (f,) in db.execute("SELECT filename FROM Cache WHERE filename IS NOT NULL")}
+    finally:
+        db.close()
+    removed = 0
+    for folder in os.listdir(directory):
+        if not _VALUE_FOLDER.fullmatch(folder) or not os.path.isdir(os.path.join(directory, folder)):
+            continue
+        for root, _, files in os.walk(os.path.join(directory, folder)):
+            for name in files:
+                path = os.path.join(root, name)
+                if not name.endswith(".val") or os.path.relpath(path, directory) in named:
+                    continue
+                with suppress(FileNotFoundError):  # another process's sweep or eviction got there first
+                    if os.stat(path).st_mtime < before:
+                        os.remove(path)
+                        removed += 1
+    if removed:
+        logger.warning("vismemo: disk tier %s: removed %d value files no entry names (interrupted writes)",
+                       directory, removed)
+    return removed
+
+
+def _sweep_at_open(tier) -> int:
+    """Remove value files no row of the tier's index names, older than ``ORPHAN_S`` (a write cut by SIGKILL or a
+    power loss leaves its file behind, uncounted by any budget); a younger one may be a write still in flight."""
+    try:
+        with tier._directory_lock():
+            return sweep_orphans(tier.directory, time.time() - ORPHAN_S)
+    except Exception as err:  # noqa: BLE001 - a sweep that fails leaves the files: never an open failure
+        logger.warning("vismemo: disk tier %s: orphan sweep failed (%s)", tier.directory, err)
+        return 0
+
+
 def quarantine(directory: str) -> str:
     """Move a damaged index, its journals and the value folders it named into ``quarantine/<time>-<id>/`` of the
     directory: the bytes stay for whoever wants to look at them (nothing is deleted), and the blobs of the old index
@@ -422,6 +464,7 @@ class DiskTier:
             logger.warning("vismemo: disk tier %s is read-only here (%s: %s): serving its entries, storing nothing "
                            "new%s", self.directory, type(err).__name__, err,
                            "; opening it writable again later" if passing(err) else "")
+        self.swept = 0 if self._read_only else _sweep_at_open(self)
         self.lru: OrderedDict[str, int] = OrderedDict()  # key -> blob size
         self.reader = BlobReader(self, seal)
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vismemo-disk")
@@ -459,7 +502,7 @@ class DiskTier:
         return {"bytes": self.bytes, "budget": self.budget, "entries": len(self.lru), "foreign": self.foreign,
                 "range_reads": self.range_reads, "read_only": self._read_only, "directory_bytes": self._directory_bytes(),
                 "directory_evictions": self.others_evicted, "quarantined": self.quarantined,
-                "reopened": self.reopened}
+                "reopened": self.reopened, "swept": self.swept}
 
     # -- opening ------------------------------------------------------------------------------------
     def _open_index(self) -> diskcache.Cache:
