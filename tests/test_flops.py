@@ -38,10 +38,25 @@ def test_the_real_geometries_give_their_published_encoder_costs_and_shares():
     assert encoder_share(q3, 4126, 15, 4096) > encoder_share(q3, 1054, 15, 1024) > 0.25
 
 
+@pytest.mark.parametrize("real_name", ["qwen3-vl-8b", "qwen2.5-vl-7b"])
 @pytest.mark.parametrize("tokens", [1024, 4096])
-def test_the_narrow_stand_in_keeps_the_real_encoder_share(tokens):
-    real, stand_in = preset_config("qwen3-vl-8b"), preset_config("qwen3-vl-8b-narrow")
+def test_the_narrow_stand_ins_keep_the_real_encoder_share(real_name, tokens):
+    real, stand_in = preset_config(real_name), preset_config(f"{real_name}-narrow")
     length, start = tokens + 30, 15
     assert abs(encoder_share(stand_in, length, start, tokens) - encoder_share(real, length, start, tokens)) < 0.05
     enc, llm = miss_flops(stand_in, length, start, tokens)
     assert enc > 0 and llm > 0
+
+
+def test_the_qwen25_stand_in_builds_and_answers():
+    from vismemo_hf.eval.loading import load_model
+
+    model, processor = load_model("qwen2.5-vl-7b-narrow")
+    assert model.config.model_type == "qwen2_5_vl" and model.config.text_config.num_hidden_layers == 28
+    from PIL import Image
+
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "?"}]}]
+    text = processor.apply_chat_template(messages, add_generation_prompt=True)
+    inputs = processor(text=[text], images=[Image.new("RGB", (112, 112), (9, 9, 9))], return_tensors="pt")
+    with torch.no_grad():
+        assert model(**inputs).logits.isfinite().all()
