@@ -2,9 +2,10 @@
 
 Each point is a policy with one budget: approximate-hit ANLS, edited-value ANLS, stale answers and first-token KL
 against plain transformers on a reader's streams, the measured time to the first token of its approximate hits
-against plain transformers on the same requests (the reader's geometry), and the plan's FLOP floor on a
+against plain transformers on the same requests (the reader's geometry), and the point's FLOP floor on a
 large-model geometry (``--floor-preset`` at ``--floor-tokens`` visual tokens, random weights: the share of a
-miss's FLOPs the point's plan computes there, the mean over an edited value, a shifted page and a rescan). A point
+miss's FLOPs, the vision encoder's included, the point's hit runs there, the mean over an edited value, a shifted
+page and a rescan). A point
 is on the front when no other point of the same reader is at least as good on approximate-hit ANLS and at least as
 cheap, and better on one; cost is the FLOP floor on the large geometry when it was computed (at a reader's few dozen
 tokens, fixed costs hide what a budget saves), else the measured TTFT ratio. ``recomputed``: the mean share of an
@@ -57,9 +58,10 @@ def _changed(base, edited, change: str):
 
 
 def floors(preset: str, tokens: int, points: list[tuple[str, dict]]) -> dict:
-    """Each point's plan FLOPs over a miss's on ``preset`` (random weights) at about ``tokens`` visual tokens, per
-    change of ``FLOOR_CHANGES`` and their mean (a change the point serves as a miss costs a miss)."""
-    from vismemo_hf.bench.flops import plan_flops
+    """Each point's FLOPs over a miss's on ``preset`` (random weights) at about ``tokens`` visual tokens, the vision
+    encoder included (an approximate hit runs it whole, as a miss does: ``bench.flops.kind_floor``), per change of
+    ``FLOOR_CHANGES`` and their mean (a change the point serves as a miss costs a miss)."""
+    from vismemo_hf.bench.flops import kind_floor, patches_of
     from vismemo_hf.bench.latency import any_size, page_pair, request_inputs, timed_prefill
     from vismemo_hf.eval.loading import load_model
 
@@ -75,7 +77,8 @@ def floors(preset: str, tokens: int, points: list[tuple[str, dict]]) -> dict:
     store.flush()
     ids = miss_in["input_ids"][0]
     start = int((ids == model.config.image_token_id).nonzero()[0])
-    miss_flops = plan_flops(model.config, ids.numel(), start, miss["plan"])
+    patches = patches_of(model.config, miss["n_tokens"])
+    miss_flops = kind_floor(model.config, ids.numel(), start, miss["plan"], patches)
     out, by_change = {}, {}
     for policy, options in progress_bar(points, desc=f"pareto: FLOP floor ({preset})", unit="point"):
         label = _label(policy, options)
@@ -85,7 +88,7 @@ def floors(preset: str, tokens: int, points: list[tuple[str, dict]]) -> dict:
         per = {}
         for change, inputs in changed.items():
             hit = timed_prefill(model, inputs, VisMemoCache(store=store, policy=policy, store_misses=False, **options))
-            per[change] = (plan_flops(model.config, ids.numel(), start, hit["plan"]) / miss_flops
+            per[change] = (kind_floor(model.config, ids.numel(), start, hit["plan"], patches) / miss_flops
                            if hit["kind"] == "approximate" else 1.0)
         out[label], by_change[label] = sum(per.values()) / len(per), per
     return {"preset": preset, "visual_tokens": miss["n_tokens"], "floor": out, "by_change": by_change}
@@ -242,7 +245,8 @@ def _report(result) -> list[str]:
     floor = result["floor"]
     lines = ["# Quality against speed: every policy over its budget", "", f"Command: `{result['command']}`  ",
              f"{result['machine']}. Speed: median time to the first token of the approximate hits over plain "
-             "transformers on the same requests (the reader's geometry); floor: the point's plan FLOPs over a miss's "
+             "transformers on the same requests (the reader's geometry); floor: the point's FLOPs (vision encoder and "
+             "plan) over a miss's "
              + (f"on `{floor['preset']}` at {floor['visual_tokens']} visual tokens (random weights), the mean over "
                 "an edited value, a 2 px shift and a JPEG rescan of one page (a change served as a miss costs 1)"
                 if floor else
