@@ -306,3 +306,26 @@ def test_a_header_naming_a_huge_size_is_a_miss_without_a_buffer_for_it(server, m
     reader = _store(server.url)
     assert reader.get("big", "fp") is None and reader.stats()["corrupt"] == 1
     assert not asked  # refused before any buffer was made
+
+
+def test_a_write_the_cluster_cannot_route_is_a_fault_of_the_link_not_a_refusal(server, monkeypatch):
+    """Found by ``vismemo bench soak``: CLUSTERDOWN / TRYAGAIN replies to a write were counted as refusals (a full
+    server), so the down node was asked again at every write instead of being left alone for ``retry_s``."""
+    import redis
+
+    store = _store(server.url, retry_s=30.0)
+    real = redis.client.Pipeline.execute
+
+    def down(self, *args, **kwargs):
+        raise redis.exceptions.ResponseError("CLUSTERDOWN The cluster is down")
+
+    monkeypatch.setattr(redis.client.Pipeline, "execute", down)
+    assert store.put(_entry("first", n=4, layers=2))
+    store.flush()
+    stats = store.stats()["tiers"]["remote"]
+    assert stats["writes_refused"] == 0 and stats["write_failures"] == 1 and stats["errors"] == 1
+    monkeypatch.setattr(redis.client.Pipeline, "execute", real)
+    assert store.put(_entry("second", n=4, layers=2, seed=1))  # within retry_s: not sent at all
+    store.flush()
+    assert store.stats()["tiers"]["remote"]["writes_skipped"] == 1
+    assert store.tier_of("second") is not None  # stored locally all the same

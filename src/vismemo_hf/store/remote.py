@@ -417,6 +417,11 @@ class RemoteTier:
                     self.fingerprints[key] = blob.parse_header(data, self.seal).fingerprint
                     self._track(key, len(data))
             except self._redis.ResponseError as err:  # refused (OOM under maxmemory, ...): reads go on
+                if self.link.unroutable(err):  # a cluster that cannot take the key now: a fault of its node
+                    with self._state:
+                        self.counters["write_failures"] += 1
+                    self.link.fault("write", err, name)
+                    return
                 with self._state:
                     self.counters["write_failures"] += 1
                     self.counters["writes_refused"] += 1
