@@ -466,9 +466,10 @@ def _add_bench(sub) -> None:
     p.add_argument("--family", default=None, choices=FAMILY_NAMES, help="family of family-agnostic presets")
     p.add_argument("--layers", type=INTS, default="4,12,36",
                    help="decoder depths (the preset's other dimensions kept; syncs compared at the first and last)")
-    p.add_argument("--lengths", type=INTS, default="256,512,1024", help="visual tokens per image")
+    p.add_argument("--lengths", type=INTS, default="64,256,1024",
+                   help="visual tokens per image (host syncs counted at the first)")
     p.add_argument("--policies", default=DEFAULT_POLICY, help="policies of the approximate hits")
-    p.add_argument("--repeats", type=int, default=3, help="timed prefills per kind and size")
+    p.add_argument("--repeats", type=int, default=5, help="timed prefills per kind and size")
     p.add_argument("--sites", type=int, default=8, help="code sites listed per kind")
     p.add_argument("--dtype", default="float32", help="model dtype")
     p.add_argument("--device", default="cpu", help="torch device")

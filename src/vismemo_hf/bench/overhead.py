@@ -7,10 +7,10 @@ never-enabled copy of the same weights, a miss, an exact hit, an approximate hit
   tensor's value or whose output size depends on it; on the CPU an upper bound of what a GPU would wait for), with
   the code sites of the enabled kinds' counts. A hit path shaped for a GPU reads a constant number of values per
   request, whatever the depth.
-- **fixed cost**: prefill times (``forward`` of the whole prompt, vision encoder included) at every visual length
-  and depth, fitted per kind by least squares as ``a + b * layers + c * GFLOP`` (FLOPs of what the kind runs:
-  the encoder unless it is an exact hit, and its plan's decoder layers, ``bench.flops``): ``b`` is the cost per
-  layer that a faster chip does not shrink.
+- **cost per layer**: prefill times (``forward`` of the whole prompt, vision encoder included) at every visual
+  length and depth; per kind and length the slope over the depths (least squares) is what one more decoder layer
+  costs, and at the shortest length, where a layer's arithmetic is small, the loop's fixed cost per layer (what a
+  faster chip does not shrink). The FLOPs of what each kind runs (``bench.flops``) are recorded next to the times.
 - **outside the kernels**: at the largest length and depth, the share of the prefill's wall time not spent in
   matrix products and attention kernels (``torch.profiler``'s self times of those operators).
 """
@@ -149,14 +149,18 @@ def _flops(config, inputs, event) -> float:
     return kind_floor(config, ids.numel(), start, plan, 0 if exact else patches_of(config, n)) / 1e9
 
 
-def fit(points: list[tuple[int, float, float]]) -> dict | None:
-    """Least squares of ``ms = a + b * layers + c * gflop`` over ``(layers, gflop, ms)`` points."""
-    if len(points) < 3 or len({p[0] for p in points}) < 2:
-        return None
-    x = torch.tensor([[1.0, p[0], p[1]] for p in points], dtype=torch.float64)
-    y = torch.tensor([[p[2]] for p in points], dtype=torch.float64)
-    a, b, c = torch.linalg.lstsq(x, y).solution.flatten().tolist()
-    return {"ms_per_request": a, "ms_per_layer": b, "ms_per_gflop": c, "points": len(points)}
+def per_layer(rows: list[dict]) -> dict:
+    """visual tokens -> ms per decoder layer: the slope of the prefill's time over the depths at that length (least
+    squares). At a short length, where a layer's arithmetic is small, it is the loop's fixed cost per layer."""
+    out = {}
+    for n in sorted({r["visual_tokens"] for r in rows}):
+        points = [(r["layers"], r["prefill_ms"]) for r in rows if r["visual_tokens"] == n]
+        if len({p[0] for p in points}) < 2:
+            continue
+        x = torch.tensor([[1.0, p[0]] for p in points], dtype=torch.float64)
+        y = torch.tensor([[p[1]] for p in points], dtype=torch.float64)
+        out[n] = torch.linalg.lstsq(x, y).solution.flatten().tolist()[1]
+    return out
 
 
 def measure(args) -> dict:
@@ -196,7 +200,7 @@ def measure(args) -> dict:
                         outside[label] = _outside_kernels(case)
                 bar.update(1)
             del plain, model
-    fits = {label: fit([(r["layers"], r["gflop"], r["prefill_ms"]) for r in rows]) for label, rows in timings.items()}
+    fits = {label: per_layer(rows) for label, rows in timings.items()}
     return {"syncs": syncs, "cuda_syncs": cuda_syncs, "sites": sites, "timings": timings, "fits": fits,
             "outside_kernels": outside, "depths": depths, "lengths": lengths, "got": got}
 
@@ -220,17 +224,20 @@ def _report(data: dict, args, command: str, mach: dict) -> list[str]:
     if data["cuda_syncs"]:
         lines += ["", "CUDA's own count (`torch.cuda.set_sync_debug_mode`): " + "; ".join(
             f"{label} " + " / ".join(str(c[d]) for d in depths) for label, c in data["cuda_syncs"].items())]
-    lines += ["", "## Fixed cost (prefill ms = a + b * layers + c * GFLOP, fitted over lengths and depths)", "",
-              "| kind | a: ms per request | b: ms per layer | c: ms per GFLOP | outside the kernels |",
-              "| --- | --- | --- | --- | --- |"]
-    for label, f in data["fits"].items():
+    lengths = data["lengths"]
+    lines += ["", "## Cost per decoder layer (ms: the slope of the prefill's time over the depths, per length)", "",
+              "At the shortest length a layer's arithmetic is small and the slope is the loop's fixed cost per layer; "
+              "`over plain`: that slope minus plain transformers' at the same length.", "",
+              "| kind | " + " | ".join(f"{n} tokens" for n in lengths) + f" | over plain at {lengths[0]} | "
+              "outside the kernels |", "| --- | " + " | ".join("---" for _ in lengths) + " | --- | --- |"]
+    plain_slope = data["fits"].get("plain", {})
+    for label, slopes in data["fits"].items():
         share = data["outside_kernels"].get(label)
         share_s = f"{share:.0%}" if share is not None else "-"
-        if f is None:
-            lines.append(f"| {label} | - | - | - | {share_s} |")
-        else:
-            lines.append(f"| {label} | {f['ms_per_request']:.1f} | {f['ms_per_layer']:.2f} | {f['ms_per_gflop']:.1f} "
-                         f"| {share_s} |")
+        cells = " | ".join(f"{slopes[n]:.2f}" if n in slopes else "-" for n in lengths)
+        over = (f"{slopes[lengths[0]] - plain_slope[lengths[0]]:+.2f}"
+                if lengths[0] in slopes and lengths[0] in plain_slope else "-")
+        lines.append(f"| {label} | {cells} | {over} | {share_s} |")
     lines += ["", f"Outside the kernels: share of one prefill at {data['lengths'][-1]} visual tokens and {depths[-1]} "
               "layers not spent in matrix products and attention kernels (torch.profiler self times).", "",
               "## Where the enabled kinds read values (largest depth)", ""]
