@@ -355,3 +355,30 @@ def test_value_files_no_entry_names_are_swept_at_open_once_old(tmp_path):
     assert reopened.stats()["tiers"]["disk"]["swept"] == 1
     assert torch.equal(reopened.get("kept", "fp").kv, entry.kv)
     reopened.close()
+
+
+def test_two_processes_write_on_after_their_shared_index_is_overwritten_in_place(tmp_path):
+    """Found by ``vismemo bench soak``: with two processes writing (a journal of live pages beside the index), an
+    index overwritten in place could still open through its journal, so every later write failed as malformed
+    (90 write failures in a run), and a write that found the damage while holding the directory's lock waited for
+    that lock forever. Now the index opened again after damage is checked page by page (``quick_check``), the lock
+    is held once by the thread that has it, and both processes' later writes are where a new process looks."""
+    db = tmp_path / "cache.db"
+    a, b = (VisMemoStore(device_bytes=0, host_bytes=0, disk_dir=tmp_path, disk_bytes=2**30) for _ in range(2))
+    for i in range(12):
+        (a if i % 2 else b).put(_entry(f"before{i}", seed=i))
+    a.flush()
+    b.flush()
+    with open(db, "r+b") as handle:
+        handle.write(os.urandom(max(8192, db.stat().st_size)))
+    for i in range(4):
+        for name, store in (("a", a), ("b", b)):
+            assert store.put(_entry(f"{name}{i}", seed=100 + i))
+            store.flush()
+    for store in (a, b):
+        assert store.stats()["write_failures"] == 0 and store.stats()["tiers"]["disk"]["reopened"] >= 1
+    fresh = VisMemoStore(device_bytes=0, host_bytes=0, disk_dir=tmp_path, disk_bytes=2**30)
+    for key in ("a2", "a3", "b2", "b3"):  # written once both had opened the index again
+        assert fresh.tier_of(key) == "disk" and fresh.get(key, "fp") is not None
+    for store in (a, b, fresh):
+        store.close()

@@ -369,6 +369,44 @@ def damaged(err: BaseException) -> bool:
     return name.startswith(("SQLITE_NOTADB", "SQLITE_CORRUPT"))
 
 
+def open_index(directory: str, thorough: bool = False) -> diskcache.Cache:
+    """diskcache's index of ``directory``, every key of it read once (``thorough``: every page checked by SQLite's
+    ``quick_check``): a damaged index shows now, at open, not in the middle of serving."""
+    cache = diskcache.Cache(directory, disk=SafeDisk, size_limit=2**62, eviction_policy="none", disk_min_file_size=0)
+    try:
+        for _ in cache.iterkeys():
+            pass
+        if thorough:
+            (result, *_), *_ = cache._sql("PRAGMA quick_check").fetchall()
+            if result != "ok":
+                raise sqlite3.DatabaseError(f"database disk image is malformed ({result})")
+    except BaseException:
+        cache.close()
+        raise
+    return cache
+
+
+@contextmanager
+def _directory_lock(directory: str, held: threading.local):
+    """Every process's writes to ``directory`` in turn; taken again by the thread holding it (a write that finds the
+    index damaged opens it again under the same lock), it is held once (``held``: the tier's count per thread)."""
+    if getattr(held, "depth", 0):
+        held.depth += 1
+        try:
+            yield
+        finally:
+            held.depth -= 1
+        return
+    with open(os.path.join(directory, "vismemo-writers.lock"), "a+b") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        held.depth = 1
+        try:
+            yield
+        finally:
+            held.depth = 0
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
 def _file_id(directory: str) -> tuple | None:
     """(device, inode) of the directory's index file (None: there is none)."""
     try:
@@ -452,6 +490,8 @@ class DiskTier:
         self._reopen_at: float | None = None  # read-only for a passing reason (disk full): when to try writable again
         self.quarantined = 0  # damaged indexes moved aside (the tier then starts empty here)
         self._index_id: tuple | None = None  # (device, inode) of the index file this process has open
+        self._reopen_lock = threading.Lock()
+        self._in_write: str | None = None  # the key the writer thread is writing
         try:
             os.makedirs(self.directory, exist_ok=True)
             self.cache = self._open_writable()
@@ -505,59 +545,60 @@ class DiskTier:
                 "reopened": self.reopened, "swept": self.swept}
 
     # -- opening ------------------------------------------------------------------------------------
-    def _open_index(self) -> diskcache.Cache:
-        """diskcache's index of the directory, every key of it read once: a damaged index shows now, at open, not
-        in the middle of serving."""
-        cache = diskcache.Cache(self.directory, disk=SafeDisk, size_limit=2**62, eviction_policy="none",
-                                disk_min_file_size=0)
-        try:
-            for _ in cache.iterkeys():
-                pass
-        except BaseException:
-            cache.close()
-            raise
-        return cache
-
-    def _open_writable(self) -> diskcache.Cache:
+    def _open_writable(self, thorough: bool = False) -> diskcache.Cache:
         """The directory's index; a damaged one is quarantined and an empty one made in its place. That happens
         under the directory's lock and after a second try, so that of several processes opening the same damaged
-        directory the first moves it aside and the others open the index it made."""
-        cache = self._open_writable_index()
-        self._index_id = _file_id(self.directory)
-        return cache
-
-    def _open_writable_index(self) -> diskcache.Cache:
+        directory the first moves it aside and the others open the index it made. ``thorough``: every page of the
+        index checked too (after damage was seen: a file overwritten in place may still open through its journal)."""
         try:
-            return self._open_index()
+            cache = open_index(self.directory, thorough)
         except sqlite3.DatabaseError as err:
             if not damaged(err):
                 raise
-        with self._directory_lock():
-            try:
-                return self._open_index()
-            except sqlite3.DatabaseError as err:
-                if not damaged(err):
-                    raise
-                self._quarantine(err)
-            return self._open_index()
+            with self._directory_lock():
+                try:
+                    cache = open_index(self.directory, thorough=True)
+                except sqlite3.DatabaseError as err:
+                    if not damaged(err):
+                        raise
+                    self._quarantine(err)
+                    cache = open_index(self.directory)
+        self._index_id = _file_id(self.directory)
+        return cache
 
-    def _reopen(self, why: str, writing: str) -> None:
-        """Open the directory's index again: the one this process had is no longer the directory's (another file
-        under its name, or damaged where it lies). Later writes go where every other process looks; the entries
-        this process counted and the new index does not name are misses from now on (their bytes are not read)."""
-        old = self.cache
-        self.cache = self._open_writable()
-        with suppress(Exception):
-            old.close()
-        named = set(self.cache.iterkeys())
-        self._lost.extend(k for k in list(self.lru) if k not in named and k != writing)  # the serving thread forgets
-        self.reopened += 1
+    def _recover(self, failed: diskcache.Cache, why: str, writing: str | None = None) -> None:
+        """Open the directory's index again after ``failed`` (the index this process had) proved no longer the
+        directory's (another file under its name, or damaged where it lies); once, whichever thread saw it first.
+        Later reads and writes go where every other process looks; the entries this process counted and the new
+        index does not name are misses from now on (their bytes are not read)."""
+        with self._reopen_lock:
+            if self.cache is not failed:  # another thread has opened it again already
+                return
+            self.cache = self._open_writable(thorough=True)
+            with suppress(Exception):
+                failed.close()
+            named = set(self.cache.iterkeys())
+            # the serving thread forgets them; a write still queued or running lands in the new index
+            writing = {writing, self._in_write}
+            self._lost.extend(k for k in list(self.lru) if k not in named and k not in writing and not self.pending(k))
+            self.reopened += 1
         logger.warning("vismemo: disk tier %s: %s; opened its index again", self.directory, why)
+
+    def _indexed(self, fn, writing: str | None = None):
+        """``fn(index)``; when the index proves damaged, it is opened again and ``fn`` runs once more."""
+        cache = self.cache
+        try:
+            return fn(cache)
+        except sqlite3.DatabaseError as err:
+            if not damaged(err) or self._read_only:
+                raise
+            self._recover(cache, f"its index is damaged ({err})", writing)
+            return fn(self.cache)
 
     def _current(self, key: str) -> None:
         """Before writing ``key``: reopen the index if the directory's file is not the one this process opened."""
         if self._index_id is not None and _file_id(self.directory) != self._index_id:
-            self._reopen("its index file was replaced", key)
+            self._recover(self.cache, "its index file was replaced", key)
 
     def _quarantine(self, err: Exception) -> None:
         target = quarantine(self.directory)
@@ -615,14 +656,12 @@ class DiskTier:
         directory's lock (every process's writes in turn), the least recently stored blobs of the directory, any
         process's, are deleted first until it fits: the directory's blob bytes stay within ``budget`` whatever the
         number of processes sharing it (this process's own evictions keep their exact-priority order)."""
-        self._current(key)
+        self._in_write = key  # not lost if the index is opened again meanwhile: it is being written into the new one
         try:
-            self._write(key, data)
-        except sqlite3.DatabaseError as err:  # the index was overwritten where it lies: reopen it, write again
-            if not damaged(err):
-                raise
-            self._reopen(f"its index is damaged ({err})", key)
-            self._write(key, data)
+            self._current(key)
+            self._indexed(lambda _: self._write(key, data), writing=key)  # damaged where it lies: reopened, again
+        finally:
+            self._in_write = None
 
     def _write(self, key: str, data: bytes) -> None:
         if self.budget is None:
@@ -650,16 +689,10 @@ class DiskTier:
 
     def shared_bytes(self) -> int:
         """Bytes of every value in the directory, every process's: diskcache's own count (its ``size`` setting)."""
-        return int(self.cache.reset("size"))
+        return int(self._indexed(lambda cache: cache.reset("size")))
 
-    @contextmanager
     def _directory_lock(self):
-        with open(os.path.join(self.directory, "vismemo-writers.lock"), "a+b") as handle:
-            fcntl.flock(handle, fcntl.LOCK_EX)
-            try:
-                yield
-            finally:
-                fcntl.flock(handle, fcntl.LOCK_UN)
+        return _directory_lock(self.directory, self.__dict__.setdefault("_holding", threading.local()))
 
     def _fits(self, size: int) -> bool:
         return self.shared_bytes() + size <= self.budget
@@ -728,7 +761,7 @@ class DiskTier:
     def discard(self, key: str) -> None:
         self.bytes -= self.lru.pop(key, 0)
         try:
-            self.cache.delete(key)
+            self._indexed(lambda cache: cache.delete(key))
         except Exception as err:  # noqa: BLE001
             logger.warning("vismemo: could not delete disk blob %s (%s)", key[:12], err)
 
@@ -737,7 +770,7 @@ class DiskTier:
         self.discard(key)
 
     def _open(self, key: str):
-        handle = self.cache.get(key, default=None, read=True)
+        handle = self._indexed(lambda cache: cache.get(key, default=None, read=True))
         if handle is None:
             raise KeyError(key)
         return handle
