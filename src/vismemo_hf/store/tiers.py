@@ -376,8 +376,12 @@ def open_index(directory: str, thorough: bool = False) -> diskcache.Cache:
     try:
         for _ in cache.iterkeys():
             pass
-        if thorough:
-            (result, *_), *_ = cache._sql("PRAGMA quick_check").fetchall()
+        if thorough:  # SQLite's own check, on a connection of ours (diskcache's stays behind its public API)
+            db = sqlite3.connect(os.path.join(directory, DBNAME))
+            try:
+                (result,) = db.execute("PRAGMA quick_check").fetchone()
+            finally:
+                db.close()
             if result != "ok":
                 raise sqlite3.DatabaseError(f"database disk image is malformed ({result})")
     except BaseException:
