@@ -15,6 +15,7 @@ from PIL import Image
 
 import vismemo_hf
 import vismemo_hf.families
+from vismemo_hf.bench.soak import port_free
 from vismemo_hf.eval import synthetic
 from vismemo_hf.testing import tiny_model
 
@@ -148,15 +149,6 @@ class RedisServer:
         return redis.Redis(port=self.port)
 
 
-def _free(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-            return True
-        except OSError:
-            return False
-
-
 class RedisCluster:
     """A throwaway Redis Cluster of ``n`` masters on free loopback ports (``redis-cli --cluster create``);
     ``kill(i)`` and ``start(i)`` stop and restart node i on its port with its cluster config (its data is lost)."""
@@ -165,7 +157,7 @@ class RedisCluster:
         self.directory, self.ports, self.procs = str(directory), [], []
         while len(self.ports) < n:  # a node also listens on port + 10000 (its cluster bus): both must be free
             port = random.randrange(20000, 55535)
-            if port not in self.ports and _free(port) and _free(port + 10000):
+            if port not in self.ports and port_free(port) and port_free(port + 10000):
                 self.ports.append(port)
         self.procs = [None] * n
         for i in range(n):

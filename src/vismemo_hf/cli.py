@@ -222,6 +222,16 @@ def _checked_list(cast, what: str):
 INTS, NUMBERS = _checked_list(int, "integers"), _checked_list(float, "numbers")
 
 
+def _model_options(p: argparse.ArgumentParser, preset: str) -> None:
+    p.add_argument("--preset", default=preset, help="model preset (random weights)")
+    p.add_argument("--family", default=None, choices=FAMILY_NAMES, help="family of family-agnostic presets")
+
+
+def _device_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--dtype", default="float32", help="model dtype")
+    p.add_argument("--device", default="cpu", help="torch device")
+
+
 def _bench(name: str):
     def run(args) -> int:
         import importlib
@@ -449,21 +459,18 @@ def _add_bench(sub) -> None:
     p.set_defaults(func=_bench("store"))
     p = bench_sub.add_parser("latency", help="TTFT, decoding and generate of miss / exact / approximate hits against "
                                              "plain transformers, by visual length")
-    p.add_argument("--preset", default="qwen3-vl-8b-narrow", help="model preset (random weights)")
-    p.add_argument("--family", default=None, choices=FAMILY_NAMES, help="family of family-agnostic presets")
+    _model_options(p, "qwen3-vl-8b-narrow")
     p.add_argument("--lengths", type=INTS, default="256,512,1024,2048,4096", help="visual tokens per image")
     p.add_argument("--policies", default="attend-deviate,vismemo,cacheblend", help="policies of the approximate hits")
     p.add_argument("--repeats", type=int, default=3, help="timed rounds")
     p.add_argument("--new-tokens", type=int, default=32, help="tokens of every timed generate")
     p.add_argument("--long-tokens", type=int, default=256, help="tokens of one longer generate per kind (0: none)")
-    p.add_argument("--dtype", default="float32", help="model dtype")
-    p.add_argument("--device", default="cpu", help="torch device")
+    _device_options(p)
     _out_option(p, "results/perf")
     p.set_defaults(func=_bench("latency"))
     p = bench_sub.add_parser("overhead", help="host syncs, fixed cost per layer and time outside the kernels of "
                                               "each kind, against plain transformers, at two depths")
-    p.add_argument("--preset", default="medium", help="model preset (random weights)")
-    p.add_argument("--family", default=None, choices=FAMILY_NAMES, help="family of family-agnostic presets")
+    _model_options(p, "medium")
     p.add_argument("--layers", type=INTS, default="4,12,36",
                    help="decoder depths (the preset's other dimensions kept; syncs compared at the first and last)")
     p.add_argument("--lengths", type=INTS, default="64,256,1024",
@@ -471,8 +478,7 @@ def _add_bench(sub) -> None:
     p.add_argument("--policies", default=DEFAULT_POLICY, help="policies of the approximate hits")
     p.add_argument("--repeats", type=int, default=5, help="timed prefills per kind and size")
     p.add_argument("--sites", type=int, default=8, help="code sites listed per kind")
-    p.add_argument("--dtype", default="float32", help="model dtype")
-    p.add_argument("--device", default="cpu", help="torch device")
+    _device_options(p)
     _out_option(p, "results/perf/overhead")
     p.set_defaults(func=_bench("overhead"))
     p = bench_sub.add_parser("lookup", help="coarse-lookup latency, memory and recall vs number of cached entries")

@@ -117,7 +117,8 @@ def image_of(spec: dict):
 
 
 # -- the cluster -------------------------------------------------------------------------------------------
-def _free(port: int) -> bool:
+def port_free(port: int) -> bool:
+    """Whether ``port`` on loopback can be bound now (tests/conftest.py starts its servers with it too)."""
     with socket.socket() as s:
         try:
             s.bind(("127.0.0.1", port))
@@ -137,7 +138,7 @@ class Cluster:
         self.directory, self.ports = directory, []
         while len(self.ports) < n:
             port = random.randrange(20000, 55535)
-            if port not in self.ports and _free(port) and _free(port + 10000):
+            if port not in self.ports and port_free(port) and port_free(port + 10000):
                 self.ports.append(port)
         self.procs = [None] * n
         for i in range(n):
