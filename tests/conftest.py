@@ -1,6 +1,5 @@
 import functools
 import os
-import random
 import shutil
 import socket
 import subprocess
@@ -15,7 +14,7 @@ from PIL import Image
 
 import vismemo_hf
 import vismemo_hf.families
-from vismemo_hf.bench.soak import port_free
+from vismemo_hf.bench.soak import Cluster
 from vismemo_hf.eval import synthetic
 from vismemo_hf.testing import tiny_model
 
@@ -149,103 +148,13 @@ class RedisServer:
         return redis.Redis(port=self.port)
 
 
-class RedisCluster:
-    """A throwaway Redis Cluster of ``n`` masters on free loopback ports (``redis-cli --cluster create``);
-    ``kill(i)`` and ``start(i)`` stop and restart node i on its port with its cluster config (its data is lost)."""
-
-    def __init__(self, directory, n: int = 3) -> None:
-        self.directory, self.ports, self.procs = str(directory), [], []
-        while len(self.ports) < n:  # a node also listens on port + 10000 (its cluster bus): both must be free
-            port = random.randrange(20000, 55535)
-            if port not in self.ports and port_free(port) and port_free(port + 10000):
-                self.ports.append(port)
-        self.procs = [None] * n
-        for i in range(n):
-            self.start(i, wait_ok=False)
-        subprocess.run([shutil.which("redis-cli"), "--cluster", "create", *[f"127.0.0.1:{p}" for p in self.ports],
-                        "--cluster-replicas", "0", "--cluster-yes"], check=True, capture_output=True, timeout=60)
-        self.wait_ok()
-        self.url = f"redis://127.0.0.1:{self.ports[0]}/0"
-
-    def start(self, i: int, wait_ok: bool = True) -> None:
-        port = self.ports[i]
-        self.procs[i] = subprocess.Popen(
-            [REDIS_SERVER, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-             "--cluster-enabled", "yes", "--cluster-config-file", f"nodes-{port}.conf", "--cluster-node-timeout",
-             "2000", "--dir", self.directory, "--logfile", f"redis-{port}.log"], stdout=subprocess.DEVNULL)
-        self._ping(port)
-        if wait_ok:
-            self.wait_ok()
-
-    def _ping(self, port: int) -> None:
-        import redis
-
-        for _ in range(200):
-            try:
-                redis.Redis(port=port).ping()
-                return
-            except redis.ConnectionError:
-                time.sleep(0.05)
-        raise RuntimeError("redis-server did not start")
-
-    def wait_ok(self) -> None:
-        import redis
-
-        for _ in range(400):
-            if all(redis.Redis(port=p).cluster("info").get("cluster_state") == "ok" for p in self.ports):
-                return
-            time.sleep(0.05)
-        raise RuntimeError("the cluster did not reach cluster_state:ok")
-
-    def kill(self, i: int) -> None:
-        self.procs[i].kill()
-        self.procs[i].wait()
-
-    def node_of(self, name: str) -> int:
-        """Which node serves Redis key ``name`` now."""
-        import redis
-
-        slot = self.client().keyslot(name)
-        for start, end, master, *_ in redis.Redis(port=self.ports[0]).execute_command("CLUSTER", "SLOTS"):
-            if start <= slot <= end:
-                return self.ports.index(int(master[1]))
-        raise KeyError(name)
-
-    def move_slot(self, name: str, to: int) -> None:
-        """Reshard: the slot of Redis key ``name`` (and its keys) moves to node ``to``, as ``redis-cli --cluster
-        reshard`` does it (IMPORTING / MIGRATING, MIGRATE of every key, SETSLOT NODE on every node)."""
-        import redis
-
-        slot, source = self.client().keyslot(name), self.node_of(name)
-        src, dst = redis.Redis(port=self.ports[source]), redis.Redis(port=self.ports[to])
-        src_id, dst_id = src.execute_command("CLUSTER", "MYID"), dst.execute_command("CLUSTER", "MYID")
-        dst.execute_command("CLUSTER", "SETSLOT", slot, "IMPORTING", src_id)
-        src.execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", dst_id)
-        while keys := src.execute_command("CLUSTER", "GETKEYSINSLOT", slot, 100):
-            src.execute_command("MIGRATE", "127.0.0.1", self.ports[to], "", 0, 5000, "KEYS", *keys)
-        for port in self.ports:
-            redis.Redis(port=port).execute_command("CLUSTER", "SETSLOT", slot, "NODE", dst_id)
-        self.wait_ok()
-
-    def client(self):
-        from redis.cluster import RedisCluster as Client
-
-        return Client(host="127.0.0.1", port=self.ports[0])
-
-    def close(self) -> None:
-        for proc in self.procs:
-            if proc is not None and proc.poll() is None:
-                proc.kill()
-                proc.wait()
-
-
 @pytest.fixture
 def cluster(tmp_path_factory):
     """A 3-master Redis Cluster of the test's own (skips without redis-server, redis-cli or the redis client)."""
     pytest.importorskip("redis", reason="the redis client is not installed (pip install -e '.[test]')")
     if REDIS_SERVER is None or shutil.which("redis-cli") is None:
         pytest.skip("redis-server / redis-cli not installed (apt-get install redis-server)")
-    nodes = RedisCluster(tmp_path_factory.mktemp("cluster"))
+    nodes = Cluster(tmp_path_factory.mktemp("cluster"))
     yield nodes
     nodes.close()
 

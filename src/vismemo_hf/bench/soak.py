@@ -128,15 +128,17 @@ def port_free(port: int) -> bool:
 
 
 class Cluster:
-    """A throwaway 3-master Redis Cluster on loopback (as ``tests/conftest.py``'s), with
-    ``cluster-require-full-coverage no``: while a node is down the others serve their slots."""
+    """A throwaway Redis Cluster of ``n`` masters on free loopback ports (``redis-cli --cluster create``), the soak's
+    and the tests' (``tests/conftest.py``); ``kill(i)`` and ``start(i)`` stop and restart node i on its port with its
+    cluster config (its data is lost). ``full_coverage=False`` (the soak's): while a node is down the others serve
+    their slots."""
 
-    def __init__(self, directory: str, n: int = 3) -> None:
+    def __init__(self, directory, n: int = 3, full_coverage: bool = True) -> None:
         self.server, self.cli = shutil.which("redis-server"), shutil.which("redis-cli")
         if self.server is None or self.cli is None:
-            raise RuntimeError("bench soak needs redis-server and redis-cli (apt-get install redis-server)")
-        self.directory, self.ports = directory, []
-        while len(self.ports) < n:
+            raise RuntimeError("a Redis Cluster needs redis-server and redis-cli (apt-get install redis-server)")
+        self.directory, self.ports, self.full_coverage = str(directory), [], full_coverage
+        while len(self.ports) < n:  # a node also listens on port + 10000 (its cluster bus): both must be free
             port = random.randrange(20000, 55535)
             if port not in self.ports and port_free(port) and port_free(port + 10000):
                 self.ports.append(port)
@@ -158,8 +160,8 @@ class Cluster:
         self.procs[i] = subprocess.Popen(
             [self.server, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
              "--cluster-enabled", "yes", "--cluster-config-file", f"nodes-{port}.conf", "--cluster-node-timeout",
-             "2000", "--cluster-require-full-coverage", "no", "--dir", self.directory, "--logfile",
-             f"redis-{port}.log"], stdout=subprocess.DEVNULL)
+             "2000", "--cluster-require-full-coverage", "yes" if self.full_coverage else "no", "--dir",
+             self.directory, "--logfile", f"redis-{port}.log"], stdout=subprocess.DEVNULL)
         import redis
 
         for _ in range(200):
@@ -168,6 +170,8 @@ class Cluster:
                 break
             except redis.ConnectionError:
                 time.sleep(0.05)
+        else:
+            raise RuntimeError("redis-server did not start")
         if wait_ok:
             self.wait_ok()
 
@@ -186,7 +190,8 @@ class Cluster:
         self.procs[i].send_signal(signal.SIGKILL)
         self.procs[i].wait()
 
-    def node_of_key(self, name: str) -> int:
+    def node_of(self, name: str) -> int:
+        """Which node serves Redis key ``name`` now."""
         from redis.cluster import key_slot
 
         slot = key_slot(name.encode())
@@ -194,6 +199,27 @@ class Cluster:
             if start <= slot <= end:
                 return self.ports.index(int(master[1]))
         raise KeyError(name)
+
+    def move_slot(self, name: str, to: int) -> None:
+        """Reshard: the slot of Redis key ``name`` (and its keys) moves to node ``to``, as ``redis-cli --cluster
+        reshard`` does it (IMPORTING / MIGRATING, MIGRATE of every key, SETSLOT NODE on every node)."""
+        from redis.cluster import key_slot
+
+        slot, source = key_slot(name.encode()), self.node_of(name)
+        src, dst = self.node(source), self.node(to)
+        src_id, dst_id = src.execute_command("CLUSTER", "MYID"), dst.execute_command("CLUSTER", "MYID")
+        dst.execute_command("CLUSTER", "SETSLOT", slot, "IMPORTING", src_id)
+        src.execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", dst_id)
+        while keys := src.execute_command("CLUSTER", "GETKEYSINSLOT", slot, 100):
+            src.execute_command("MIGRATE", "127.0.0.1", self.ports[to], "", 0, 5000, "KEYS", *keys)
+        for i in range(len(self.ports)):
+            self.node(i).execute_command("CLUSTER", "SETSLOT", slot, "NODE", dst_id)
+        self.wait_ok()
+
+    def client(self):
+        from redis.cluster import RedisCluster as Client
+
+        return Client(host="127.0.0.1", port=self.ports[0])
 
     def close(self) -> None:
         for proc in self.procs:
@@ -699,7 +725,7 @@ def check_acknowledged(records: list[dict], faults: list[dict], starts: dict, di
         remote = remote_store.remote
         remote.available()
         for key, (t, fp, _) in remote_last.items():
-            node = cluster.node_of_key(remote._blob_key(key))
+            node = cluster.node_of(remote._blob_key(key))
             if any(n == node and tk > t - 1.0 for n, tk in node_kills):
                 out["remote"]["excluded_by_fault"] += 1
                 continue
@@ -879,7 +905,7 @@ def run(args) -> dict:
             if not args.quiet:
                 print(f"soak: baseline done in {base_s:.0f} s", flush=True)
         (root / "cluster").mkdir()
-        cluster = Cluster(str(root / "cluster"), 3)
+        cluster = Cluster(str(root / "cluster"), 3, full_coverage=False)
         drv.mount()
         for wid in range(args.processes):
             drv.config(wid, drv.results / f"worker-{wid}.jsonl", drv.disk_dir, cluster.url, args.processes)
