@@ -307,7 +307,7 @@ def _report(records, fixed, args, command, mach) -> list[str]:
                      f"{r['ttft_ms']:.1f} | {r['ratio_to_plain']:.3f} | {r['decode_step_ms']:.2f} | "
                      f"{r['decode_ratio_to_plain']:.3f} | {r['generate_ratio_to_plain']:.3f} | {gl} |")
     lines += ["", "## Prefill by hit kind (cache events, vision encoder excluded)", "",
-              "`floor` is the plan's analytic FLOP ratio to a miss (`bench.latency.plan_flops`: projections and MLP of "
+              "`floor` is the plan's analytic FLOP ratio to a miss (`bench.flops.plan_flops`: projections and MLP of "
               "the computed tokens, attention over exactly the keys each query sees); `/ floor`: measured over floor; "
               "`R / B / M`: visual tokens recomputed, reused and masked; `MB read`: alias K/V the hit read.", "",
               "| visual tokens | kind | policy | prefill ms | / miss | floor | / floor | R / B / M | MB read | lookup | "
