@@ -10,7 +10,6 @@ import torch.nn.functional as F
 from transformers import DynamicCache
 
 from vismemo_hf.core.plan import HitKind, ImageFeatures, ImagePlan
-from vismemo_hf.core.rope import turn
 from vismemo_hf.core.thresholds import best_shift
 from vismemo_hf.eval import docpage, docqa_base, docstream
 
@@ -60,10 +59,10 @@ def test_tokens_moved_into_view_are_recomputed_whether_the_plan_reused_or_masked
     assert not set(alias.outside.tolist()) & (set(limited.reuse.tolist()) | set(limited.mask.tolist()))
 
 
-@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"])
 def test_a_key_turned_by_the_moved_position_delta_equals_the_key_computed_there(family):
-    """M-RoPE sections (Qwen2-VL's contiguous, Qwen3-VL's interleaved): a key computed at (t, h, w) and turned by
-    (d, d - dy, d - dx) is the key computed at the new position, in every family."""
+    """M-RoPE sections (Qwen2-VL's contiguous, Qwen3-VL's interleaved, GLM-4V's over a partial rotary dimension):
+    a key computed at (t, h, w) and moved by d positions and (dy, dx) tokens is the key computed at
+    (t + d, h + d - dy, w + d - dx), in every family."""
     from conftest import _enabled_tiny
 
     model, _ = _enabled_tiny(family)
@@ -75,7 +74,7 @@ def test_a_key_turned_by_the_moved_position_delta_equals_the_key_computed_there(
     with torch.no_grad():
         keys_old, _ = adapter.fresh_kv(0, hidden, *(x[0] for x in adapter.rope(hidden[None], old)))
         keys_new, _ = adapter.fresh_kv(0, hidden, *(x[0] for x in adapter.rope(hidden[None], new)))
-        turned = turn(keys_old, *adapter.turn(delta))
+        turned = adapter.move_keys(keys_old, 4, (1, -2))
     assert (turned - keys_new).abs().max() <= 1e-4 * keys_new.abs().max()
 
 

@@ -1,4 +1,4 @@
-"""Run transformers' own model tests of the four Qwen-VL families with VisMemo in the loop, and report.
+"""Run transformers' own model tests of the supported families with VisMemo in the loop, and report.
 
     python tests/compat/run.py TESTS_DIR [--mode enable|cache|plain] [--family qwen2_vl ...] [--json OUT]
 
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import transformers
 
-FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
+from vismemo_hf.defaults import FAMILY_NAMES as FAMILIES  # noqa: E402 (after transformers, as the tree needs)
 HERE = Path(__file__).resolve().parent
 
 #: tests that may fail with VisMemo enabled, and why (none at present)
@@ -58,7 +58,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("tests", type=Path, help="transformers test tree (e.g. ../shared/compat/transformers-tests)")
     parser.add_argument("--mode", choices=["enable", "cache", "plain"], default="enable")
-    parser.add_argument("--family", action="append", choices=FAMILIES, help="default: all four")
+    parser.add_argument("--family", action="append", choices=FAMILIES, help="default: every supported family")
     parser.add_argument("--timeout", type=int, default=300, help="seconds per test")
     parser.add_argument("--json", type=Path, default=None, help="write the results here")
     args = parser.parse_args(argv)

@@ -1,6 +1,6 @@
-"""pytest plugin for running transformers' own tests of the four Qwen-VL families with VisMemo in the loop.
+"""pytest plugin for running transformers' own tests of the supported families with VisMemo in the loop.
 
-``VISMEMO_COMPAT_MODE=enable``: every Qwen-VL model a test builds is ``vismemo_hf.enable``d when it is built.
+``VISMEMO_COMPAT_MODE=enable``: every model of a supported family a test builds is ``vismemo_hf.enable``d when it is built.
 ``VISMEMO_COMPAT_MODE=cache``: also, every ``generate`` that brings no cache of its own gets a ``VisMemoCache``
 on a store that lives for the test (so a test's repeated requests are exact hits). Loaded by transformers' test
 tree through ``PYTEST_EXTRA_PLUGIN=vismemo_compat`` (``make compat TESTS=DIR``).

@@ -46,7 +46,7 @@ from vismemo_hf.core.thresholds import (
 from vismemo_hf.eval import docpage, docstream, synthdoc
 from vismemo_hf.families import ModelAdapter
 from vismemo_hf.progress import progress as progress_bar
-from vismemo_hf.runtime.reference import encode_images, image_processor, model_reference
+from vismemo_hf.runtime.reference import encode_images, model_reference
 
 
 def _patch(image: Image.Image, rng: random.Random) -> Image.Image:
@@ -112,7 +112,7 @@ def pairs(seed: int, per_kind: int, pages: str = "synthdoc") -> list[tuple[Image
 def thumbnails(adapter, images, bar=None) -> list[torch.Tensor]:
     """The lookup's thumbnail of each image, from the model's own processor output (``bar``: a progress bar whose
     postfix counts them)."""
-    processor = image_processor(adapter)
+    processor = adapter.image_processor()
     out = []
     for i, image in enumerate(images):
         if bar is not None and i % 20 == 0:

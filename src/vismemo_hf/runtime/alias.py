@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 import torch
 
 from vismemo_hf.core.plan import HitKind
-from vismemo_hf.core.rope import rerotate, turn
 from vismemo_hf.store.store import store_call
 from vismemo_hf.store.tiers import token_rows
 
@@ -66,7 +65,6 @@ class AliasReader:
     def __init__(self, adapter, store, matches, owner: str) -> None:
         self.adapter, self.store, self.matches, self.owner = adapter, store, matches, owner
         self._reads = {i: _Reads() for i in range(len(matches))}
-        self._inv_freq = adapter.inv_freq
         #: what the per-layer gathers index with, built once per distinct set and device rather than per layer:
         #: (kind, identities...) -> (the objects keyed on, the value); identities stay valid while the objects live
         self._memo: dict = {}
@@ -101,13 +99,10 @@ class AliasReader:
         return fetched, (time.perf_counter() - t0) * 1e3
 
     def _moved(self, keys: torch.Tensor, delta: int, shift: tuple[int, int]) -> torch.Tensor:
-        """Cached keys at this request's positions: the image starts ``delta`` positions later (angles in float64:
-        ``delta`` may be long), and a moved alias (``shift`` = (dy, dx) tokens) shows each token dy rows and dx
-        columns earlier (a second, small turn of the h and w sections)."""
-        keys = rerotate(keys, delta, self._inv_freq)
-        if shift == (0, 0):
-            return keys
-        return turn(keys, *self.adapter.turn((0, -shift[0], -shift[1])))
+        """Cached keys at this request's positions (``ModelAdapter.move_keys``): the image starts ``delta``
+        positions later, and a moved alias (``shift`` = (dy, dx) tokens) shows each token dy rows and dx columns
+        earlier."""
+        return self.adapter.move_keys(keys, delta, shift)
 
     def _add_time(self, i: int, name: str, ms: float) -> None:
         timings = self._reads[i].timings

@@ -113,7 +113,8 @@ def _look_up(ctx, adapter, kwargs):
         # resolves on first use, generate's expansion of it included)
         return kwargs
     request, outputs = lookup_request(adapter, ctx.cache, ids, pixels, grids, _own(adapter.base, "get_image_features"),
-                                      ctx.valid, expand=expand, encoded=ran, videos=_videos(kwargs, encoded))
+                                      ctx.valid, expand=expand, encoded=ran, videos=_videos(kwargs, encoded),
+                                      token_types=kwargs.get("mm_token_type_ids"))
     ctx.request = request
     if deferred is not None:
         deferred.provide(outputs)
@@ -200,8 +201,9 @@ def _restore(module) -> None:
 
 def enable(model: ModelT, *, image_mean: Sequence[float] | None = None,
            image_std: Sequence[float] | None = None) -> ModelT:
-    """Prepare a Qwen2-VL / Qwen2.5-VL / Qwen3-VL (-MoE) model, its ``*ForConditionalGeneration`` or its base
-    ``*Model``, for ``VisMemoCache``; returns the model.
+    """Prepare a model of a supported family (Qwen2-VL, Qwen2.5-VL, Qwen3-VL (-MoE), GLM-4.1V, GLM-4.6V, GLM-4.5V;
+    ``families.FAMILIES``), its ``*ForConditionalGeneration`` or its base ``*Model``, for ``VisMemoCache``; returns
+    the model.
 
     Idempotent (a second call refreshes the normalisation; the model fingerprint follows weight changes by
     itself). ``image_mean`` / ``image_std`` override the family's processor normalisation (used to recover pixels

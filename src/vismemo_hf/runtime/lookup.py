@@ -157,18 +157,25 @@ class PrefillRequest:
     needs_runner: bool = True
 
 
-def image_spans(input_ids: torch.Tensor, image_token_id: int, counts: list[int]) -> list[tuple[int, int]]:
-    """(row, first column) of each image, in the order of ``image_grid_thw``; checks the token counts."""
-    spans = []
-    for row in range(input_ids.shape[0]):
-        is_img = (input_ids[row] == image_token_id).to(torch.int8)
-        edges = torch.diff(torch.cat([is_img.new_zeros(1), is_img, is_img.new_zeros(1)]))
+def _runs(mask: torch.Tensor) -> list[tuple[int, int, int]]:
+    """(row, first column, length) of every run of True in the (B, L) ``mask``, row by row."""
+    out = []
+    for row in range(mask.shape[0]):
+        flags = mask[row].to(torch.int8)
+        edges = torch.diff(torch.cat([flags.new_zeros(1), flags, flags.new_zeros(1)]))
         starts = torch.nonzero(edges == 1).flatten().tolist()
         ends = torch.nonzero(edges == -1).flatten().tolist()
-        spans.extend((row, s, e - s) for s, e in zip(starts, ends))
+        out.extend((row, s, e - s) for s, e in zip(starts, ends))
+    return out
+
+
+def image_spans(image_mask: torch.Tensor, counts: list[int]) -> list[tuple[int, int]]:
+    """(row, first column) of each image, in the order of ``image_grid_thw``, from the (B, L) mask of image
+    placeholders (``ModelAdapter.image_mask``); checks the token counts."""
+    spans = _runs(image_mask)
     lengths = [n for _, _, n in spans]
     if lengths != list(counts):
-        # adjacent images without separators would merge into one run; Qwen processors always separate them
+        # adjacent images without separators would merge into one run; the processors always separate them
         raise ValueError(
             f"image placeholder runs {lengths} do not match image_grid_thw token counts {list(counts)}: "
             "use the model's processor to build inputs"
@@ -201,14 +208,11 @@ def prefix_digest(input_ids: torch.Tensor, valid: torch.Tensor | None, start: in
     return h.hexdigest()
 
 
-def _expanded_order(input_ids: torch.Tensor, image_token_id: int, n_images: int, expand: int) -> list[int]:
+def _expanded_order(image_mask: torch.Tensor, n_images: int, expand: int) -> list[int]:
     """Original image index of each image of a request whose rows ``generate`` repeated ``expand`` times each."""
     if expand == 1:
         return list(range(n_images))
-    per_row = []
-    for row in range(0, input_ids.shape[0], expand):
-        is_img = (input_ids[row] == image_token_id).to(torch.int8)
-        per_row.append(int((torch.diff(torch.cat([is_img.new_zeros(1), is_img])) == 1).sum()))
+    per_row = [sum(1 for _ in _runs(image_mask[row:row + 1])) for row in range(0, image_mask.shape[0], expand)]
     if sum(per_row) != n_images:
         raise ValueError(f"expanded request rows hold {sum(per_row)} images, the encoder saw {n_images}")
     order, first = [], 0
@@ -218,8 +222,9 @@ def _expanded_order(input_ids: torch.Tensor, image_token_id: int, n_images: int,
     return order
 
 
-def video_items(input_ids: torch.Tensor, video_token_id: int, merge: int, videos) -> dict[int, list[tuple[int, str]]]:
-    """{row: [(first column, content hash), ...]} of the request's videos. ``videos``: (pixel_values_videos,
+def video_items(video_mask: torch.Tensor, merge: int, videos) -> dict[int, list[tuple[int, str]]]:
+    """{row: [(first column, content hash), ...]} of the request's videos, from the (B, L) mask of their
+    placeholders (``ModelAdapter.video_mask``). ``videos``: (pixel_values_videos,
     video_grid_thw) or (per-video encoder outputs, video_grid_thw), or None. A video may span several placeholder
     runs (Qwen3-VL puts a timestamp before each frame): runs are given to videos in order by token count."""
     if videos is None:
@@ -230,12 +235,7 @@ def video_items(input_ids: torch.Tensor, video_token_id: int, merge: int, videos
         content, tokens = torch.split(content, sizes), [n // merge**2 for n in sizes]
     else:
         tokens = [int(part.shape[0]) for part in content]
-    runs = []
-    for row in range(input_ids.shape[0]):
-        is_vid = (input_ids[row] == video_token_id).to(torch.int8)
-        edges = torch.diff(torch.cat([is_vid.new_zeros(1), is_vid, is_vid.new_zeros(1)]))
-        starts, ends = torch.nonzero(edges == 1).flatten().tolist(), torch.nonzero(edges == -1).flatten().tolist()
-        runs.extend((row, s, e - s) for s, e in zip(starts, ends))
+    runs = _runs(video_mask)
     out: dict[int, list[tuple[int, str]]] = {}
     run = 0
     for part, count in zip(content, tokens):
@@ -254,21 +254,23 @@ def video_items(input_ids: torch.Tensor, video_token_id: int, merge: int, videos
 
 def lookup_request(adapter, cache, input_ids, pixel_values, grids, get_image_features,
                    valid: torch.Tensor | None = None, expand: int = 1, encoded=None,
-                   videos=None) -> tuple[PrefillRequest, object]:
+                   videos=None, token_types: torch.Tensor | None = None) -> tuple[PrefillRequest, object]:
     """Look every image up; return the request's matches and the ``mm_encoder_outputs["image"]`` object.
 
     ``valid``: (B, columns) False at padding, so that a left-padded row hashes its prefix like an unpadded one.
     ``expand``: ``generate`` repeated every row that many times (beam search, ``num_return_sequences``): the
     images of ``pixel_values`` are looked up once per copy of their row. ``encoded``: the tower's output for
     those images when it already ran (it is not run again). ``videos``: what identifies the request's videos
-    (``video_items``), part of the context hash of every image after them."""
+    (``video_items``), part of the context hash of every image after them. ``token_types``: the processor's
+    ``mm_token_type_ids`` (families whose videos share the image placeholder tell them apart by it)."""
     merge = adapter.merge
     grid_list = [tuple(int(x) for x in g) for g in grids.tolist()]
     patch_rows = torch.tensor([t * h * w for t, h, w in grid_list]).cumsum(0).tolist()
     pixels = torch.tensor_split(pixel_values, patch_rows[:-1])
-    source = _expanded_order(input_ids, adapter.image_token_id, len(grid_list), expand)
+    image_mask = adapter.image_mask(input_ids, token_types)
+    source = _expanded_order(image_mask, len(grid_list), expand)
     grid_list, pixels = [grid_list[i] for i in source], [pixels[i] for i in source]
-    spans = image_spans(input_ids, adapter.image_token_id, [t * h * w // merge**2 for t, h, w in grid_list])
+    spans = image_spans(image_mask, [t * h * w // merge**2 for t, h, w in grid_list])
     t0 = time.perf_counter()
     originals = {i: source.index(i) for i in sorted(set(source))}  # original image -> its first copy
     owner = cache.owner(adapter.fingerprint)
@@ -281,7 +283,7 @@ def lookup_request(adapter, cache, input_ids, pixel_values, grids, get_image_fea
                         [grid_list[originals[i]] for i in todo])
     encoder_ms = (time.perf_counter() - t0) * 1e3
     contexts = _contexts(input_ids, valid, spans, [keys[i] for i in source],
-                         video_items(input_ids, adapter.video_token_id, merge, videos))
+                         video_items(adapter.video_mask(input_ids, token_types), merge, videos))
     images = []
     for j, i in enumerate(source):
         t0 = time.perf_counter()

@@ -10,21 +10,9 @@ from vismemo_hf.core.images import IMAGE_KINDS, reference_images
 from vismemo_hf.core.thresholds import ModelReference, fine_score
 
 
-def image_processor(adapter):
-    """A Qwen2-VL image processor with the model's patch geometry and normalisation (no hub access)."""
-    from transformers import Qwen2VLImageProcessor
-
-    vc = adapter.vision_config
-    token_px = vc.patch_size * adapter.merge
-    return Qwen2VLImageProcessor(
-        size={"shortest_edge": 4 * token_px**2, "longest_edge": 1024 * token_px**2}, patch_size=vc.patch_size,
-        temporal_patch_size=vc.temporal_patch_size, merge_size=adapter.merge, image_mean=list(adapter.image_mean),
-        image_std=list(adapter.image_std))
-
-
 def encode_images(adapter, get_image_features, images) -> list[tuple[torch.Tensor, tuple[int, int, int]]]:
     """(embeds, grid) of each image through the model's own tower, in one batch."""
-    inputs = image_processor(adapter)(images=[im.convert("RGB") for im in images], return_tensors="pt")
+    inputs = adapter.image_processor()(images=[im.convert("RGB") for im in images], return_tensors="pt")
     dtype = next(adapter.model.parameters()).dtype
     device = next(adapter.model.parameters()).device
     with torch.no_grad():

@@ -1,89 +1,47 @@
-"""What differs between the supported model families, behind one small adapter."""
+"""The model adapter every family file specialises: everything the runtime, lookup and store need from a model.
+
+The runtime reads no family-specific field: where images and videos sit in the ids, the rotary embedding and how
+a cached key is turned by a position delta, the K/V a layer computes, the vision tower's call and per-token outputs,
+the processor of reference images, the config a preset becomes, all go through ``ModelAdapter``. This base class
+is written against what the transformers VLMs share (``model.visual``, ``model.language_model`` with ``layers``,
+``norm`` and ``rotary_emb``, the modeling module's own ``apply_rotary_pos_emb``); a family file
+(``families/<name>.py``) overrides only what differs and is registered in ``defaults.FAMILY_MODULES``.
+"""
 
 from __future__ import annotations
 
 import hashlib
+import importlib
 import json
+import sys
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 from transformers.modeling_outputs import BaseModelOutputWithPooling
 
 from vismemo_hf.core.features import thumbnail_shape
-from vismemo_hf.core.rope import rotate_half
 
 # Processor normalisation of each family (needed to recover pixels for patch entropy).
-_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
-_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
-_HALF = (0.5, 0.5, 0.5)
+CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
+CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+HALF = (0.5, 0.5, 0.5)
 
 
-@dataclass(frozen=True)
-class FamilySpec:
-    """Everything that differs between the supported model families; adding a family is one entry of
-    ``FAMILIES``. Class names are looked up in ``transformers`` when needed."""
+def transformers_class(name: str):
+    """``"Class"`` from ``transformers`` or ``"module:Class"`` from ``transformers.models.module``."""
+    import transformers
 
-    model_type: str
-    config_class: str
-    processor_class: str
-    video_processor_class: str  # "module:Class" under transformers.models
-    image_mean: tuple
-    image_std: tuple
-    patch_size: int
-    #: Qwen3-VL: the vision tower also returns deepstack features added to the first decoder layers
-    deepstack: bool = False
-    #: mixture-of-experts decoder (presets add their ``moe`` block of ``text_config``)
-    moe: bool = False
-    #: Qwen3-VL's M-RoPE interleaves its sections
-    mrope_interleaved: bool = False
-    #: Qwen2-VL's tower outputs the text hidden size directly (no ``out_hidden_size``)
-    vision_out_key: str = "out_hidden_size"
-    #: the chat template's default system turn (Qwen2 / 2.5-VL have one, Qwen3-VL has none)
-    system_turn: bool = True
+    if ":" in name:
+        module, cls = name.split(":")
+        return getattr(importlib.import_module(f"transformers.models.{module}"), cls)
+    return getattr(transformers, name)
 
-    def transformers_class(self, name: str):
-        import importlib
-
-        import transformers
-
-        if ":" in name:
-            module, cls = name.split(":")
-            return getattr(importlib.import_module(f"transformers.models.{module}"), cls)
-        return getattr(transformers, name)
-
-
-FAMILIES: dict[str, FamilySpec] = {
-    spec.model_type: spec
-    for spec in (
-        FamilySpec("qwen2_vl", "Qwen2VLConfig", "Qwen2VLProcessor",
-                   "qwen2_vl.video_processing_qwen2_vl:Qwen2VLVideoProcessor", _CLIP_MEAN, _CLIP_STD, 14,
-                   vision_out_key="hidden_size"),
-        FamilySpec("qwen2_5_vl", "Qwen2_5_VLConfig", "Qwen2_5_VLProcessor",
-                   "qwen2_vl.video_processing_qwen2_vl:Qwen2VLVideoProcessor", _CLIP_MEAN, _CLIP_STD, 14),
-        FamilySpec("qwen3_vl", "Qwen3VLConfig", "Qwen3VLProcessor",
-                   "qwen3_vl.video_processing_qwen3_vl:Qwen3VLVideoProcessor", _HALF, _HALF, 16,
-                   deepstack=True, mrope_interleaved=True, system_turn=False),
-        FamilySpec("qwen3_vl_moe", "Qwen3VLMoeConfig", "Qwen3VLProcessor",
-                   "qwen3_vl.video_processing_qwen3_vl:Qwen3VLVideoProcessor", _HALF, _HALF, 16,
-                   deepstack=True, moe=True, mrope_interleaved=True, system_turn=False),
-    )
-}
 
 
 def base_model(model):
     """The ``*Model`` (vision tower + language model) of a ``*ForConditionalGeneration``, or ``model`` itself."""
     return model if hasattr(model, "language_model") and hasattr(model, "visual") else getattr(model, "model", None)
-
-
-def model_family(model) -> str:
-    family = getattr(getattr(model, "config", None), "model_type", None)
-    base = base_model(model)
-    if family not in FAMILIES or not hasattr(base, "language_model") or not hasattr(base, "visual"):
-        raise ValueError(
-            f"vismemo supports Qwen2-VL, Qwen2.5-VL, Qwen3-VL and Qwen3-VL-MoE (model_type {', '.join(FAMILIES)}) "
-            f"as *ForConditionalGeneration or *Model; got {type(model).__name__} (model_type={family!r})"
-        )
-    return family
 
 
 #: config fields that say where or how a model was loaded, not what it computes
@@ -141,24 +99,45 @@ def _weights_signature(params: tuple) -> tuple:
     return tuple((p.data_ptr(), p._version) for p in params)
 
 
+
 @dataclass
 class ModelAdapter:
-    """Handles on one enabled model: its parts, geometry and identity."""
+    """Handles on one enabled model: its parts, geometry and identity (the generic family; see the module doc)."""
 
     model: torch.nn.Module
     family: str
-    image_mean: tuple = field(default=_CLIP_MEAN)
-    image_std: tuple = field(default=_CLIP_STD)
+    image_mean: tuple = field(default=CLIP_MEAN)
+    image_std: tuple = field(default=CLIP_STD)
     _fingerprint: str | None = field(default=None, repr=False)
     _signature: tuple | None = field(default=None, repr=False)
     _params: tuple | None = field(default=None, repr=False)  # the model's parameters (``enable`` refreshes them)
 
+    # -- what a family file declares ----------------------------------------------------------------------
+    #: the ``model_type`` values this adapter serves (its config class is looked up in ``transformers``)
+    model_types: ClassVar[tuple[str, ...]] = ()
+    #: a readable name for error messages
+    title: ClassVar[str] = ""
+    #: the processor, image processor and video processor classes of its checkpoints (``transformers_class``)
+    processor_class: ClassVar[str] = ""
+    image_processor_class: ClassVar[str] = "Qwen2VLImageProcessor"
+    video_processor_class: ClassVar[str] = ""
+    patch_size: ClassVar[int] = 14
+    #: the family's processor multiplies the pixel budget by the temporal patch (GLM-4V counts both frames)
+    pixel_budget_frames: ClassVar[int] = 1
+    #: mixture-of-experts decoders (presets add their ``moe`` block of ``text_config``)
+    moe: ClassVar[bool] = False
+    #: the vision config's key of the width the tower hands to the text model
+    vision_out_key: ClassVar[str] = "out_hidden_size"
+
     @classmethod
     def for_model(cls, model, image_mean=None, image_std=None) -> ModelAdapter:
+        """The adapter of ``model``'s family (``families.FAMILIES``), whichever class it is called on."""
+        from vismemo_hf.families import FAMILIES, model_family
+
         family = model_family(model)
-        spec = FAMILIES[family]
-        return cls(model=model, family=family, image_mean=tuple(image_mean or spec.image_mean),
-                   image_std=tuple(image_std or spec.image_std))
+        adapter = FAMILIES[family]
+        return adapter(model=model, family=family, image_mean=tuple(image_mean or adapter.image_mean),
+                       image_std=tuple(image_std or adapter.image_std))
 
     @property
     def fingerprint(self) -> str:
@@ -177,24 +156,56 @@ class ModelAdapter:
     def base(self):
         return base_model(self.model)
 
+    @property
+    def text(self):
+        return self.base.language_model
+
     def layer_device(self, layer: int) -> torch.device:
         """The device decoder layer ``layer`` computes on (device maps, offloaded layers)."""
         return execution_device(self.text.layers[layer])
 
+    # -- where the images are ------------------------------------------------------------------------------
+    def image_mask(self, input_ids: torch.Tensor, token_types: torch.Tensor | None = None) -> torch.Tensor:
+        """(B, L) True at the image placeholders of ``input_ids`` (``token_types``: the processor's
+        ``mm_token_type_ids``, for families whose videos share the image placeholder)."""
+        return input_ids == self.image_token_id
+
+    def video_mask(self, input_ids: torch.Tensor, token_types: torch.Tensor | None = None) -> torch.Tensor:
+        """(B, L) True at the video placeholders."""
+        return input_ids == self.video_token_id
+
     # -- the language model's computation (the only place that names its modules) -----------------------
-    @property
-    def inv_freq(self) -> torch.Tensor:
-        """RoPE inverse frequencies of the text model (what re-rotating a cached key needs)."""
-        return self.text.rotary_emb.inv_freq
+    def _rope_function(self):
+        """The modeling module's own ``apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim)`` (half or interleaved
+        rotation, partial rotary dimensions: whatever the family does)."""
+        attention = type(self.text.layers[0].self_attn)
+        return sys.modules[attention.__module__].apply_rotary_pos_emb
+
+    def rotate(self, keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """``keys`` (..., T, D) turned as the model turns them by (cos, sin) (T, D') or (D',) (its RoPE)."""
+        k = keys.float()
+        cos, sin = cos.to(k.device, k.dtype), sin.to(k.device, k.dtype)
+        if cos.ndim == 1:
+            cos, sin = cos[None], sin[None]
+        _, out = self._rope_function()(k, k, cos, sin, unsqueeze_dim=0)  # (1, T, D') against (..., T, D)
+        return out.to(keys.dtype)
 
     def turn(self, delta: tuple[int, int, int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Unscaled (cos, sin) (head_dim,) float32 of the M-RoPE position delta (t, h, w): what moves a cached key
-        by it (``core.rope.turn``), from the model's own rotary embedding."""
+        """Unscaled (cos, sin) (D',) float32 of the M-RoPE position delta (t, h, w): what moves a cached key by it,
+        from the model's own rotary embedding."""
         rotary = self.text.rotary_emb
         x = torch.zeros(1, dtype=torch.float32, device=execution_device(rotary))  # where its buffers compute
         cos, sin = rotary(x, torch.tensor(delta, dtype=torch.long, device=x.device).view(3, 1, 1))
         scale = float(getattr(rotary, "attention_scaling", 1.0))
         return cos[0, 0].float() / scale, sin[0, 0].float() / scale
+
+    def move_keys(self, keys: torch.Tensor, delta: int, shift: tuple[int, int] = (0, 0)) -> torch.Tensor:
+        """Cached keys (..., T, D) at this request's positions: the image starts ``delta`` positions later (every
+        coordinate moves by it), and a moved alias (``shift`` = (dy, dx) tokens) shows each token dy rows and dx
+        columns earlier (its h and w coordinates move by -dy and -dx more)."""
+        if delta == 0 and shift == (0, 0):
+            return keys
+        return self.rotate(keys, *self.turn((delta, delta - shift[0], delta - shift[1])))
 
     def rope(self, hidden: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, sin) of the M-RoPE ``positions`` (3, B, L)."""
@@ -216,7 +227,7 @@ class ModelAdapter:
 
     def fresh_kv(self, layer: int, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """(K, V), (KV heads, N, D) each, that ``layer`` computes for the hidden states (N, d) entering it at rotary
-        (cos, sin) (N, D): its input norm, k/v projections, key norm (Qwen3-VL) and RoPE."""
+        (cos, sin) (N, D'): its input norm, k/v projections, key norm (Qwen3-VL) and RoPE."""
         block = self.text.layers[layer]
         attn = block.self_attn
         x = block.input_layernorm(hidden)
@@ -224,20 +235,8 @@ class ModelAdapter:
         values = attn.v_proj(x).view(hidden.shape[0], -1, attn.head_dim)
         if getattr(attn, "k_norm", None) is not None:  # Qwen3-VL normalises keys before RoPE
             keys = attn.k_norm(keys)
-        keys = keys * cos[:, None] + rotate_half(keys) * sin[:, None]
-        return keys.transpose(0, 1), values.transpose(0, 1)
-
-    @property
-    def text(self):
-        return self.base.language_model
-
-    @property
-    def spec(self) -> FamilySpec:
-        return FAMILIES[self.family]
-
-    @property
-    def has_deepstack(self) -> bool:
-        return self.spec.deepstack
+        keys = self.rotate(keys.transpose(0, 1), cos, sin)
+        return keys, values.transpose(0, 1)
 
     # -- geometry --------------------------------------------------------------------------
     @property
@@ -261,8 +260,13 @@ class ModelAdapter:
         return self.model.config.text_config.num_hidden_layers
 
     @property
+    def head_dim(self) -> int:
+        return self.text.layers[0].self_attn.head_dim
+
+    @property
     def deepstack_levels(self) -> int:
-        return len(getattr(self.vision_config, "deepstack_visual_indexes", ())) if self.has_deepstack else 0
+        """How many intermediate tower features are added to the first decoder layers (Qwen3-VL's deepstack)."""
+        return 0
 
     def entry_problem(self, entry, grid) -> str | None:
         """Why a stored entry cannot serve this model for an image of ``grid`` (None: it can). Checks what a
@@ -270,7 +274,6 @@ class ModelAdapter:
         purpose (it runs on every exact hit and candidate): the bytes themselves are checked by the blob's hashes."""
         text = self.model.config.text_config
         n = (grid[0] * grid[1] * grid[2]) // self.merge**2
-        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
         levels = entry.deepstack.shape[0] if entry.deepstack is not None else 0
         checks = [
             (tuple(entry.grid) == tuple(grid), f"grid {tuple(entry.grid)} for {tuple(grid)}"),
@@ -282,7 +285,7 @@ class ModelAdapter:
             (entry.deepstack is None or tuple(entry.deepstack.shape[1:]) == tuple(entry.embeds.shape),
              "deepstack shape"),
             (entry.kv is None or tuple(entry.kv.shape) == (entry.kv_count, self.num_layers, 2,
-                                                            text.num_key_value_heads, head_dim),
+                                                            text.num_key_value_heads, self.head_dim),
              f"K/V shape {None if entry.kv is None else tuple(entry.kv.shape)}"),
             (entry.kv_tokens is None or (entry.kv_tokens.numel() <= n and (
                 entry.kv_tokens.numel() == 0 or int(entry.kv_tokens.max()) < n)), "stored token indices"),
@@ -304,81 +307,57 @@ class ModelAdapter:
             image_std=self.image_std,
         )
 
+    def image_processor(self, min_tokens: int = 4, max_tokens: int = 1024):
+        """The family's image processor with the model's patch geometry and normalisation (no hub access): what
+        encodes the lookup's reference images."""
+        return self.make_image_processor(self.vision_config.patch_size, self.merge, self.vision_config.temporal_patch_size,
+                                          self.image_mean, self.image_std, min_tokens, max_tokens)
+
+    @classmethod
+    def make_image_processor(cls, patch: int, merge: int = 2, temporal: int = 2, mean=None, std=None,
+                             min_tokens: int = 4, max_tokens: int = 1024):
+        token_px = patch * merge
+        budget = token_px**2 * cls.pixel_budget_frames
+        return transformers_class(cls.image_processor_class)(
+            size={"shortest_edge": min_tokens * budget, "longest_edge": max_tokens * budget}, patch_size=patch,
+            temporal_patch_size=temporal, merge_size=merge, image_mean=list(mean or cls.image_mean),
+            image_std=list(std or cls.image_std))
+
     # -- vision encoder --------------------------------------------------------------------
     def encode(self, get_image_features, pixel_values, grids) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
         """Run the vision tower once over several images: per image (embeds (N, d), deepstack (k, N, d) | None)."""
         return self.split_encoded(get_image_features(pixel_values, grids, return_dict=True))
 
     def split_encoded(self, out) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
-        """The tower's output per image: (embeds (N, d), deepstack (k, N, d) | None)."""
-        embeds = list(out.pooler_output)
-        if not self.has_deepstack:
-            return [(e, None) for e in embeds]
-        per_layer = [list(level) for level in out.deepstack_features]
-        return [(e, torch.stack([level[i] for level in per_layer])) for i, e in enumerate(embeds)]
+        """The tower's output per image: (embeds (N, d), extra visual features (k, N, d) | None)."""
+        return [(e, None) for e in out.pooler_output]
 
     def encoder_outputs(self, per_image: list[tuple[torch.Tensor, torch.Tensor | None]]):
         """The ``mm_encoder_outputs["image"]`` object the model's forward expects."""
-        embeds = tuple(e for e, _ in per_image)
-        if not self.has_deepstack:
-            return BaseModelOutputWithPooling(pooler_output=embeds)
-        from transformers.models.qwen3_vl.modeling_qwen3_vl import BaseModelOutputWithDeepstackFeatures
+        return BaseModelOutputWithPooling(pooler_output=tuple(e for e, _ in per_image))
 
-        levels = per_image[0][1].shape[0]
-        deepstack = [tuple(d[level] for _, d in per_image) for level in range(levels)]
-        return BaseModelOutputWithDeepstackFeatures(pooler_output=embeds, deepstack_features=deepstack)
+    # -- presets and offline processors (configs/models/, offline.py) ----------------------------------------
+    #: special tokens of the family's chat format that an offline tokenizer adds (``offline.byte_tokenizer``)
+    special_tokens: ClassVar[tuple[str, ...]] = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>",
+                                                 "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
+    #: the offline tokenizer's end of an answer and its padding
+    eos_token: ClassVar[str] = "<|im_end|>"
+    pad_token: ClassVar[str] = "<|endoftext|>"
 
+    @classmethod
+    def rope_parameters(cls, text: dict) -> dict:
+        """The ``rope_parameters`` of a preset's text block (its ``rope_theta`` and ``mrope_section`` popped)."""
+        return {"rope_type": "default", "rope_theta": float(text.pop("rope_theta")),
+                "mrope_section": list(text.pop("mrope_section"))}
 
-# -- model presets (configs/models/) ------------------------------------------------------------------
-def preset_config(name: str, family: str | None = None, tokenizer=None, **text_overrides):
-    """A transformers config for preset ``name`` in ``family`` (default: the preset's own).
-
-    With ``tokenizer``, vocabulary size and special token ids come from it (offline
-    tokenizers); otherwise the real models' ids apply. ``text_overrides`` replace text-config fields
-    (``num_hidden_layers=1``, ...).
-    """
-    from vismemo_hf.presets import load_preset
-
-    preset = load_preset(name)
-    family = family or preset.get("family")
-    if family not in FAMILIES:
-        raise ValueError(f"preset {name!r} needs a family, one of {', '.join(FAMILIES)}")
-    if preset.get("family") not in (None, family):
-        raise ValueError(f"preset {name!r} is a {preset['family']} geometry, not {family}")
-    spec = FAMILIES[family]
-    text = {**preset["text_config"], **text_overrides}
-    moe = text.pop("moe", None)
-    if spec.moe:
-        if moe is None:
-            raise ValueError(f"preset {name!r} has no `moe` block in text_config for the {family} family")
-        text.update(moe)
-    vision = dict(preset["vision_config"].get(family, preset["vision_config"]))
-    if any(k in FAMILIES for k in vision):
-        raise ValueError(f"preset {name!r} has no vision tower for {family}")
-    rope = {"rope_type": "default", "rope_theta": float(text.pop("rope_theta")),
-            "mrope_section": list(text.pop("mrope_section"))}
-    if spec.mrope_interleaved:
-        rope["mrope_interleaved"] = True
-    text.update(rope_parameters=rope, vocab_size=len(tokenizer) if tokenizer is not None else preset["vocab_size"])
-    vision[spec.vision_out_key] = text["hidden_size"]
-    kwargs = {"text_config": text, "vision_config": vision}
-    if tokenizer is not None:
+    @classmethod
+    def token_ids(cls, tokenizer) -> dict:
+        """The config's placeholder and delimiter token ids for an offline ``tokenizer``."""
         ids = tokenizer.convert_tokens_to_ids
-        kwargs.update(image_token_id=ids("<|image_pad|>"), video_token_id=ids("<|video_pad|>"),
-                      vision_start_token_id=ids("<|vision_start|>"), vision_end_token_id=ids("<|vision_end|>"))
-        text.update(bos_token_id=None, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-    return spec.transformers_class(spec.config_class)(**kwargs)
+        return dict(image_token_id=ids("<|image_pad|>"), video_token_id=ids("<|video_pad|>"),
+                    vision_start_token_id=ids("<|vision_start|>"), vision_end_token_id=ids("<|vision_end|>"))
 
-
-def build_model(preset: str, family: str | None = None, seed: int = 0, dtype=torch.float32, tokenizer=None,
-                device: str = "cpu", **text_overrides):
-    """A random-weight model of ``preset`` (eval mode, SDPA attention), created directly on ``device``;
-    ``text_overrides`` replace text-config fields."""
-    from transformers import AutoModelForImageTextToText
-
-    config = preset_config(preset, family, tokenizer=tokenizer, **text_overrides)
-    config._attn_implementation = "sdpa"
-    torch.manual_seed(seed)
-    with torch.device(device):
-        model = AutoModelForImageTextToText.from_config(config, dtype=dtype)
-    return model.eval()
+    @classmethod
+    def offline_processor(cls, tokenizer, min_tokens: int = 4, max_tokens: int = 256):
+        """The family's processor with local image / video processors and ``tokenizer`` (``offline.py``)."""
+        raise NotImplementedError(f"{cls.__name__} has no offline processor")

@@ -1,0 +1,69 @@
+"""Qwen2-VL and Qwen2.5-VL: M-RoPE over halves of the head dimension, a 2x2 patch merge, a default system turn.
+
+The generic adapter fits them; only the re-rotation of cached keys is done here in float64 angles (a long text
+before an image moves it by thousands of positions) and the offline processor is named.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from vismemo_hf.core.rope import rerotate, turn
+from vismemo_hf.families.base import ModelAdapter, transformers_class
+
+# The chat template of Qwen2-VL / Qwen2.5-VL (a default system turn); Qwen3-VL's has none.
+QWEN2_TEMPLATE = (
+    "{% set image_count = namespace(value=0) %}{% for message in messages %}"
+    "{% if loop.first and message['role'] != 'system' and add_system_prompt is not defined %}"
+    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}"
+    "<|im_start|>{{ message['role'] }}\n{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for content in message['content'] %}"
+    "{% if content['type'] == 'image' or 'image' in content %}{% set image_count.value = image_count.value + 1 %}"
+    "{% if add_vision_id %}Picture {{ image_count.value }}: {% endif %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif content['type'] == 'video' or 'video' in content %}<|vision_start|><|video_pad|><|vision_end|>"
+    "{% elif 'text' in content %}{{ content['text'] }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+@dataclass
+class QwenAdapter(ModelAdapter):
+    """What the Qwen-VL families share: keys turned over halves of the head dimension."""
+
+    chat_template: ClassVar[str] = QWEN2_TEMPLATE
+
+    def move_keys(self, keys: torch.Tensor, delta: int, shift: tuple[int, int] = (0, 0)) -> torch.Tensor:
+        """As ``ModelAdapter.move_keys``; the text's delta in float64 angles (``delta`` may be long), a moved
+        alias's (0, -dy, -dx) from the model's rotary embedding."""
+        keys = rerotate(keys, delta, self.text.rotary_emb.inv_freq)
+        if shift == (0, 0):
+            return keys
+        return turn(keys, *self.turn((0, -shift[0], -shift[1])))
+
+    @classmethod
+    def offline_processor(cls, tokenizer, min_tokens: int = 4, max_tokens: int = 256):
+        image = cls.make_image_processor(cls.patch_size, min_tokens=min_tokens, max_tokens=max_tokens)
+        return transformers_class(cls.processor_class)(
+            image_processor=image, tokenizer=tokenizer, video_processor=transformers_class(cls.video_processor_class)(),
+            chat_template=cls.chat_template)
+
+
+@dataclass
+class Qwen2VLAdapter(QwenAdapter):
+    model_types: ClassVar[tuple[str, ...]] = ("qwen2_vl",)
+    title: ClassVar[str] = "Qwen2-VL"
+    processor_class: ClassVar[str] = "Qwen2VLProcessor"
+    video_processor_class: ClassVar[str] = "qwen2_vl.video_processing_qwen2_vl:Qwen2VLVideoProcessor"
+    #: Qwen2-VL's tower outputs the text hidden size directly (no ``out_hidden_size``)
+    vision_out_key: ClassVar[str] = "hidden_size"
+
+
+@dataclass
+class Qwen2_5_VLAdapter(QwenAdapter):  # noqa: N801 (the transformers class name)
+    model_types: ClassVar[tuple[str, ...]] = ("qwen2_5_vl",)
+    title: ClassVar[str] = "Qwen2.5-VL"
+    processor_class: ClassVar[str] = "Qwen2_5_VLProcessor"
+    video_processor_class: ClassVar[str] = "qwen2_vl.video_processing_qwen2_vl:Qwen2VLVideoProcessor"
