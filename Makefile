@@ -23,7 +23,7 @@ test: $(VENV)/.installed
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis .mypy_cache
 
-# transformers' own tests for the four families with VisMemo in the loop (TESTS: a tree such as
+# transformers' own tests of every supported family with VisMemo in the loop (TESTS: a tree such as
 # ../shared/compat/transformers-tests); MODE=enable (every model enabled) or cache (every generate a VisMemoCache)
 TESTS ?= ../shared/compat/transformers-tests
 MODE ?= enable

@@ -21,7 +21,8 @@ from pathlib import Path
 
 import transformers
 
-from vismemo_hf.defaults import FAMILY_NAMES as FAMILIES  # noqa: E402 (after transformers, as the tree needs)
+from vismemo_hf.defaults import FAMILY_NAMES as FAMILIES
+
 HERE = Path(__file__).resolve().parent
 
 #: tests that may fail with VisMemo enabled, and why (none at present)
