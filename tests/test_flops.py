@@ -9,7 +9,7 @@ from vismemo_hf.bench.flops import encoder_flops, encoder_share, miss_flops, pat
 from vismemo_hf.families import preset_config
 
 
-@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "glm4v"])
 def test_the_encoder_count_matches_torchs_count_of_the_tower(family):
     from vismemo_hf.testing import tiny_model
 
@@ -38,7 +38,7 @@ def test_the_real_geometries_give_their_published_encoder_costs_and_shares():
     assert encoder_share(q3, 4126, 15, 4096) > encoder_share(q3, 1054, 15, 1024) > 0.25
 
 
-@pytest.mark.parametrize("real_name", ["qwen3-vl-8b", "qwen2.5-vl-7b"])
+@pytest.mark.parametrize("real_name", ["qwen3-vl-8b", "qwen2.5-vl-7b", "glm-4.6v-flash"])
 @pytest.mark.parametrize("tokens", [1024, 4096])
 def test_the_narrow_stand_ins_keep_the_real_encoder_share(real_name, tokens):
     real, stand_in = preset_config(real_name), preset_config(f"{real_name}-narrow")
@@ -48,11 +48,13 @@ def test_the_narrow_stand_ins_keep_the_real_encoder_share(real_name, tokens):
     assert enc > 0 and llm > 0
 
 
-def test_the_qwen25_stand_in_builds_and_answers():
+@pytest.mark.parametrize(("name", "family", "layers"), [("qwen2.5-vl-7b-narrow", "qwen2_5_vl", 28),
+                                                      ("glm-4.6v-flash-narrow", "glm4v", 40)])
+def test_the_stand_ins_build_and_answer(name, family, layers):
     from vismemo_hf.eval.loading import load_model
 
-    model, processor = load_model("qwen2.5-vl-7b-narrow")
-    assert model.config.model_type == "qwen2_5_vl" and model.config.text_config.num_hidden_layers == 28
+    model, processor = load_model(name)
+    assert model.config.model_type == family and model.config.text_config.num_hidden_layers == layers
     from PIL import Image
 
     messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "?"}]}]

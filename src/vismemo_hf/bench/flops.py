@@ -2,8 +2,8 @@
 
 The benchmarks' floors: a kind's TTFT cannot go below the arithmetic it runs, the encoder included (a miss and an
 approximate hit run it whole today, an exact hit not at all). ``encoder_flops`` counts the vision tower from its
-config (patch embedding, each block's projections, MLP and attention over the patches each patch sees, the 2x2
-merger, Qwen3-VL's deepstack mergers); ``plan_flops`` the decoder layers (projections and MLP of the computed
+config, as its family file prices it (patch embedding, each block's projections, MLP and attention over the
+patches each patch sees, the mergers); ``plan_flops`` the decoder layers (projections and MLP of the computed
 tokens, attention over exactly the keys each query sees). Both take a model config, so the same plan is also
 priced at a real model's published geometry (``configs/models/qwen3-vl-8b.yaml``, ...): what a stand-in measures
 is then read against what the real model would spend.
@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 #: real geometries the benchmarks price their plans at (model presets)
-REAL_PRESETS = ("qwen3-vl-8b", "qwen2.5-vl-7b")
+REAL_PRESETS = ("qwen3-vl-8b", "qwen2.5-vl-7b", "glm-4.6v-flash")
 
 
 def layer_flops(config, queries: int, keys: float) -> float:
@@ -51,32 +51,11 @@ def plan_flops(config, length: int, start: int, plan) -> float:
 
 
 def encoder_flops(config, patches: int) -> float:
-    """Forward FLOPs of the vision tower on one image of ``patches`` patches (its ``grid_thw`` product).
+    """Forward FLOPs of the vision tower on one image of ``patches`` patches (its ``grid_thw`` product): the
+    family's own count (``ModelAdapter.encoder_flops``: each family file prices its tower)."""
+    from vismemo_hf.families import FAMILIES
 
-    Qwen2-VL: blocks of width ``embed_dim`` with a plain MLP (``mlp_ratio``), full attention over the image;
-    Qwen2.5-VL: a gated MLP, attention inside windows of ``window_size`` pixels except ``fullatt_block_indexes``;
-    Qwen3-VL: a plain MLP, full attention, one merger per ``deepstack_visual_indexes`` entry besides the last one.
-    """
-    v = config.vision_config
-    family = config.model_type
-    if family == "qwen2_vl":
-        d, f, gated = v.embed_dim, int(v.embed_dim * v.mlp_ratio), False
-    else:
-        d, f, gated = v.hidden_size, v.intermediate_size, family == "qwen2_5_vl"
-    merge = v.spatial_merge_size ** 2
-    embed = 2 * patches * v.in_channels * v.temporal_patch_size * v.patch_size ** 2 * d
-    linear = 2 * patches * (4 * d * d + (3 if gated else 2) * d * f)
-    full = 4 * patches * patches * d
-    if family == "qwen2_5_vl":
-        window = min(patches, (v.window_size // v.patch_size) ** 2)
-        full_layers = set(v.fullatt_block_indexes)
-        attention = sum(full if i in full_layers else 4 * patches * window * d for i in range(v.depth))
-    else:
-        attention = v.depth * full
-    out = getattr(v, "out_hidden_size", None) or getattr(v, "hidden_size", d)
-    mergers = 1 + len(getattr(v, "deepstack_visual_indexes", None) or ())
-    merger = mergers * 2 * (patches // merge) * (merge * d * merge * d + merge * d * out)
-    return embed + v.depth * linear + attention + merger
+    return FAMILIES[config.model_type].encoder_flops(config.vision_config, patches)
 
 
 def patches_of(config, visual_tokens: int) -> int:

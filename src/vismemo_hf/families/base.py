@@ -94,6 +94,15 @@ def execution_device(module) -> torch.device:
     return torch.device("cpu")
 
 
+def tower_flops(vision, patches: int, width: int, mlp: int, gated: bool, attention: float | None = None) -> float:
+    """FLOPs of a ViT tower's patch embedding and blocks: ``width``-wide blocks with a plain or gated MLP of ``mlp``
+    and (default) full attention of every patch over the image (``attention``: the tower's total instead)."""
+    embed = 2 * patches * vision.in_channels * vision.temporal_patch_size * vision.patch_size ** 2 * width
+    linear = 2 * patches * (4 * width * width + (3 if gated else 2) * width * mlp)
+    full = vision.depth * 4 * patches * patches * width if attention is None else attention
+    return embed + vision.depth * linear + full
+
+
 def _weights_signature(params: tuple) -> tuple:
     """Where every parameter lives and how often it was written in place: changes whenever weights do."""
     return tuple((p.data_ptr(), p._version) for p in params)
@@ -335,6 +344,12 @@ class ModelAdapter:
     def encoder_outputs(self, per_image: list[tuple[torch.Tensor, torch.Tensor | None]]):
         """The ``mm_encoder_outputs["image"]`` object the model's forward expects."""
         return BaseModelOutputWithPooling(pooler_output=tuple(e for e, _ in per_image))
+
+    # -- what the benchmarks price (bench/flops.py) ---------------------------------------------------------
+    @classmethod
+    def encoder_flops(cls, vision, patches: int) -> float:
+        """Forward FLOPs of the family's vision tower (config ``vision``) on one image of ``patches`` patches."""
+        raise NotImplementedError(f"{cls.__name__} does not price its vision tower")
 
     # -- presets and offline processors (configs/models/, offline.py) ----------------------------------------
     #: special tokens of the family's chat format that an offline tokenizer adds (``offline.byte_tokenizer``)

@@ -17,7 +17,7 @@ from typing import ClassVar
 
 import torch
 
-from vismemo_hf.families.base import ModelAdapter, transformers_class
+from vismemo_hf.families.base import ModelAdapter, tower_flops, transformers_class
 
 GLM_TEMPLATE = (
     "[gMASK]<sop>{% for message in messages %}<|{{ message['role'] }}|>\n"
@@ -73,6 +73,17 @@ class Glm4vAdapter(ModelAdapter):
             if sections[-1] < 1:
                 raise ValueError(f"mrope_section {rope['mrope_section']} cannot cover {pairs} rotary pairs")
         return {**rope, "mrope_section": sections, "partial_rotary_factor": factor}
+
+    @classmethod
+    def encoder_flops(cls, vision, patches: int) -> float:
+        """Blocks with a gated MLP as wide as ``out_hidden_size``, full attention; then a 2x2 convolution to
+        ``out_hidden_size`` and a gated merger of ``intermediate_size`` per visual token."""
+        d, out = vision.hidden_size, vision.out_hidden_size
+        merge = vision.spatial_merge_size ** 2
+        tokens = patches // merge
+        downsample = 2 * tokens * merge * d * out
+        merger = 2 * tokens * (out * out + 3 * out * vision.intermediate_size)
+        return tower_flops(vision, patches, d, out, True) + downsample + merger
 
     @classmethod
     def token_ids(cls, tokenizer) -> dict:

@@ -12,7 +12,7 @@ from typing import ClassVar
 import torch
 
 from vismemo_hf.core.rope import rerotate, turn
-from vismemo_hf.families.base import ModelAdapter, transformers_class
+from vismemo_hf.families.base import ModelAdapter, tower_flops, transformers_class
 
 # The chat template of Qwen2-VL / Qwen2.5-VL (a default system turn); Qwen3-VL's has none.
 QWEN2_TEMPLATE = (
@@ -44,6 +44,13 @@ class QwenAdapter(ModelAdapter):
         return turn(keys, *self.turn((0, -shift[0], -shift[1])))
 
     @classmethod
+    def merger_flops(cls, vision, patches: int, width: int, mergers: int = 1) -> float:
+        """The 2x2 patch mergers: (4 width -> 4 width -> out) per visual token, ``mergers`` of them."""
+        merge = vision.spatial_merge_size ** 2
+        out = getattr(vision, "out_hidden_size", None) or getattr(vision, "hidden_size", width)
+        return mergers * 2 * (patches // merge) * (merge * width * merge * width + merge * width * out)
+
+    @classmethod
     def offline_processor(cls, tokenizer, min_tokens: int = 4, max_tokens: int = 256):
         image = cls.make_image_processor(cls.patch_size, min_tokens=min_tokens, max_tokens=max_tokens)
         return transformers_class(cls.processor_class)(
@@ -60,6 +67,12 @@ class Qwen2VLAdapter(QwenAdapter):
     #: Qwen2-VL's tower outputs the text hidden size directly (no ``out_hidden_size``)
     vision_out_key: ClassVar[str] = "hidden_size"
 
+    @classmethod
+    def encoder_flops(cls, vision, patches: int) -> float:
+        """Blocks of width ``embed_dim`` with a plain MLP (``mlp_ratio``), full attention over the image."""
+        d = vision.embed_dim
+        return tower_flops(vision, patches, d, int(d * vision.mlp_ratio), False) + cls.merger_flops(vision, patches, d)
+
 
 @dataclass
 class Qwen2_5_VLAdapter(QwenAdapter):  # noqa: N801 (the transformers class name)
@@ -67,3 +80,13 @@ class Qwen2_5_VLAdapter(QwenAdapter):  # noqa: N801 (the transformers class name
     title: ClassVar[str] = "Qwen2.5-VL"
     processor_class: ClassVar[str] = "Qwen2_5_VLProcessor"
     video_processor_class: ClassVar[str] = "qwen2_vl.video_processing_qwen2_vl:Qwen2VLVideoProcessor"
+
+    @classmethod
+    def encoder_flops(cls, vision, patches: int) -> float:
+        """A gated MLP; attention inside windows of ``window_size`` pixels except ``fullatt_block_indexes``."""
+        d = vision.hidden_size
+        window = min(patches, (vision.window_size // vision.patch_size) ** 2)
+        full = set(vision.fullatt_block_indexes)
+        attention = sum(4 * patches * (patches if i in full else window) * d for i in range(vision.depth))
+        return tower_flops(vision, patches, d, vision.intermediate_size, True, attention) + \
+            cls.merger_flops(vision, patches, d)

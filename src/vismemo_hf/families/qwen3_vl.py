@@ -9,7 +9,7 @@ from typing import ClassVar
 
 import torch
 
-from vismemo_hf.families.base import HALF
+from vismemo_hf.families.base import HALF, tower_flops
 from vismemo_hf.families.qwen2_vl import QWEN2_TEMPLATE, QwenAdapter
 
 QWEN3_TEMPLATE = QWEN2_TEMPLATE.replace(
@@ -47,6 +47,14 @@ class Qwen3VLAdapter(QwenAdapter):
     @classmethod
     def rope_parameters(cls, text: dict) -> dict:
         return {**super().rope_parameters(text), "mrope_interleaved": True}
+
+    @classmethod
+    def encoder_flops(cls, vision, patches: int) -> float:
+        """A plain MLP, full attention, one merger per ``deepstack_visual_indexes`` entry besides the last one."""
+        d = vision.hidden_size
+        mergers = 1 + len(getattr(vision, "deepstack_visual_indexes", None) or ())
+        return tower_flops(vision, patches, d, vision.intermediate_size, False) + \
+            cls.merger_flops(vision, patches, d, mergers)
 
 
 @dataclass
