@@ -1,0 +1,57 @@
+"""The family seam (issue V): one adapter file per family, found by ``model_type``; what a family file declares is
+all the runtime needs from it."""
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+import vismemo_hf
+from vismemo_hf.defaults import FAMILY_MODULES
+from vismemo_hf.families import FAMILIES, build_model, model_family, preset_config
+from vismemo_hf.testing import tiny_model
+
+from conftest import build_inputs
+
+
+def test_every_model_type_has_one_adapter_in_its_own_file():
+    for model_type, module in FAMILY_MODULES.items():
+        adapter = FAMILIES[model_type]
+        assert adapter.__module__ == f"vismemo_hf.families.{module}" and model_type in adapter.model_types
+
+
+def test_an_unsupported_model_is_refused_with_the_supported_families_named():
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    with pytest.raises(ValueError, match="GLM-4.1V.*glm4v_moe"):
+        model_family(Qwen2ForCausalLM(Qwen2Config(num_hidden_layers=1, hidden_size=16, intermediate_size=32,
+                                                  num_attention_heads=2, num_key_value_heads=1, vocab_size=64)))
+
+
+def test_a_preset_written_for_full_rotation_gets_sections_over_glms_rotary_half():
+    tokenizer = tiny_model("glm4v")[1].tokenizer
+    config = preset_config("medium", "glm4v", tokenizer=tokenizer)
+    rope, text = config.text_config.rope_parameters, config.text_config
+    head_dim = text.hidden_size // text.num_attention_heads
+    assert rope["partial_rotary_factor"] == 0.5 and sum(rope["mrope_section"]) == head_dim // 4
+    model = build_model("medium", "glm4v", tokenizer=tokenizer, num_hidden_layers=2)
+    with torch.no_grad():
+        assert model(input_ids=torch.tensor([[1, 2, 3]])).logits.isfinite().all()
+
+
+def test_the_adapters_keys_are_the_keys_the_model_caches(family):
+    """``fresh_kv`` (the family's norm, projections, key norm and its own RoPE) gives the layer-0 K/V the model's
+    forward writes to its cache, for every family: what the context check compares against stored K/V."""
+    model, processor = tiny_model(family, seed=3)
+    vismemo_hf.enable(model)
+    adapter = model._vismemo
+    inputs = build_inputs(processor, [], "a text only request")
+    cache = DynamicCache()
+    with torch.no_grad():
+        model(**inputs, cache=cache, use_cache=True)
+        hidden = model.get_input_embeddings()(inputs["input_ids"])[0]
+        length = inputs["input_ids"].shape[1]
+        positions = torch.arange(length).view(1, 1, -1).expand(3, 1, -1)
+        cos, sin = adapter.rope(hidden[None], positions)
+        keys, values = adapter.fresh_kv(0, hidden, cos[0], sin[0])
+    torch.testing.assert_close(keys, cache.layers[0].keys[0], atol=1e-5, rtol=0)
+    torch.testing.assert_close(values, cache.layers[0].values[0], atol=1e-5, rtol=0)
