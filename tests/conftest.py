@@ -55,6 +55,16 @@ def family(request):
     return request.param
 
 
+@pytest.fixture(autouse=True)
+def approximate_families(request):
+    """``@pytest.mark.approximate``: the test needs approximate hits, which a family whose visual tokens form no
+    grid of patch groups (LLaVA-OneVision's tiles) does not have: skipped there, saying why."""
+    family = getattr(getattr(request.node, "callspec", None), "params", {}).get("family")
+    if request.node.get_closest_marker("approximate") and family is not None and \
+            not vismemo_hf.families.FAMILIES[family].approximate:
+        pytest.skip(f"{family} images are misses and exact hits only (no token grid for an approximate lookup)")
+
+
 @pytest.fixture
 def tiny(family):
     return _enabled_tiny(family)

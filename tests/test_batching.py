@@ -1,5 +1,6 @@
 """Several images per request and several requests per batch give the tokens of running each alone."""
 
+import pytest
 import torch
 
 import vismemo_hf
@@ -24,6 +25,7 @@ def _copy(store):
     return clone
 
 
+@pytest.mark.approximate
 def test_batch_with_mixed_hit_kinds_equals_each_request_alone(tiny):
     model, processor = tiny
     store = _seed_store(model, processor)

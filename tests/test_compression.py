@@ -45,6 +45,7 @@ def test_budgets_sum_to_the_ratio_and_text_is_kept(tiny, pages, ratio):
         assert torch.isin(text, layer.slot_columns()[0]).all()
 
 
+@pytest.mark.approximate
 def test_ratio_one_is_identical_to_no_compression(tiny, pages):
     model, processor = tiny
     store = stored(model, processor, pages["base"])

@@ -18,6 +18,7 @@ def _kind(model, processor, store, image, **opts):
     return cache.events[0]
 
 
+@pytest.mark.approximate
 def test_identical_edit_unrelated_and_other_grid(tiny, pages):
     model, processor = tiny
     store = vismemo_hf.VisMemoStore()

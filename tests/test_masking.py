@@ -1,5 +1,6 @@
 """Masked tokens are out of attention from layer W on, in prefill and in every decoding step."""
 
+import pytest
 import torch
 
 import vismemo_hf
@@ -9,6 +10,7 @@ from conftest import build_inputs, generate, stored
 from reference import extend, late_layers, masked_logits
 
 
+@pytest.mark.approximate
 def test_mask_everything_equals_reference_in_prefill_and_decoding(tiny, pages):
     model, processor = tiny
     store = stored(model, processor, pages["base"])
@@ -45,6 +47,7 @@ def test_late_layers_hold_only_text_recomputed_and_reused_tokens(qwen2, pages):
             assert layer.columns.shape[1] == length - event.masked
 
 
+@pytest.mark.approximate
 def test_partial_recompute_equals_reference_that_hides_the_mask_set(tiny, pages):
     """From layer W only R (and text) is computed and M is hidden; with beta = 0 nothing is reused, so a
     full forward that hides M's keys from layer W on must agree (Qwen3-VL: deepstack reaches R at layer 1)."""

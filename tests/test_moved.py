@@ -59,6 +59,7 @@ def test_tokens_moved_into_view_are_recomputed_whether_the_plan_reused_or_masked
     assert not set(alias.outside.tolist()) & (set(limited.reuse.tolist()) | set(limited.mask.tolist()))
 
 
+@pytest.mark.approximate
 def test_a_key_turned_by_the_moved_position_delta_equals_the_key_computed_there(family):
     """M-RoPE sections (Qwen2-VL's contiguous, Qwen3-VL's interleaved, GLM-4V's over a partial rotary dimension):
     a key computed at (t, h, w) and moved by d positions and (dy, dx) tokens is the key computed at

@@ -27,10 +27,13 @@ def test_rerotated_keys_equal_fresh_keys_at_another_offset(tiny, pages):
     for prefix in ["a much longer text before the image, " * 3, "x"]:
         longer = build_inputs(processor, [pages["base"]], prefix=prefix)
         fresh = _layer0_visual_keys(model, longer)
-        positions, _ = model.model.get_rope_index(longer["input_ids"], longer["mm_token_type_ids"],
-                                                  image_grid_thw=longer["image_grid_thw"])
         start = (longer["input_ids"][0] == model.config.image_token_id).nonzero()[0, 0]
-        delta = int(positions[0, 0, start]) - entry.offset
+        if hasattr(model.model, "get_rope_index"):  # M-RoPE: the image's t coordinate
+            positions, _ = model.model.get_rope_index(longer["input_ids"], longer["mm_token_type_ids"],
+                                                      image_grid_thw=longer["image_grid_thw"])
+            delta = int(positions[0, 0, start]) - entry.offset
+        else:  # 1-D positions: its column
+            delta = int(start) - entry.offset
         assert delta != 0
         moved = model._vismemo.move_keys(entry.kv[:, 0, 0].transpose(0, 1), delta)  # the family's own rotation
         assert (moved - fresh).abs().max() <= 1e-5

@@ -11,6 +11,7 @@ FAMILY_MODULES = {
     "glm4v": "glm4v",
     "glm46v": "glm4v",
     "glm4v_moe": "glm4v",
+    "llava_onevision": "llava_onevision",
 }
 FAMILY_NAMES = tuple(FAMILY_MODULES)
 

@@ -44,7 +44,8 @@ def model_family(model) -> str:
     """The ``model_type`` of a supported model (a ``*ForConditionalGeneration`` or its ``*Model``), else ValueError."""
     family = getattr(getattr(model, "config", None), "model_type", None)
     base = base_model(model)
-    if family not in FAMILIES or not hasattr(base, "language_model") or not hasattr(base, "visual"):
+    if family not in FAMILIES or not hasattr(base, "language_model") or \
+            not hasattr(base, FAMILIES[family].vision_attribute):
         names = ", ".join(dict.fromkeys(a.title for a in FAMILIES.values()))
         raise ValueError(f"vismemo supports {names} (model_type {', '.join(FAMILIES)}) as *ForConditionalGeneration "
                          f"or *Model; got {type(model).__name__} (model_type={family!r})")
@@ -81,8 +82,9 @@ def preset_config(name: str, family: str | None = None, tokenizer=None, **text_o
         raise ValueError(f"preset {name!r} has no vision tower for {family}")
     text.update(rope_parameters=adapter.rope_parameters(text),
                 vocab_size=len(tokenizer) if tokenizer is not None else preset["vocab_size"])
-    vision[adapter.vision_out_key] = text["hidden_size"]
-    kwargs = {"text_config": text, "vision_config": vision}
+    if adapter.vision_out_key is not None:
+        vision[adapter.vision_out_key] = text["hidden_size"]
+    kwargs = {**adapter.config_kwargs(vision), "text_config": text, "vision_config": vision}
     if tokenizer is not None:
         kwargs.update(adapter.token_ids(tokenizer))
         text.update(bos_token_id=None, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)

@@ -39,9 +39,15 @@ def transformers_class(name: str):
 
 
 
+#: where a family's base model keeps its vision tower (``ModelAdapter.vision_attribute``)
+VISION_ATTRIBUTES = ("visual", "vision_tower")
+
+
 def base_model(model):
     """The ``*Model`` (vision tower + language model) of a ``*ForConditionalGeneration``, or ``model`` itself."""
-    return model if hasattr(model, "language_model") and hasattr(model, "visual") else getattr(model, "model", None)
+    if hasattr(model, "language_model") and any(hasattr(model, a) for a in VISION_ATTRIBUTES):
+        return model
+    return getattr(model, "model", None)
 
 
 #: config fields that say where or how a model was loaded, not what it computes
@@ -135,8 +141,13 @@ class ModelAdapter:
     pixel_budget_frames: ClassVar[int] = 1
     #: mixture-of-experts decoders (presets add their ``moe`` block of ``text_config``)
     moe: ClassVar[bool] = False
-    #: the vision config's key of the width the tower hands to the text model
-    vision_out_key: ClassVar[str] = "out_hidden_size"
+    #: the vision config's key of the width the tower hands to the text model (None: a projector sets it)
+    vision_out_key: ClassVar[str | None] = "out_hidden_size"
+    #: the base model's attribute holding the vision tower
+    vision_attribute: ClassVar[str] = "visual"
+    #: whether images can be approximate hits: the family's visual tokens form a (t, h, w) grid of patch groups whose
+    #: pixels the lookup's pixel features read (a family without one serves misses and exact hits)
+    approximate: ClassVar[bool] = True
 
     @classmethod
     def for_model(cls, model, image_mean=None, image_std=None) -> ModelAdapter:
@@ -182,6 +193,45 @@ class ModelAdapter:
     def video_mask(self, input_ids: torch.Tensor, token_types: torch.Tensor | None = None) -> torch.Tensor:
         """(B, L) True at the video placeholders."""
         return input_ids == self.video_token_id
+
+    # -- the request's images -------------------------------------------------------------------------------
+    def image_geometry(self, kwargs: dict):
+        """What, besides the pixels, says how a forward's images were cut (``image_grid_thw``)."""
+        return kwargs.get("image_grid_thw")
+
+    def deferred_geometry(self, deferred):
+        """The same for a deferred encoder call (``DeferredImageFeatures``: its second argument and options)."""
+        return deferred.argument("image_grid_thw")
+
+    def image_count(self, geometry) -> int:
+        """How many images a forward's encoder input holds."""
+        return int(geometry.shape[0])
+
+    def split_images(self, pixel_values: torch.Tensor, geometry, run_lengths) -> list[tuple]:
+        """``(pixels, grid, extra)`` of each image: its rows of the flattened patches (``grid`` = its
+        ``image_grid_thw`` row), nothing extra. ``run_lengths``: the token count of each image's placeholder run
+        (families whose token count the grid does not tell)."""
+        grids = [tuple(int(x) for x in g) for g in geometry.tolist()]
+        rows = torch.tensor([t * h * w for t, h, w in grids]).cumsum(0).tolist()
+        return [(p, g, None) for p, g in zip(torch.tensor_split(pixel_values, rows[:-1]), grids)]
+
+    def tokens_in(self, grid) -> int:
+        """Visual tokens of an image of ``grid``."""
+        return (grid[0] * grid[1] * grid[2]) // self.merge**2
+
+    def pixel_features(self, pixels: torch.Tensor, grid):
+        """What computes an image's (patch entropy, token pixel hashes) when they are first needed."""
+        from vismemo_hf.core.features import patch_entropy, patch_hashes
+
+        return lambda: (patch_entropy(pixels, **self.entropy_kwargs()), patch_hashes(pixels, self.merge))
+
+    def thumbnail_of(self, pixels: torch.Tensor, grid):
+        """What computes an image's (H, W) uint8 thumbnail once (the pixel stage, the store), or None."""
+        import functools
+
+        from vismemo_hf.core.features import thumbnail
+
+        return functools.cache(lambda: thumbnail(pixels, grid, **self.entropy_kwargs()))
 
     # -- the language model's computation (the only place that names its modules) -----------------------
     def _rope_function(self):
@@ -282,7 +332,7 @@ class ModelAdapter:
         corrupt or foreign entry could get wrong: grid, token and layer counts, widths, K/V shape, offset. Cheap on
         purpose (it runs on every exact hit and candidate): the bytes themselves are checked by the blob's hashes."""
         text = self.model.config.text_config
-        n = (grid[0] * grid[1] * grid[2]) // self.merge**2
+        n = self.tokens_in(grid)
         levels = entry.deepstack.shape[0] if entry.deepstack is not None else 0
         checks = [
             (tuple(entry.grid) == tuple(grid), f"grid {tuple(entry.grid)} for {tuple(grid)}"),
@@ -337,6 +387,11 @@ class ModelAdapter:
         """Run the vision tower once over several images: per image (embeds (N, d), deepstack (k, N, d) | None)."""
         return self.split_encoded(get_image_features(pixel_values, grids, return_dict=True))
 
+    def encode_images(self, get_image_features, images: list[tuple]) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        """``encode`` of ``split_images``' (pixels, grid, extra) items, in one batch."""
+        return self.encode(get_image_features, torch.cat([p for p, _, _ in images]),
+                           torch.tensor([g for _, g, _ in images]))
+
     def split_encoded(self, out) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
         """The tower's output per image: (embeds (N, d), extra visual features (k, N, d) | None)."""
         return [(e, None) for e in out.pooler_output]
@@ -364,6 +419,11 @@ class ModelAdapter:
         """The ``rope_parameters`` of a preset's text block (its ``rope_theta`` and ``mrope_section`` popped)."""
         return {"rope_type": "default", "rope_theta": float(text.pop("rope_theta")),
                 "mrope_section": list(text.pop("mrope_section"))}
+
+    @classmethod
+    def config_kwargs(cls, vision: dict) -> dict:
+        """Top-level config fields a preset keeps in its vision block (popped from it); default none."""
+        return {}
 
     @classmethod
     def token_ids(cls, tokenizer) -> dict:

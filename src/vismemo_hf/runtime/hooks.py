@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import types
 from collections.abc import Iterator, Sequence
 from contextvars import ContextVar
@@ -61,11 +62,23 @@ def _own(module, name: str):
 
 
 # -- the installed pieces ---------------------------------------------------------------------------------
-def _image_features(self, pixel_values, image_grid_thw=None, **kwargs):
+def _image_features(self, pixel_values, *args, **kwargs):
     if _DEFER_IMAGES.get():
         kwargs.setdefault("return_dict", True)
-        return DeferredImageFeatures(_own(self, "get_image_features"), pixel_values, image_grid_thw, kwargs)
-    return _call_own(self, "get_image_features", pixel_values, image_grid_thw, **kwargs)
+        return DeferredImageFeatures(_own(self, "get_image_features"), pixel_values, args, kwargs)
+    return _call_own(self, "get_image_features", pixel_values, *args, **kwargs)
+
+
+def _signed_as(function, original):
+    """A copy of ``function`` that shows ``original``'s signature: ``generate`` reads the encoder's parameters to
+    choose what it passes (and takes out of the forward's arguments), so the installed encoder must name the
+    family's own (``image_grid_thw``, ``image_sizes``, ``batch_num_images``, ...)."""
+    copy = types.FunctionType(function.__code__, function.__globals__, function.__name__, function.__defaults__,
+                              function.__closure__)
+    copy.__kwdefaults__, copy.__doc__, copy.__qualname__ = function.__kwdefaults__, function.__doc__, \
+        function.__qualname__
+    copy.__signature__ = inspect.signature(original)
+    return copy
 
 
 def _prepare_multimodal(self, model_kwargs, *args, **kwargs):
@@ -99,10 +112,10 @@ def _look_up(ctx, adapter, kwargs):
     deferred = deferred if isinstance(deferred, DeferredImageFeatures) and not deferred.looked_up else None
     expand, ran = 1, None
     if kwargs.get("pixel_values") is not None:
-        pixels, grids = kwargs["pixel_values"], kwargs["image_grid_thw"]
+        pixels, grids = kwargs["pixel_values"], adapter.image_geometry(kwargs)
     elif deferred is not None:  # generate() asked for the encoder before the prefill (and maybe expanded it)
-        pixels, grids, expand, ran = deferred.pixel_values, deferred.image_grid_thw, deferred.expand_factor, \
-            deferred.encoded
+        pixels, grids, expand, ran = deferred.pixel_values, adapter.deferred_geometry(deferred), \
+            deferred.expand_factor, deferred.encoded
     else:
         return kwargs
     ids = kwargs.get("input_ids")
@@ -218,7 +231,7 @@ def enable(model: ModelT, *, image_mean: Sequence[float] | None = None,
     adapter = ModelAdapter.for_model(model, image_mean=image_mean, image_std=image_std)
     attention.register()
     base, text = adapter.base, adapter.text
-    _replace(base, "get_image_features", _image_features)
+    _replace(base, "get_image_features", _signed_as(_image_features, getattr(type(base), "get_image_features")))
     _replace(text, "forward", _text_forward)
     if hasattr(model, _PREPARE):
         _replace(model, _PREPARE, _prepare_multimodal)

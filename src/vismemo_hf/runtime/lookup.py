@@ -8,7 +8,6 @@ on the cache for the runner; the model receives ``mm_encoder_outputs`` instead o
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import logging
 import time
@@ -20,11 +19,8 @@ import torch
 from vismemo_hf.core.features import (
     centred_sketches,
     exact_key,
-    patch_entropy,
-    patch_hashes,
     region_descriptors,
     thumb_per_token,
-    thumbnail,
     token_grid,
     token_sketch,
 )
@@ -96,11 +92,11 @@ class DeferredImageFeatures:
     aside, so the lookup still sees the original images and knows the expansion factor.
     """
 
-    _OWN = ("pixel_values", "image_grid_thw", "_encode", "_kwargs", "_output", "_assigned", "_provided")
+    _OWN = ("pixel_values", "args", "kwargs", "_encode", "_output", "_assigned", "_provided")
 
-    def __init__(self, encode, pixel_values, image_grid_thw, kwargs):
-        self.pixel_values, self.image_grid_thw = pixel_values, image_grid_thw
-        self._encode, self._kwargs, self._output = encode, kwargs, None
+    def __init__(self, encode, pixel_values, args: tuple, kwargs: dict):
+        self.pixel_values, self.args, self.kwargs = pixel_values, tuple(args), kwargs
+        self._encode, self._output = encode, None
         self._assigned: dict = {}
         self._provided = False
 
@@ -109,6 +105,11 @@ class DeferredImageFeatures:
             object.__setattr__(self, name, value)
         else:  # generate's expansion of the encoder output
             self._assigned[name] = value
+
+    def argument(self, name: str):
+        """The encoder call's second argument (``image_grid_thw``, ``image_sizes``), given by position or as
+        ``name``."""
+        return self.args[0] if self.args else self.kwargs.get(name)
 
     @property
     def looked_up(self) -> bool:
@@ -133,7 +134,7 @@ class DeferredImageFeatures:
 
     def resolve(self):
         if self._output is None:
-            self._output = self._encode(self.pixel_values, self.image_grid_thw, **self._kwargs)
+            self._output = self._encode(self.pixel_values, *self.args, **self.kwargs)
         return self._output
 
     def __getattr__(self, name):
@@ -264,13 +265,17 @@ def lookup_request(adapter, cache, input_ids, pixel_values, grids, get_image_fea
     (``video_items``), part of the context hash of every image after them. ``token_types``: the processor's
     ``mm_token_type_ids`` (families whose videos share the image placeholder tell them apart by it)."""
     merge = adapter.merge
-    grid_list = [tuple(int(x) for x in g) for g in grids.tolist()]
-    patch_rows = torch.tensor([t * h * w for t, h, w in grid_list]).cumsum(0).tolist()
-    pixels = torch.tensor_split(pixel_values, patch_rows[:-1])
     image_mask = adapter.image_mask(input_ids, token_types)
-    source = _expanded_order(image_mask, len(grid_list), expand)
-    grid_list, pixels = [grid_list[i] for i in source], [pixels[i] for i in source]
-    spans = image_spans(image_mask, [t * h * w // merge**2 for t, h, w in grid_list])
+    n_images = adapter.image_count(grids)
+    source = _expanded_order(image_mask, n_images, expand)
+    runs = [n for _, _, n in _runs(image_mask)]
+    lengths = [0] * n_images  # each original image's placeholder run (its first copy's)
+    for j in reversed(range(min(len(source), len(runs)))):
+        lengths[source[j]] = runs[j]
+    items = adapter.split_images(pixel_values, grids, lengths)
+    items = [items[i] for i in source]
+    grid_list, pixels = [g for _, g, _ in items], [p for p, _, _ in items]
+    spans = image_spans(image_mask, [adapter.tokens_in(g) for g in grid_list])
     t0 = time.perf_counter()
     originals = {i: source.index(i) for i in sorted(set(source))}  # original image -> its first copy
     owner = cache.owner(adapter.fingerprint)
@@ -279,8 +284,7 @@ def lookup_request(adapter, cache, input_ids, pixel_values, grids, get_image_fea
     exact_ms = (time.perf_counter() - t0) * 1e3 / max(1, len(source))
     t0 = time.perf_counter()
     todo = [i for i in originals if entries[i] is None]
-    encodings = _encode(adapter, get_image_features, todo, encoded, [pixels[originals[i]] for i in todo],
-                        [grid_list[originals[i]] for i in todo])
+    encodings = _encode(adapter, get_image_features, todo, encoded, [items[originals[i]] for i in todo])
     encoder_ms = (time.perf_counter() - t0) * 1e3
     contexts = _contexts(input_ids, valid, spans, [keys[i] for i in source],
                          video_items(adapter.video_mask(input_ids, token_types), merge, videos))
@@ -292,26 +296,17 @@ def lookup_request(adapter, cache, input_ids, pixel_values, grids, get_image_fea
             match = _exact_match(row, start, entry, prefix)
         else:
             embeds, deepstack = encodings[i]
-            feats = ImageFeatures(keys[i], grid_list[j], embeds, pixel_features=_pixel_features(adapter, pixels[j]))
+            feats = ImageFeatures(keys[i], grid_list[j], embeds,
+                                  pixel_features=adapter.pixel_features(pixels[j], grid_list[j]))
             match = ImageMatch(row, start, feats, embeds, deepstack, region_descriptors(embeds, grid_list[j], merge),
                                HitKind.MISS, prefix, encoder_ms=encoder_ms,
-                               thumbnail=_thumbnail(adapter, pixels[j], grid_list[j]))
+                               thumbnail=adapter.thumbnail_of(pixels[j], grid_list[j]))
             match = _approximate(adapter, match, cache, get_image_features)
         images.append(replace(match, lookup_ms=exact_ms + (time.perf_counter() - t0) * 1e3))
     outputs = adapter.encoder_outputs([(m.embeds, m.deepstack) for m in images])
     compressing = cache.compress is not None or (cache.store_misses and cache.store.keep_ratio is not None)
     needs_runner = compressing or any(m.kind is not HitKind.MISS for m in images)
     return PrefillRequest(tuple(images), needs_runner), outputs
-
-
-def _pixel_features(adapter, pixels: torch.Tensor):
-    """What computes an image's patch entropy and token pixel hashes when they are first needed."""
-    return lambda: (patch_entropy(pixels, **adapter.entropy_kwargs()), patch_hashes(pixels, adapter.merge))
-
-
-def _thumbnail(adapter, pixels: torch.Tensor, grid) -> Callable[[], torch.Tensor]:
-    """What computes an image's thumbnail once, when the pixel stage or the store first needs it."""
-    return functools.cache(lambda: thumbnail(pixels, grid, **adapter.entropy_kwargs()))
 
 
 def _exact_entry(adapter, cache, key: str, grid) -> Entry | None:
@@ -327,7 +322,7 @@ def _exact_match(row: int, start: int, entry: Entry, prefix: str) -> ImageMatch:
                       prefix_changed=entry.prefix != prefix)
 
 
-def _encode(adapter, get_image_features, todo: list[int], encoded, pixels, grids) -> dict:
+def _encode(adapter, get_image_features, todo: list[int], encoded, items) -> dict:
     """Encoder output (embeds, deepstack) of the images without an exact hit: from the tower's earlier run when
     there was one, else one batch through it now."""
     if not todo:
@@ -335,7 +330,7 @@ def _encode(adapter, get_image_features, todo: list[int], encoded, pixels, grids
     if encoded is not None:
         per_image = adapter.split_encoded(encoded)
         return {i: per_image[i] for i in todo}
-    return dict(zip(todo, adapter.encode(get_image_features, torch.cat(pixels), torch.tensor(grids))))
+    return dict(zip(todo, adapter.encode_images(get_image_features, items)))
 
 
 def _contexts(input_ids, valid, spans, keys, videos: dict) -> list[str]:
@@ -375,7 +370,7 @@ def _approximate(adapter, match: ImageMatch, cache, get_image_features) -> Image
     positions (``ImageFeatures.moved``). With a calibrated pixel stage, candidates just below the fine threshold
     are also compared by their thumbnails, aligned across zooms and moves of part of a token (``_fine_stage``)."""
     fp, owner = adapter.fingerprint, cache.owner(adapter.fingerprint)
-    if cache.top_k == 0:
+    if cache.top_k == 0 or not adapter.approximate:
         return match
     if cache.policy.decision_layer(HitKind.APPROXIMATE) >= adapter.num_layers:  # nothing left to reuse
         logger.info("vismemo: the routing's warmup leaves no layer to reuse in a %d-layer model; no approximate "

@@ -58,9 +58,11 @@ class ImageRun:
                           drift=m.drift)
 
 
-def _positions(position_ids: torch.Tensor | None) -> torch.Tensor:
+def _positions(position_ids: torch.Tensor | None, batch: int = 1, length: int = 0, device=None) -> torch.Tensor:
+    """(3, B, L) positions of a prefill: the model's M-RoPE ids, 1-D ids repeated, or (none given: a 1-D model
+    called without them) the columns, as the language model itself would number them."""
     if position_ids is None:
-        raise ValueError("VisMemo prefill needs the model's 3-D position ids")
+        position_ids = torch.arange(length, device=device).expand(batch, -1)
     return (position_ids[None].expand(3, -1, -1) if position_ids.ndim == 2 else position_ids)[-3:]
 
 
@@ -71,7 +73,7 @@ class PrefillRunner:
                  position_ids):
         self.adapter, self.ctx, self.cache, self.policy = adapter, ctx, ctx.cache, ctx.cache.policy
         self.batch, self.length, _ = inputs_embeds.shape
-        self.positions = _positions(position_ids)
+        self.positions = _positions(position_ids, self.batch, self.length, inputs_embeds.device)
         self.position_ids = position_ids
         valid = attention_mask.bool() if attention_mask is not None and attention_mask.ndim == 2 else None
         self.valid = None if valid is None or bool(valid.all()) else valid

@@ -1,0 +1,139 @@
+"""LLaVA-OneVision: a SigLIP tower, a projector and a Qwen2 language model with 1-D RoPE.
+
+What differs from the generic adapter:
+
+* One image is several tiles (any-resolution: the base view and the tiles of the best grid of
+  ``image_grid_pinpoints``, unpadded, a newline embedding after each row), packed into one run of ``<image>``
+  tokens whose length only the packing knows: an image's "grid" is ``(1, 1, N)``, N its placeholder run, and its
+  pixels are its tiles (``pixel_values[i, :tiles]``). A request with several images in a sample does not tile them
+  (``batch_num_images``); the tiles used are part of the pixels and so of the exact key.
+* The visual tokens are not one (t, h, w) grid of patch groups whose pixels the pixel features read: images are
+  misses and exact hits (``approximate = False``); entries hold no thumbnail, zero patch entropy and no token hashes.
+* Positions are 1-D: a cached key moves by the text's delta only, an ordinary RoPE rotation over halves.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from vismemo_hf.families.base import transformers_class
+from vismemo_hf.families.qwen2_vl import QWEN2_TEMPLATE, QwenAdapter
+
+LLAVA_TEMPLATE = QWEN2_TEMPLATE.replace("<|vision_start|><|image_pad|><|vision_end|>", "<image>\n").replace(
+    "<|vision_start|><|video_pad|><|vision_end|>", "<video>\n")
+#: the offline processor's geometry (``configs/models/tiny.yaml``'s tower: 56-pixel tiles of 14-pixel patches)
+TILE, PATCH = 56, 14
+PINPOINTS = [[56, 56], [56, 112], [112, 56], [112, 112], [112, 168], [168, 112], [168, 168]]
+
+
+@dataclass
+class LlavaOnevisionAdapter(QwenAdapter):
+    model_types: ClassVar[tuple[str, ...]] = ("llava_onevision",)
+    title: ClassVar[str] = "LLaVA-OneVision"
+    processor_class: ClassVar[str] = "LlavaOnevisionProcessor"
+    image_processor_class: ClassVar[str] = "LlavaOnevisionImageProcessor"
+    video_processor_class: ClassVar[str] = \
+        "llava_onevision.video_processing_llava_onevision:LlavaOnevisionVideoProcessor"
+    vision_attribute: ClassVar[str] = "vision_tower"
+    vision_out_key: ClassVar[str | None] = None
+    approximate: ClassVar[bool] = False
+    special_tokens: ClassVar[tuple[str, ...]] = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<image>", "<video>")
+    chat_template: ClassVar[str] = LLAVA_TEMPLATE
+
+    # -- the request's images ------------------------------------------------------------------------------
+    @property
+    def merge(self) -> int:
+        return 1  # a grid (1, 1, N) is N tokens
+
+    def image_geometry(self, kwargs: dict):
+        return kwargs.get("image_sizes"), kwargs.get("batch_num_images")
+
+    def deferred_geometry(self, deferred):
+        return deferred.argument("image_sizes"), deferred.kwargs.get("batch_num_images")
+
+    def image_count(self, geometry) -> int:
+        return int(geometry[0].shape[0])
+
+    def _tiled(self, geometry) -> list[bool]:
+        sizes, per_sample = geometry
+        if per_sample is None:
+            return [True] * sizes.shape[0]
+        return [n == 1 for n in per_sample.tolist() for _ in range(n)]
+
+    def split_images(self, pixel_values: torch.Tensor, geometry, run_lengths) -> list[tuple]:
+        from transformers.models.llava_onevision.modeling_llava_onevision import image_size_to_num_patches
+
+        config = self.model.config
+        sizes = geometry[0]
+        tiles = [image_size_to_num_patches(image_size=size, grid_pinpoints=config.image_grid_pinpoints,
+                                           patch_size=config.vision_config.image_size) if tiled else 1
+                 for size, tiled in zip(sizes, self._tiled(geometry))]
+        if pixel_values.dim() == 5:
+            pixels = [p[:n] for p, n in zip(pixel_values, tiles)]
+        else:
+            pixels = list(torch.split(pixel_values, tiles))
+        lengths = run_lengths or [0] * len(pixels)
+        return [(p, (1, 1, int(n)), (tuple(int(x) for x in size.tolist()), tiled))
+                for p, n, size, tiled in zip(pixels, lengths, sizes, self._tiled(geometry))]
+
+    def encode_images(self, get_image_features, images: list[tuple]):
+        """One image at a time: whether an image is tiled depends on its sample (``batch_num_images``), which a
+        batch of the images that missed no longer shows."""
+        out = []
+        for pixels, _, (size, tiled) in images:
+            encoded = get_image_features(pixels, torch.tensor([size], device=pixels.device),
+                                         batch_num_images=torch.tensor([1 if tiled else 2]), return_dict=True)
+            out.append((encoded.pooler_output[0], None))
+        return out
+
+    def pixel_features(self, pixels: torch.Tensor, grid):
+        n = grid[2]
+        return lambda: (torch.zeros(n), None)
+
+    def thumbnail_of(self, pixels: torch.Tensor, grid):
+        return None
+
+    # -- 1-D positions ---------------------------------------------------------------------------------------
+    def rope(self, hidden: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.text.rotary_emb(hidden, positions[0])
+
+    def turn(self, delta: tuple[int, int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+        if len(set(delta)) != 1:
+            raise ValueError(f"1-D positions move by one delta, not {delta}")
+        rotary = self.text.rotary_emb
+        from vismemo_hf.families.base import execution_device
+
+        x = torch.zeros(1, dtype=torch.float32, device=execution_device(rotary))
+        cos, sin = rotary(x, torch.tensor([[delta[0]]], device=x.device))
+        scale = float(getattr(rotary, "attention_scaling", 1.0))
+        return cos[0, 0].float() / scale, sin[0, 0].float() / scale
+
+    # -- presets and the offline processor -------------------------------------------------------------------
+    @classmethod
+    def rope_parameters(cls, text: dict) -> dict:
+        text.pop("mrope_section", None)
+        return {"rope_type": "default", "rope_theta": float(text.pop("rope_theta"))}
+
+    @classmethod
+    def config_kwargs(cls, vision: dict) -> dict:
+        return {"image_grid_pinpoints": vision.pop("image_grid_pinpoints", PINPOINTS),
+                "vision_feature_select_strategy": "full", "vision_feature_layer": -1}
+
+    @classmethod
+    def token_ids(cls, tokenizer) -> dict:
+        ids = tokenizer.convert_tokens_to_ids
+        return dict(image_token_index=ids("<image>"), video_token_index=ids("<video>"))
+
+    @classmethod
+    def offline_processor(cls, tokenizer, min_tokens: int = 4, max_tokens: int = 256):
+        size = {"height": TILE, "width": TILE}
+        image = transformers_class(cls.image_processor_class)(size=size, image_grid_pinpoints=PINPOINTS,
+                                                              image_mean=list(cls.image_mean),
+                                                              image_std=list(cls.image_std))
+        video = transformers_class(cls.video_processor_class)(size=size)
+        return transformers_class(cls.processor_class)(
+            image_processor=image, tokenizer=tokenizer, video_processor=video, num_image_tokens=(TILE // PATCH) ** 2,
+            vision_feature_select_strategy="full", chat_template=cls.chat_template)
