@@ -231,7 +231,7 @@ def enable(model: ModelT, *, image_mean: Sequence[float] | None = None,
     adapter = ModelAdapter.for_model(model, image_mean=image_mean, image_std=image_std)
     attention.register()
     base, text = adapter.base, adapter.text
-    _replace(base, "get_image_features", _signed_as(_image_features, getattr(type(base), "get_image_features")))
+    _replace(base, "get_image_features", _signed_as(_image_features, type(base).get_image_features))
     _replace(text, "forward", _text_forward)
     if hasattr(model, _PREPARE):
         _replace(model, _PREPARE, _prepare_multimodal)
