@@ -105,3 +105,35 @@ def test_version_tasks_path_and_help_on_every_option(capsys):
 
     missing = [f"{prog} {a.dest}" for prog, a in actions(parser()) if not a.help]
     assert not missing, missing
+
+
+def test_every_command_defines_the_arguments_its_code_reads():
+    """Each subcommand's parser has every ``args.NAME`` its module's code reads (a shared helper that gives another
+    option, ``--model`` for ``--preset`` say, breaks the command at its first use otherwise)."""
+    import argparse
+    import importlib
+    import inspect
+    import re
+
+    from vismemo_hf.cli import parser
+
+    def leaves(p, path=()):
+        for action in p._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for name, child in action.choices.items():
+                    yield from leaves(child, (*path, name))
+        if path and not any(isinstance(a, argparse._SubParsersAction) for a in p._actions):
+            yield path, p
+
+    checked = 0
+    for path, sub in leaves(parser()):
+        func = sub.get_default("func")
+        closure = dict(zip(func.__code__.co_freevars, (c.cell_contents for c in func.__closure__ or ())))
+        if "name" not in closure:  # a command defined in cli.py itself: its options are read there
+            continue
+        source = inspect.getsource(importlib.import_module(f"vismemo_hf.bench.{closure['name']}"))
+        read = set(re.findall(r"\bargs\.([a-z_]+)\b", source))
+        dests = {a.dest for a in sub._actions} | set(sub._defaults)
+        assert read <= dests, (" ".join(path), sorted(read - dests))
+        checked += 1
+    assert checked >= 8

@@ -222,7 +222,7 @@ def _checked_list(cast, what: str):
 INTS, NUMBERS = _checked_list(int, "integers"), _checked_list(float, "numbers")
 
 
-def _model_options(p: argparse.ArgumentParser, preset: str) -> None:
+def _preset_options(p: argparse.ArgumentParser, preset: str) -> None:
     p.add_argument("--preset", default=preset, help="model preset (random weights)")
     p.add_argument("--family", default=None, choices=FAMILY_NAMES, help="family of family-agnostic presets")
 
@@ -459,7 +459,7 @@ def _add_bench(sub) -> None:
     p.set_defaults(func=_bench("store"))
     p = bench_sub.add_parser("latency", help="TTFT, decoding and generate of miss / exact / approximate hits against "
                                              "plain transformers, by visual length")
-    _model_options(p, "qwen3-vl-8b-narrow")
+    _preset_options(p, "qwen3-vl-8b-narrow")
     p.add_argument("--lengths", type=INTS, default="256,512,1024,2048,4096", help="visual tokens per image")
     p.add_argument("--policies", default="attend-deviate,vismemo,cacheblend", help="policies of the approximate hits")
     p.add_argument("--repeats", type=int, default=3, help="timed rounds")
@@ -470,7 +470,7 @@ def _add_bench(sub) -> None:
     p.set_defaults(func=_bench("latency"))
     p = bench_sub.add_parser("overhead", help="host syncs, fixed cost per layer and time outside the kernels of "
                                               "each kind, against plain transformers, at two depths")
-    _model_options(p, "medium")
+    _preset_options(p, "medium")
     p.add_argument("--layers", type=INTS, default="4,12,36",
                    help="decoder depths (the preset's other dimensions kept; syncs compared at the first and last)")
     p.add_argument("--lengths", type=INTS, default="64,256,1024",
