@@ -24,7 +24,7 @@ def test_forgetting_enable_is_a_clear_error(pages):
 def test_unsupported_model_names_the_families():
     model = Qwen2ForCausalLM(Qwen2Config(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                                          num_attention_heads=2, num_key_value_heads=1))
-    with pytest.raises(ValueError, match="Qwen2-VL, Qwen2.5-VL, Qwen3-VL and Qwen3-VL-MoE"):
+    with pytest.raises(ValueError, match="Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE, GLM-4.1V.*LLaVA-OneVision"):
         vismemo_hf.enable(model)
 
 
