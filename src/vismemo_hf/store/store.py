@@ -5,9 +5,9 @@ the first tier); ``candidates`` (the coarse lookup over the ``Catalog``'s descri
 candidate's lookup section, for the fine stage); ``peek`` (metadata only); ``get_tokens`` (sparse read of some
 tokens' late layers, an approximate hit: never promotes); ``stats``.
 
-The local tiers form a chain, fastest first (``tiers.py``): device (L1) -> host (L2, and its victim share) ->
+The local tiers form a chain, fastest first (``tiers/``): device (L1) -> host (L2, and its victim share) ->
 disk (L3). A put lands in the first tier with room and, when a disk tier exists, through to disk in the
-background (restarts and other processes see it); with a remote tier (``remote.py``, Redis, L4) also there, in
+background (restarts and other processes see it); with a remote tier (``tiers/remote.py``, Redis, L4) also there, in
 the background. A full tier gives up the entries ``ExactPriorityLRU`` chooses, each moving to the next tier of
 the chain that takes it (the disk tier already holds it) or out. Every read checks the entry's own key and model
 and its bytes: anything wrong is a miss (logged, removed). Nothing a disk directory holds makes the constructor
