@@ -10,7 +10,7 @@ import torch
 
 from vismemo_hf.store import blob
 from vismemo_hf.store.entry import Entry
-from vismemo_hf.store.tiers.base import _Local
+from vismemo_hf.store.tiers.base import ENTRY, FITS, TierBase
 
 
 def token_rows(kv: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
@@ -28,13 +28,18 @@ def layer_major(kv: torch.Tensor | None) -> torch.Tensor | None:
     return kv.permute(1, 2, 3, 0, 4).contiguous().permute(3, 0, 1, 2, 4)
 
 
-class DeviceTier(_Local):
+class DeviceTier(TierBase):
     name = "device"
+    holds = ENTRY
+    admits = FITS
 
     def __init__(self, budget: int | None, device: str | torch.device = "cpu"):
         self.budget, self.device = budget, torch.device(device)
         self.lru: OrderedDict[str, Entry] = OrderedDict()
         self.bytes = 0
+
+    def __str__(self) -> str:
+        return f"device tier {self.device}"
 
     def sizeof(self, entry: Entry) -> int:
         return entry.nbytes
@@ -70,3 +75,7 @@ class DeviceTier(_Local):
         kv = self.lru[key].kv
         out = token_rows(kv, tokens)[:, first_layer:]
         return out, out.numel() * out.element_size()
+
+    def add_stats(self, group: dict, own: dict) -> None:
+        """Each device's own stats, under ``devices`` (the group sums them)."""
+        group.setdefault("devices", {})[str(self.device)] = own

@@ -1,7 +1,8 @@
 """The disk tier (L3): blobs as raw-byte files of a ``diskcache`` directory (``directory.py``), shareable between
 processes and persistent, read through ``ranges.BlobReader``: sparse reads are positioned reads of the ranges they
 need. Pickled values are refused, never loaded. A damaged index (``cache.db`` not a database, or malformed) is moved
-aside into ``quarantine/`` with the blobs it named, and the tier starts empty in the same directory."""
+aside into ``quarantine/`` with the blobs it named, and the tier starts empty in the same directory. Writes run in
+the background (``write_async``); the store learns of failed ones from ``take_failures`` and ``take_lost``."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import sqlite3
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import suppress
 
@@ -22,6 +24,7 @@ from diskcache.core import DBNAME
 from vismemo_hf.store import blob
 from vismemo_hf.store.entry import Entry
 from vismemo_hf.store.ranges import BlobReader
+from vismemo_hf.store.tiers.base import BYTES, COPY, News, TierBase
 from vismemo_hf.store.tiers.directory import (
     ReadOnlyDirectory,
     damaged,
@@ -62,8 +65,10 @@ def _sweep_at_open(tier) -> int:
         return 0
 
 
-class DiskTier:
+class DiskTier(TierBase):
     name = "disk"
+    holds = BYTES
+    admits = COPY
     shared = True
 
     def __init__(self, directory: str, budget: int | None, seal: blob.Seal | None = None):
@@ -99,9 +104,10 @@ class DiskTier:
         self.foreign = 0  # keys or values in the directory that are not vismemo blobs (skipped, left alone)
         self.range_reads = 0  # positioned reads of sparse (approximate-hit) reads
         self.others_evicted = 0  # blobs deleted to keep the shared directory within the budget (any process's)
+        self._told = False  # whether ``news`` has given what the directory held at open
 
-    def __contains__(self, key: str) -> bool:
-        return key in self.lru
+    def __str__(self) -> str:
+        return f"disk tier {self.directory}"
 
     @property
     def read_only(self) -> bool:
@@ -116,9 +122,6 @@ class DiskTier:
                 self.cache, self._read_only, self._reopen_at = cache, False, None
                 logger.warning("vismemo: disk tier %s is writable again", self.directory)
         return self._read_only
-
-    def touch(self, key: str) -> None:
-        self.lru.move_to_end(key)
 
     def stats(self) -> dict:
         return {"bytes": self.bytes, "budget": self.budget, "entries": len(self.lru), "foreign": self.foreign,
@@ -194,10 +197,6 @@ class DiskTier:
         except Exception:  # noqa: BLE001 - a read-only directory's index
             return None
 
-    @staticmethod
-    def sizeof(data: bytes) -> int:
-        return len(data)
-
     def _is_blob(self, key) -> bool:
         """Whether ``key`` holds a vismemo blob (by its magic); other programs' keys and values are not ours."""
         if not isinstance(key, str):
@@ -208,11 +207,14 @@ class DiskTier:
         except Exception:  # noqa: BLE001 - a pickled or unreadable value: not a blob of ours
             return False
 
-    def scan(self, unusable):
-        """Keys and headers of every blob in the directory, oldest write first (a restart rebuilds its index and
-        recency order from these). Keys and values of other programs are skipped and counted in ``foreign``; a
-        blob of ours that fails its checks goes to ``unusable(key, error)``."""
-        self.foreign = 0
+    def news(self, unusable: Callable[[str, Exception], None]) -> Iterable[News]:
+        """At the first call, every blob of the directory, oldest write first, counted as held (a restart rebuilds its
+        index and recency order from these); none later (other processes' writes are seen at the next open). Keys
+        and values of other programs are skipped and counted in ``foreign``; a blob of ours that fails its checks
+        goes to ``unusable(key, error)``."""
+        if self._told:
+            return
+        self._told, self.foreign = True, 0
         found = []
         for key in list(self.cache.iterkeys()):
             if not self._is_blob(key):
@@ -225,7 +227,16 @@ class DiskTier:
             except Exception as err:  # noqa: BLE001 - a corrupt or forged blob of ours
                 unusable(key, err)
         for _, key, header in sorted(found, key=lambda f: f[0]):  # oldest first: the LRU end
-            yield key, header
+            self.track(key, header.total_bytes)
+            try:
+                meta = self.meta(key)
+            except Exception as err:  # noqa: BLE001
+                unusable(key, err)
+                continue
+            yield key, meta.fingerprint, meta.grid, meta.descriptors
+
+    def counts(self) -> dict[str, int]:
+        return {"quarantined": self.quarantined}  # damaged indexes moved aside when the tier opened
 
     def track(self, key: str, size: int) -> None:
         """Count a blob as held (before its background write lands)."""

@@ -1,5 +1,6 @@
-"""The host tier (L2): blobs as uint8 tensors in RAM (pinned when CUDA exists); sparse reads gather. The victim
-share is a second host tier."""
+"""The host tier (L2): blobs as uint8 tensors in RAM (pinned when CUDA exists); sparse reads gather. Its victim
+share is a second host tier (``ranked``): it takes only entries the host tier gives up, those ranked best by prior
++ reuse."""
 
 from __future__ import annotations
 
@@ -9,21 +10,22 @@ import torch
 
 from vismemo_hf.store import blob
 from vismemo_hf.store.entry import Entry
-from vismemo_hf.store.tiers.base import _Local
+from vismemo_hf.store.tiers.base import BYTES, FITS, RANKED, TierBase
 
 
-class HostTier(_Local):
+class HostTier(TierBase):
     name = "host"
+    holds = BYTES
 
-    def __init__(self, budget: int | None, name: str = "host", seal: blob.Seal | None = None):
+    def __init__(self, budget: int | None, name: str = "host", seal: blob.Seal | None = None, ranked: bool = False):
         self.budget, self.name, self.seal = budget, name, seal
+        self.admits = RANKED if ranked else FITS
         self.lru: OrderedDict[str, tuple[blob.BlobHeader, torch.Tensor]] = OrderedDict()
         self.bytes = 0
         self.pin = torch.cuda.is_available()
 
-    @staticmethod
-    def sizeof(data: bytes) -> int:
-        return len(data)
+    def __str__(self) -> str:
+        return f"{self.name} tier{' (victim share)' if self.admits == RANKED else ''}"
 
     def put(self, key: str, data: bytes) -> None:
         tensor = torch.frombuffer(bytearray(data), dtype=torch.uint8)
@@ -64,3 +66,8 @@ class HostTier(_Local):
         header, data = self.lru[key]
         kv = self._blocks(header, data, tokens.cpu(), first_layer)
         return kv, tokens.numel() * header.token_range(0, first_layer)[1]
+
+    def add_stats(self, group: dict, own: dict) -> None:
+        """The victim share's entries and bytes, named apart (the group counts them with the host tier's)."""
+        if self.admits == RANKED:
+            group["victim_entries"], group["victim_bytes"] = own["entries"], own["bytes"]

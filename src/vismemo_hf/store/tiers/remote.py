@@ -30,6 +30,7 @@ import threading
 import time
 import zlib
 from collections import OrderedDict
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -37,6 +38,7 @@ import torch
 from vismemo_hf.store import blob
 from vismemo_hf.store.entry import Entry
 from vismemo_hf.store.ranges import BlobReader
+from vismemo_hf.store.tiers.base import BYTES, PUBLISH, News, TierBase, TierUnavailable
 
 #: bytes per GETRANGE of a full read, and ranges per pipelined round trip
 READ_CHUNK = 8 << 20
@@ -239,11 +241,15 @@ class RedisLink:
             pass
 
 
-class RemoteTier:
-    """Blobs in a Redis server or cluster shared by every process that points at it."""
+class RemoteTier(TierBase):
+    """Blobs in a Redis server or cluster shared by every process that points at it: every put is published to it,
+    and a full read of a key no tier knows asks it (another process may have published it since the last sync)."""
 
     name = "remote"
+    holds = BYTES
+    admits = PUBLISH
     shared = True
+    holds_unseen = True
 
     def __init__(self, url: str, *, prefix: str = "vismemo", timeout_s: float = 0.5, retry_s: float = 5.0,
                  ttl_s: int | None = 7 * 24 * 3600, stream_len: int = 100_000, refresh_s: float = 1.0,
@@ -278,6 +284,9 @@ class RemoteTier:
         self._state = threading.RLock()
         self.seal = seal
         self.reader = BlobReader(self, seal)
+
+    def __str__(self) -> str:
+        return f"remote tier {self.url}"
 
     @property
     def client(self):
@@ -375,6 +384,15 @@ class RemoteTier:
             return []
         return [(header.key, header, descriptors)]
 
+    def news(self, unusable: Callable[[str, Exception], None]) -> Iterable[News]:
+        """What other processes published since the last look (``sync``), each counted as held."""
+        for key, header, descriptors in self.sync():
+            self.track(key, header)
+            yield key, header.fingerprint, header.grid, descriptors
+
+    def counts(self) -> dict[str, int]:
+        return {"forged": self.counters["records_forged"]}  # index records whose header MAC failed
+
     def track(self, key: str, header: blob.BlobHeader) -> None:
         with self._state:
             self.fingerprints[key] = header.fingerprint
@@ -389,7 +407,7 @@ class RemoteTier:
         return key in self.lru and self.available() and self.link.up(self._blob_key(key))
 
     # -- writing -----------------------------------------------------------------------------------
-    def write_async(self, key: str, encode, descriptors: torch.Tensor) -> None:
+    def publish(self, key: str, encode: Callable[[], bytes], descriptors: torch.Tensor) -> None:
         """Encode (``encode()`` -> blob bytes) and publish in the background: nothing waits for it. The blob lands
         before its record (on a cluster they sit on different nodes), so a record always names a blob."""
         if not self.available() or not self.link.up(self._blob_key(key)):
@@ -470,6 +488,11 @@ class RemoteTier:
         self._untrack(key)
         self._delete(key, blob_too=False)
 
+    def missing(self, key: str) -> None:
+        """A read found the blob gone (evicted by maxmemory, deleted by another process): its record goes too."""
+        if key in self.lru:
+            self.forget(key)
+
     pop = discard  # the store demotes nothing out of the shared tier: capacity is the server's
 
     def touch(self, key: str) -> None:
@@ -477,12 +500,8 @@ class RemoteTier:
             self.lru.move_to_end(key)
 
     def put(self, key: str, data: bytes) -> None:
-        """Write in the background (the store publishes through ``write_async`` with the descriptors)."""
-        raise NotImplementedError("the remote tier is written with write_async(key, encode, descriptors)")
-
-    @staticmethod
-    def sizeof(data: bytes) -> int:
-        return len(data)
+        """Write in the background (the store publishes through ``publish`` with the descriptors)."""
+        raise NotImplementedError("the remote tier is written with publish(key, encode, descriptors)")
 
     def stats(self) -> dict:
         return {"bytes": self.bytes, "budget": None, "entries": len(self.lru), **dict(self.counters),
@@ -570,5 +589,5 @@ class RemoteTier:
         self.link.close()
 
 
-class RemoteUnavailable(RuntimeError):
+class RemoteUnavailable(TierUnavailable):
     """The remote tier could not answer (not a property of the entry: the entry is kept)."""
