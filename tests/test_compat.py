@@ -316,7 +316,7 @@ def test_accelerate_dispatch_with_layers_on_cpu_and_disk_serves_every_hit_kind(t
 def test_a_read_only_store_directory_keeps_serving_its_entries(tmp_path, monkeypatch):
     import os
 
-    from vismemo_hf.store import tiers
+    from vismemo_hf.store.tiers import disk as disk_tier
 
     model, twin, processor = _pair()
     directory = tmp_path / "shared"
@@ -332,7 +332,7 @@ def test_a_read_only_store_directory_keeps_serving_its_entries(tmp_path, monkeyp
         def refuse(*args, **kwargs):
             raise PermissionError(f"[Errno 30] Read-only file system: {directory}")
 
-        monkeypatch.setattr(tiers.diskcache, "Cache", refuse)
+        monkeypatch.setattr(disk_tier.diskcache, "Cache", refuse)
     reader = VisMemoStore(device_bytes=0, host_bytes=0, disk_dir=directory)
     assert reader.disk is not None and reader.disk.read_only and len(reader) == 1
     for image, kind in ((synthetic.page(1), HitKind.EXACT), (noise_image(4), HitKind.MISS)):

@@ -70,14 +70,14 @@ def test_garbage_journal_files_beside_a_sound_index_keep_its_entries(tmp_path, n
 def test_a_damaged_index_that_cannot_be_moved_leaves_the_store_without_its_disk_tier(tmp_path, monkeypatch, caplog):
     """A damaged index in a directory this process cannot change (a read-only mount): the store is built without
     the disk tier, the damage logged as the cause, and the file left where it is."""
-    from vismemo_hf.store import tiers
+    from vismemo_hf.store.tiers import disk as disk_tier
 
     (tmp_path / "cache.db").write_bytes(b"\x00garbage" * 512)
 
     def read_only(self, err):
         raise PermissionError(f"[Errno 30] Read-only file system: {self.directory}")
 
-    monkeypatch.setattr(tiers.DiskTier, "_quarantine", read_only)
+    monkeypatch.setattr(disk_tier.DiskTier, "_quarantine", read_only)
     store = VisMemoStore(device_bytes=0, host_bytes=0, disk_dir=tmp_path, disk_bytes=None)
     assert store.disk is None and "file is not a database" in caplog.text
     assert (tmp_path / "cache.db").read_bytes() == b"\x00garbage" * 512
@@ -98,12 +98,12 @@ def test_a_directory_full_at_open_is_written_again_once_it_has_room(tmp_path, mo
     """Found by ``vismemo bench soak``: a process that opened a shared directory while its disk was full (SQLite:
     "disk I/O error" or "database or disk is full") took it for a read-only directory and stored nothing on disk
     for the rest of its life. A full disk passes: the tier serves read-only meanwhile, then opens writable again."""
-    from vismemo_hf.store import tiers
+    from vismemo_hf.store.tiers import disk as disk_tier
 
     first = VisMemoStore(device_bytes=0, host_bytes=0, disk_dir=tmp_path, disk_bytes=None)
     first.put(_entry("before"))
     first.close()
-    real, calls = tiers.DiskTier._open_writable, []
+    real, calls = disk_tier.DiskTier._open_writable, []
 
     def full_once(self):
         calls.append(1)
@@ -111,8 +111,8 @@ def test_a_directory_full_at_open_is_written_again_once_it_has_room(tmp_path, mo
             raise sqlite3.OperationalError(cause)
         return real(self)
 
-    monkeypatch.setattr(tiers.DiskTier, "_open_writable", full_once)
-    monkeypatch.setattr(tiers, "REOPEN_S", 0.0)
+    monkeypatch.setattr(disk_tier.DiskTier, "_open_writable", full_once)
+    monkeypatch.setattr(disk_tier, "REOPEN_S", 0.0)
     store = VisMemoStore(device_bytes=0, host_bytes=0, disk_dir=tmp_path, disk_bytes=None)
     assert store.stats()["tiers"]["disk"]["read_only"] and store.tier_of("before") == "disk"
     entry = _entry("after", seed=3)
@@ -127,7 +127,7 @@ def test_a_directory_full_at_open_is_written_again_once_it_has_room(tmp_path, mo
 
 
 def test_a_directory_this_process_may_not_write_is_not_retried(tmp_path, monkeypatch):
-    from vismemo_hf.store import tiers
+    from vismemo_hf.store.tiers import disk as disk_tier
 
     first = VisMemoStore(device_bytes=0, host_bytes=0, disk_dir=tmp_path, disk_bytes=None)
     first.put(_entry("before"))
@@ -138,15 +138,15 @@ def test_a_directory_this_process_may_not_write_is_not_retried(tmp_path, monkeyp
         calls.append(1)
         raise PermissionError(f"[Errno 30] Read-only file system: {self.directory}")
 
-    monkeypatch.setattr(tiers.DiskTier, "_open_writable", refuse)
-    monkeypatch.setattr(tiers, "REOPEN_S", 0.0)
+    monkeypatch.setattr(disk_tier.DiskTier, "_open_writable", refuse)
+    monkeypatch.setattr(disk_tier, "REOPEN_S", 0.0)
     store = VisMemoStore(device_bytes=0, host_bytes=0, disk_dir=tmp_path, disk_bytes=None)
     assert store.put(_entry("after", seed=3)) is False and store.stats()["writes_read_only"] == 1
     assert len(calls) == 1 and store.disk.read_only
 
 
 class _CutWrite:
-    """Stands in for ``io.BytesIO`` in ``tiers.py``: the blob's bytes in two halves, and between them ``cut()``."""
+    """Stands in for ``io.BytesIO`` in ``tiers/disk.py``: the blob's bytes in two halves, and between them ``cut()``."""
 
     def __init__(self, data, cut):
         self.data, self.pos, self.cut = bytes(data), 0, cut
@@ -170,7 +170,7 @@ def test_a_rewrite_that_fails_keeps_the_blob_another_process_stored(tmp_path, mo
     import errno
     import types
 
-    from vismemo_hf.store import tiers
+    from vismemo_hf.store.tiers import disk as disk_tier
 
     a, b = (VisMemoStore(device_bytes=0, host_bytes=0, disk_dir=tmp_path, disk_bytes=2**30) for _ in range(2))
     entry = _entry("page", seed=5)
@@ -180,7 +180,7 @@ def test_a_rewrite_that_fails_keeps_the_blob_another_process_stored(tmp_path, mo
     def full():
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(tiers, "io", types.SimpleNamespace(BytesIO=lambda data: _CutWrite(data, full)))
+    monkeypatch.setattr(disk_tier, "io", types.SimpleNamespace(BytesIO=lambda data: _CutWrite(data, full)))
     b.put(_entry("page", seed=5))  # b never saw a's blob: it writes the key again, and the write fails
     b.flush()
     assert b.stats()["write_failures"] == 1
@@ -195,7 +195,7 @@ _KILLED_REWRITER = """
 import os, sys, time, types
 sys.path.insert(0, {tests!r})
 from vismemo_hf import VisMemoStore
-from vismemo_hf.store import tiers
+from vismemo_hf.store.tiers import disk as disk_tier
 from test_store import _entry
 from test_store_faults import _CutWrite
 
@@ -208,7 +208,7 @@ def stop():
     open({marker!r}, "w").close()
     time.sleep(60)
 
-tiers.io = types.SimpleNamespace(BytesIO=lambda data: _CutWrite(data, stop))
+disk_tier.io = types.SimpleNamespace(BytesIO=lambda data: _CutWrite(data, stop))
 store.put(_entry("page", seed=5))
 store.flush()
 """
@@ -258,7 +258,7 @@ def test_a_write_that_fails_half_way_leaves_no_file_behind(tmp_path, monkeypatch
     import errno
     import types
 
-    from vismemo_hf.store import tiers
+    from vismemo_hf.store.tiers import disk as disk_tier
 
     store = VisMemoStore(device_bytes=0, host_bytes=0, disk_dir=tmp_path, disk_bytes=2**30)
     store.put(_entry("kept"))
@@ -267,7 +267,7 @@ def test_a_write_that_fails_half_way_leaves_no_file_behind(tmp_path, monkeypatch
     def full():
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(tiers, "io", types.SimpleNamespace(BytesIO=lambda data: _CutWrite(data, full)))
+    monkeypatch.setattr(disk_tier, "io", types.SimpleNamespace(BytesIO=lambda data: _CutWrite(data, full)))
     store.put(_entry("lost", seed=2))
     store.flush()
     monkeypatch.undo()
@@ -279,18 +279,18 @@ def test_a_write_that_fails_half_way_leaves_no_file_behind(tmp_path, monkeypatch
 def test_a_write_whose_row_cannot_be_stored_leaves_no_file_behind(tmp_path, monkeypatch):
     """The file written, then the index refusing its row (SQLite: "database or disk is full"): the transaction rolls
     back and the file, named by no index, goes too."""
-    from vismemo_hf.store import tiers
+    from vismemo_hf.store.tiers import disk as disk_tier
 
     store = VisMemoStore(device_bytes=0, host_bytes=0, disk_dir=tmp_path, disk_bytes=2**30)
     store.put(_entry("kept"))
     store.flush()
-    real = tiers.diskcache.Cache.set
+    real = disk_tier.diskcache.Cache.set
 
     def set_then_full(self, *args, **kwargs):
         real(self, *args, **kwargs)
         raise sqlite3.OperationalError("database or disk is full")
 
-    monkeypatch.setattr(tiers.diskcache.Cache, "set", set_then_full)
+    monkeypatch.setattr(disk_tier.diskcache.Cache, "set", set_then_full)
     store.put(_entry("lost", seed=2))
     store.flush()
     monkeypatch.undo()
@@ -338,7 +338,7 @@ def test_value_files_no_entry_names_are_swept_at_open_once_old(tmp_path):
     another process's write in flight); named blobs stay."""
     import time
 
-    from vismemo_hf.store import tiers
+    from vismemo_hf.store.tiers import disk as disk_tier
 
     store = VisMemoStore(device_bytes=0, host_bytes=0, disk_dir=tmp_path, disk_bytes=2**30)
     entry = _entry("kept", seed=3)
@@ -348,7 +348,7 @@ def test_value_files_no_entry_names_are_swept_at_open_once_old(tmp_path):
     old, young = folder / "cut-old.val", folder / "cut-young.val"
     for path in (old, young):
         path.write_bytes(b"half a blob")
-    past = time.time() - tiers.ORPHAN_S - 60
+    past = time.time() - disk_tier.ORPHAN_S - 60
     os.utime(old, (past, past))
     reopened = VisMemoStore(device_bytes=0, host_bytes=0, disk_dir=tmp_path, disk_bytes=2**30)
     assert not old.exists() and young.exists()

@@ -256,14 +256,14 @@ class _WriteProbe:
 
 
 def _install_probe(control: Path, wid: int) -> None:
-    from vismemo_hf.store import tiers
+    from vismemo_hf.store.tiers import disk as disk_tier
 
     class _Shim:
         @staticmethod
-        def BytesIO(data):  # noqa: N802 - stands in for io.BytesIO inside tiers.py only
+        def BytesIO(data):  # noqa: N802 - stands in for io.BytesIO inside tiers/disk.py only
             return _WriteProbe(data, control, wid)
 
-    tiers.io = _Shim
+    disk_tier.io = _Shim
 
 
 def _rss_kb() -> int:

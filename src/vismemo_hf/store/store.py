@@ -5,14 +5,15 @@ the first tier); ``candidates`` (the coarse lookup over the ``Catalog``'s descri
 candidate's lookup section, for the fine stage); ``peek`` (metadata only); ``get_tokens`` (sparse read of some
 tokens' late layers, an approximate hit: never promotes); ``stats``.
 
-The local tiers form a chain, fastest first (``tiers.py``): device (L1) -> host (L2, and its victim share) ->
-disk (L3). A put lands in the first tier with room and, when a disk tier exists, through to disk in the
-background (restarts and other processes see it); with a remote tier (``remote.py``, Redis, L4) also there, in
-the background. A full tier gives up the entries ``ExactPriorityLRU`` chooses, each moving to the next tier of
-the chain that takes it (the disk tier already holds it) or out. Every read checks the entry's own key and model
-and its bytes: anything wrong is a miss (logged, removed). Nothing a disk directory holds makes the constructor
-fail: a damaged index is quarantined (``stats()["quarantined"]``), an unusable directory leaves the store without
-its disk tier (logged).
+The tiers form a chain, fastest first, built in one place (``tiers/chain.py``): device (L1) -> host (L2, and its
+victim share) -> disk (L3) -> remote (L4, Redis). The store and its ``Placement`` use each tier only through the
+``Tier`` protocol (``tiers/base.py``), asking what it holds and how entries come into it, never which tier it is. A
+put lands in the first tier with room and, when a disk tier exists, through to disk in the background (restarts
+and other processes see it); with a remote tier also there, in the background. A full tier gives up the entries
+``ExactPriorityLRU`` chooses, each moving to the next tier of the chain that takes it (the disk tier already holds
+it) or out. Every read checks the entry's own key and model and its bytes: anything wrong is a miss (logged,
+removed). Nothing a disk directory holds makes the constructor fail: a damaged index is quarantined
+(``stats()["quarantined"]``), an unusable directory leaves the store without its disk tier (logged).
 """
 
 from __future__ import annotations
@@ -37,8 +38,7 @@ from vismemo_hf.store.catalog import Catalog
 from vismemo_hf.store.entry import Entry
 from vismemo_hf.store.eviction import ExactPriorityLRU
 from vismemo_hf.store.placement import Placement
-from vismemo_hf.store.remote import RemoteTier, RemoteUnavailable
-from vismemo_hf.store.tiers import DeviceTier, DiskTier, HostTier, Tier
+from vismemo_hf.store.tiers import ENTRY, NAMES, PUBLISH, Roles, Tier, TierUnavailable, chain
 
 if TYPE_CHECKING:
     from vismemo_hf.core.thresholds import LookupThresholds, ModelReference
@@ -48,7 +48,6 @@ Bytes = int | float | str | None
 
 logger = logging.getLogger(__name__)
 
-TIERS = ("device", "host", "disk", "remote")
 _OPTIONS = {"device_bytes", "host_bytes", "disk_dir", "disk_bytes", "device", "protect", "victim_share", "priors",
             "write_through", "remote_url", "remote_options", "kv_format", "keep_ratio", "thresholds", "secret",
             "namespace"}
@@ -64,19 +63,6 @@ def _device_budgets(device_bytes, device) -> dict:
             raise ValueError("device_bytes as a mapping needs at least one device")
         return {str(name): parse_bytes(budget) for name, budget in device_bytes.items()}
     return {str(device): parse_bytes(device_bytes)}
-
-
-def _checked_device(device) -> torch.device:
-    """``device`` as a torch device that exists on this machine (else a ValueError now, not at the first put)."""
-    try:
-        device = torch.device(device)
-    except (RuntimeError, TypeError) as err:
-        raise ValueError(f"not a torch device: {device!r}") from err
-    if device.type == "cuda" and (not torch.cuda.is_available() or (device.index or 0) >= torch.cuda.device_count()):
-        raise ValueError(f"device {device} does not exist here (CUDA devices: {torch.cuda.device_count()})")
-    if device.type == "meta":
-        raise ValueError("the device tier needs a device that holds data, not meta")
-    return device
 
 
 def parse_bytes(value: Bytes) -> int | None:
@@ -113,19 +99,8 @@ def preset_options(name: str, overrides: dict) -> dict:
     return cfg
 
 
-def _open_disk(disk_dir, disk_bytes, seal) -> DiskTier | None:
-    if disk_dir is None:
-        return None
-    try:
-        return DiskTier(str(disk_dir), disk_bytes, seal)
-    except Exception as err:  # noqa: BLE001 - unwritable or unusable directory
-        logger.warning("vismemo: disk tier %s unusable (%s: %s); serving without it", disk_dir,
-                       type(err).__name__, err)
-        return None
-
-
-def _new_stats() -> dict:
-    return {"hits": {"exact": 0, "approximate": 0, "miss": 0}, "hits_by_tier": {t: 0 for t in TIERS},
+def _new_stats(names: Iterable[str]) -> dict:
+    return {"hits": {"exact": 0, "approximate": 0, "miss": 0}, "hits_by_tier": {t: 0 for t in names},
             "puts": 0, "evictions": 0, "demotions": 0, "promotions": 0, "rejected": 0, "corrupt": 0, "forged": 0,
             "write_failures": 0, "bytes_read_full": 0, "bytes_read_sparse": 0, "bytes_read_lookup": 0,
             "exact_prefix_changed": 0, "approximate_prefix_changed": 0, "fallbacks": {},
@@ -159,7 +134,7 @@ def _check_options(budgets: dict, host_bytes: int | None, disk_bytes: int | None
         raise ValueError(f"keep_ratio must lie in (0, 1] or be None, got {keep_ratio!r}")
 
 
-class VisMemoStore:
+class VisMemoStore(Roles):
     """Entries of any number of models in a chain of tiers with byte budgets that are never exceeded.
 
     ``device_bytes`` / ``host_bytes``: RAM (GPU memory for ``device`` when ``device`` is a CUDA
@@ -183,6 +158,9 @@ class VisMemoStore:
     reads must carry valid ones (docs/METHOD.md §5): an unsealed, altered or planted blob is a miss, removed and
     counted in ``stats()["forged"]``. Every process sharing a disk directory or Redis tier needs the same secret.
     ``namespace``: the namespace of the caches on this store that name none (``VisMemoCache(namespace=...)``).
+    ``tiers``: the chain itself, fastest first, instead of the one ``tiers.chain`` builds from the options above (a
+    tier of one's own among the built-in ones); the tiers then carry their own budgets, directory, server and seal.
+    The built-in tiers stay reachable by name (``devices``, ``device``, ``host``, ``victim``, ``disk``, ``remote``).
     """
 
     def __init__(self, device_bytes: Bytes | dict[str, Bytes] = None, host_bytes: Bytes = 0,
@@ -191,10 +169,15 @@ class VisMemoStore:
                  priors: str | os.PathLike[str] | None = None, write_through: bool = True, remote_url: str | None = None,
                  remote_options: Mapping[str, object] | None = None, kv_format: str | None = None,
                  keep_ratio: float | None = None, thresholds: str | Iterable[str | LookupThresholds] | None = None,
-                 secret: str | bytes | bool | None = None, namespace: str | None = None) -> None:
+                 secret: str | bytes | bool | None = None, namespace: str | None = None,
+                 tiers: Iterable[Tier] | None = None) -> None:
         budgets = _device_budgets(device_bytes, device)
         host_bytes, disk_bytes = parse_bytes(host_bytes), parse_bytes(disk_bytes)
         _check_options(budgets, host_bytes, disk_bytes, victim_share, kv_format, keep_ratio)
+        if tiers is not None and (device_bytes is not None or host_bytes or disk_dir is not None or remote_url
+                                  or remote_options or victim_share or str(device) != "cpu"):
+            raise ValueError("a store given its tiers takes no tier options (device_bytes, host_bytes, victim_share, "
+                             "disk_dir, remote_url, remote_options, device): each tier has its own")
         self.kv_format, self.keep_ratio, self.write_through = kv_format, keep_ratio, write_through
         if secret is None:
             secret = os.environ.get(SECRET_ENV) or False
@@ -203,23 +186,16 @@ class VisMemoStore:
         self.namespace = checked_namespace(namespace) if namespace is not None else None
         self.catalog = Catalog(thresholds)
         self.eviction = ExactPriorityLRU(protect)
-        self.devices = [DeviceTier(budget, _checked_device(name)) for name, budget in budgets.items()]
-        self.device = self.devices[0]
-        main_host = None if host_bytes is None else int(host_bytes * (1 - victim_share))
-        self.host = HostTier(main_host, seal=seal)
-        self.victim = HostTier(None if host_bytes is None else host_bytes - main_host, name="host", seal=seal)
-        self.disk = _open_disk(disk_dir, disk_bytes, seal)
-        self.remote = RemoteTier(remote_url, **(remote_options or {}), seal=seal) if remote_url else None
-        self.chain: list[Tier] = [*self.devices, *(t for t in (self.host, self.victim, self.disk) if t is not None)]
-        self._stats = _new_stats()
-        self.placement = Placement(self.chain, self.remote, self.catalog, self.eviction, self._stats, kv_format,
+        if tiers is None:
+            tiers = chain(budgets, host_bytes, victim_share, disk_dir, disk_bytes, remote_url, remote_options, seal)
+        self.tiers: list[Tier] = list(tiers)  # fastest first
+        self._stats = _new_stats(dict.fromkeys([*NAMES, *(t.name for t in self.tiers)]))
+        self.placement = Placement(self.tiers, self.catalog, self.eviction, self._stats, kv_format,
                                    json.loads(Path(priors).read_text()) if priors else {}, seal)
         self._lock = self.placement.lock
         self._later: list = []  # entries being built and stored on the writer thread (``put_later``)
         self._builder = None
-        if self.disk is not None:
-            self._index_disk()
-        self._sync_remote()
+        self._open_tiers()
 
     # -- construction ------------------------------------------------------------------------------
     @classmethod
@@ -229,34 +205,23 @@ class VisMemoStore:
         the preset's options (``kv_format="int8"``, ...)."""
         return cls(**preset_options(path or "default", overrides))
 
-    def _index_disk(self) -> None:
-        """``_rebuild_from_disk``, whose faults (the directory changed or damaged since the tier opened it) end the
-        indexing, logged: the store serves what it indexed, never failing to construct for what is on disk."""
-        try:
-            self._rebuild_from_disk()
-        except Exception as err:  # noqa: BLE001
-            logger.warning("vismemo: disk tier %s: indexing stopped (%s: %s); serving the %d entries indexed",
-                           self.disk.directory, type(err).__name__, err, len(self.disk.lru))
-
-    def _rebuild_from_disk(self) -> None:
-        """Index the blobs a directory already holds, then trim it to ``disk_bytes`` (oldest first)."""
-        for key, header in self.disk.scan(lambda key, err: self.placement.corrupt(self.disk, key, err)):
-            self.disk.track(key, header.total_bytes)
+    def _open_tiers(self) -> None:
+        """Index what each tier holds already (a disk directory's blobs, a server's published entries), then trim it
+        to its budget (oldest first). A fault ends that tier's indexing, logged: the store serves what it indexed,
+        never failing to construct for what a tier holds (a directory changed or damaged since the tier opened it)."""
+        for tier in self.tiers:
             try:
-                meta = self.disk.meta(key)
+                self._take_news(tier)
+                self.placement.make_room(tier, 0)
             except Exception as err:  # noqa: BLE001
-                self.placement.corrupt(self.disk, key, err)
-                continue
-            self.catalog.add(key, meta.fingerprint, meta.grid, meta.descriptors)
-        self.placement.make_room(self.disk, 0)
+                logger.warning("vismemo: %s: indexing stopped (%s: %s); serving the %d entries indexed", tier,
+                               type(err).__name__, err, len(tier.lru))
 
-    def _sync_remote(self) -> None:
-        """Index what other processes published to the remote tier since the last look."""
-        if self.remote is None:
-            return
-        for key, header, descriptors in self.remote.sync():
-            self.remote.track(key, header)
-            self.catalog.add(key, header.fingerprint, header.grid, descriptors)
+    def _take_news(self, tier: Tier) -> None:
+        """Catalog what ``tier`` holds that the store has not been told (``Tier.news``); a blob that fails its
+        checks is removed."""
+        for key, fingerprint, grid, descriptors in tier.news(lambda key, err: self.placement.corrupt(tier, key, err)):
+            self.catalog.add(key, fingerprint, grid, descriptors)
 
     # -- writing -----------------------------------------------------------------------------------
     def put(self, entry: Entry, importance: torch.Tensor | None = None) -> bool:
@@ -282,15 +247,10 @@ class VisMemoStore:
                     encoded.append(self.placement.encode(entry))
                 return encoded[0]
 
-            placed = self.placement.place_on_device(entry.key, entry)
-            if not placed:
-                placed = self.placement.place(self.host, entry.key, data(), len(data()))
-            if self.disk is not None and (self.write_through or not placed):
-                placed = self.placement.write_disk(entry.key, data()) or placed
-            if self.remote is not None:
-                self.remote.write_async(entry.key, data if encoded else (lambda e=entry: self.placement.encode(e)),
-                                        entry.descriptors)
-                placed = True
+            placed = self.placement.place_first(entry.key, entry, data)
+            if self.write_through or not placed:
+                placed = self.placement.write_through(entry.key, data) or placed
+            placed = self.placement.publish(entry.key, entry, data, bool(encoded)) or placed
             if not placed:
                 self._stats["rejected"] += 1
                 return False
@@ -316,25 +276,18 @@ class VisMemoStore:
         while self._later:
             self._later.pop(0).result()
 
-    @property
-    def tiers(self) -> list[Tier]:
-        """Every tier, fastest first (the victim share is part of the host tier; the remote tier last)."""
-        return self.chain + ([self.remote] if self.remote is not None else [])
-
     def flush(self) -> None:
-        """Wait for entries being built and for background disk and remote writes."""
+        """Wait for entries being built and for the tiers' background writes (disk, remote)."""
         self._drain()
-        if self.disk is not None:
-            self.disk.flush()
-        if self.remote is not None:
-            self.remote.flush()
+        for tier in self.tiers:
+            tier.flush()
         self.placement.settle_writes()
 
     def clear(self) -> None:
-        """Empty this process's tiers (the shared remote tier is left to the processes that share it)."""
+        """Empty this process's tiers (a ``PUBLISH`` tier, the shared remote one, is left to those who share it)."""
         with self._lock:
             self.flush()
-            for tier in self.chain:
+            for tier in (t for t in self.tiers if t.admits != PUBLISH):
                 for key in list(tier.lru):
                     tier.discard(key)
             for key in list(self.catalog.where):
@@ -344,10 +297,10 @@ class VisMemoStore:
     def _read(self, key: str, fingerprint: str, how: str, *args):
         """Read from the fastest tier holding ``key``; a foreign or corrupt blob is removed and gives None."""
         tier = self.placement.tier_of(key)
-        if tier is not None and tier is self.disk and self.disk.pending(key):
+        if tier is not None and tier.pending(key):
             self.flush()
-        if tier is None and how == "full" and self.remote is not None and self.remote.available():
-            tier = self.remote  # maybe published since the last index sync: one GET answers either way
+        if tier is None and how == "full":  # maybe published since the last index sync: one GET answers either way
+            tier = next((t for t in self.tiers if t.holds_unseen and t.available()), None)
         if tier is None or self.catalog.fingerprint_of(key) not in (None, fingerprint):
             return None, None
         try:
@@ -359,13 +312,10 @@ class VisMemoStore:
                 raise blob.BlobError("blob of another key or model")
             return out, tier
         except KeyError:  # deleted by another process, or evicted by the server
-            if tier is self.disk:
-                tier.discard(key)
-            elif key in tier.lru:
-                tier.forget(key)
+            tier.missing(key)
             self.placement.forget_if_gone(key)
             return None, None
-        except RemoteUnavailable:  # the server, not the entry: keep it for when the server is back
+        except TierUnavailable:  # the server, not the entry: keep it for when the server is back
             return None, None
         except Exception as err:  # noqa: BLE001 - corrupt, truncated, foreign, unreadable
             self.placement.corrupt(tier, key, err)
@@ -383,12 +333,12 @@ class VisMemoStore:
             self._stats["hits_by_tier"][tier.name] += 1
             self.eviction.exact_hit(key)
             self.placement.used(key)
-            if tier in self.devices:
+            if tier.holds == ENTRY:  # decoded where the model reads it: served from where it is
                 tier.touch(key)
                 return entry
             if not tier.shared:
                 tier.pop(key)
-            if self.placement.place_on_device(key, entry):
+            if self.placement.place_first(key, entry):  # to the first tier holding entries with room
                 self._stats["promotions"] += 1
                 return self.placement.tier_of(key).full(key)
             if not tier.shared:  # no room above: put it back where it was
@@ -434,7 +384,8 @@ class VisMemoStore:
         """Coarse stage: (key, mean centred regional cosine) of same-grid entries passing all four regions."""
         self._drain()
         with self._lock:
-            self._sync_remote()
+            for tier in self.tiers:  # what other processes published since the last look
+                self._take_news(tier)
             return self.catalog.candidates(fingerprint, grid, descriptors, tau, top_k)
 
     def reference(self, fingerprint: str) -> ModelReference | None:
@@ -491,12 +442,11 @@ class VisMemoStore:
         self._drain()
         self.placement.settle_writes()
         with self._lock:
-            tiers = _tier_stats(self.devices, self.host, self.victim, self.disk, self.remote)
+            tiers = _tier_stats(self.tiers)
             out = {k: (dict(v) if isinstance(v, dict) else v) for k, v in self._stats.items()}
-            if self.remote is not None:  # index records whose header MAC failed
-                out["forged"] += self.remote.counters["records_forged"]
-            if self.disk is not None:  # damaged indexes moved aside when the disk tier opened
-                out["quarantined"] += self.disk.quarantined
+            for tier in self.tiers:  # e.g. forged index records, damaged indexes moved aside
+                for name, n in tier.counts().items():
+                    out[name] = out.get(name, 0) + n
             return {**out, "sealed": self.sealed, "entries": len(self.catalog),
                     "bytes": sum(t["bytes"] for t in tiers.values()), "tiers": tiers}
 
@@ -504,29 +454,28 @@ class VisMemoStore:
         self.flush()
         if self._builder is not None:
             self._builder.shutdown(wait=True)
-        for tier in (self.disk, self.remote):
-            if tier is not None:
-                tier.close()
+        for tier in self.tiers:
+            tier.close()
 
 
-def _tier_stats(devices, host, victim, disk, remote) -> dict:
-    """Every tier's stats by name (the device tiers summed, with each device's own; the victim share counted in the
-    host tier's)."""
-    tiers = {name: {"bytes": 0, "budget": 0, "entries": 0} for name in TIERS}
-    for tier in (disk, remote):
-        if tier is not None:
-            tiers[tier.name] = tier.stats()
-    each = {str(t.device): t.stats() for t in devices}
-    budgets = [s["budget"] for s in each.values()]
-    tiers["device"] = {"bytes": sum(s["bytes"] for s in each.values()),
-                       "budget": None if None in budgets else sum(budgets),
-                       "entries": sum(s["entries"] for s in each.values()), "devices": each}
-    main, share = host.stats(), victim.stats()
-    tiers["host"] = {"bytes": main["bytes"] + share["bytes"],
-                     "budget": None if main["budget"] is None else main["budget"] + share["budget"],
-                     "entries": main["entries"] + share["entries"], "victim_entries": share["entries"],
-                     "victim_bytes": share["bytes"]}
-    return tiers
+def _tier_stats(tiers: list[Tier]) -> dict:
+    """Every tier's stats by name, each built-in name there even without its tier. Tiers of one name (the devices,
+    the host tier and its victim share) are summed, each adding its own part (``Tier.add_stats``); a tier alone
+    under its name gives all of its stats."""
+    out = {name: {"bytes": 0, "budget": 0, "entries": 0} for name in NAMES}
+    groups: dict[str, list] = {}
+    for tier in tiers:
+        groups.setdefault(tier.name, []).append((tier, tier.stats()))
+    for name, group in groups.items():
+        budgets = [own["budget"] for _, own in group]
+        summed = {"bytes": sum(own["bytes"] for _, own in group), "budget": None if None in budgets else sum(budgets),
+                  "entries": sum(own["entries"] for _, own in group)}
+        for tier, own in group:
+            if len(group) == 1:
+                summed.update(own)
+            tier.add_stats(summed, own)
+        out[name] = summed
+    return out
 
 
 def store_call(what: str, fn, default):
