@@ -18,7 +18,9 @@ from vismemo_hf.bench.soak import Cluster
 from vismemo_hf.eval import synthetic
 from vismemo_hf.testing import tiny_model
 
-FAMILIES = list(vismemo_hf.families.FAMILIES)
+#: the families every family-parametrised test runs: all registered ones but GLM-4.6V, whose language model and
+#: vision tower are GLM-4.1V's own classes (it runs in tests/test_families.py and in transformers' suite, make compat)
+FAMILIES = [f for f in vismemo_hf.families.FAMILIES if f != "glm46v"]
 REDIS_SERVER = shutil.which("redis-server")
 
 

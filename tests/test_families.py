@@ -55,3 +55,25 @@ def test_the_adapters_keys_are_the_keys_the_model_caches(family):
         keys, values = adapter.fresh_kv(0, hidden, cos[0], sin[0])
     torch.testing.assert_close(keys, cache.layers[0].keys[0], atol=1e-5, rtol=0)
     torch.testing.assert_close(values, cache.layers[0].values[0], atol=1e-5, rtol=0)
+
+
+def test_glm46v_misses_and_exact_hits_equal_the_model_without_the_library():
+    """GLM-4.6V (GLM-4.1V's text and vision classes under its own model, processor and config): a miss, an exact hit
+    and an exact hit after another text answer as a never-enabled twin does."""
+    from vismemo_hf import HitKind, VisMemoCache, VisMemoStore
+    from vismemo_hf.eval import synthetic
+
+    model, processor = tiny_model("glm46v", seed=4)
+    twin, _ = tiny_model("glm46v", seed=4)
+    vismemo_hf.enable(model)
+    store = VisMemoStore()
+    kinds = []
+    for prefix in ("", "", "Another text first. "):
+        inputs = build_inputs(processor, [synthetic.page(2)], prefix=prefix)
+        cache = VisMemoCache(store=store)
+        with torch.no_grad():
+            ours = model.generate(**inputs, cache=cache, max_new_tokens=4, do_sample=False)
+            plain = twin.generate(**inputs, max_new_tokens=4, do_sample=False)
+        kinds.append(cache.events[0].kind)
+        assert torch.equal(ours, plain)
+    assert kinds == [HitKind.MISS, HitKind.EXACT, HitKind.EXACT]
