@@ -432,7 +432,14 @@ class ModelAdapter:
         return dict(image_token_id=ids("<|image_pad|>"), video_token_id=ids("<|video_pad|>"),
                     vision_start_token_id=ids("<|vision_start|>"), vision_end_token_id=ids("<|vision_end|>"))
 
+    #: the chat template of the family's offline processor
+    chat_template: ClassVar[str] = ""
+
     @classmethod
     def offline_processor(cls, tokenizer, min_tokens: int = 4, max_tokens: int = 256):
-        """The family's processor with local image / video processors and ``tokenizer`` (``offline.py``)."""
-        raise NotImplementedError(f"{cls.__name__} has no offline processor")
+        """The family's processor with local image / video processors, ``tokenizer`` and its ``chat_template``
+        (``offline.py``)."""
+        image = cls.make_image_processor(cls.patch_size, min_tokens=min_tokens, max_tokens=max_tokens)
+        return transformers_class(cls.processor_class)(
+            image_processor=image, tokenizer=tokenizer, video_processor=transformers_class(cls.video_processor_class)(),
+            chat_template=cls.chat_template)

@@ -17,7 +17,7 @@ from typing import ClassVar
 
 import torch
 
-from vismemo_hf.families.base import ModelAdapter, tower_flops, transformers_class
+from vismemo_hf.families.base import ModelAdapter, tower_flops
 
 GLM_TEMPLATE = (
     "[gMASK]<sop>{% for message in messages %}<|{{ message['role'] }}|>\n"
@@ -45,6 +45,7 @@ class Glm4vAdapter(ModelAdapter):
         "<|end_of_image|>", "<|image|>", "<|begin_of_video|>", "<|end_of_video|>", "<|video|>")
     #: the token that ends an answer (a GLM reply ends where the next user turn would begin)
     eos_token: ClassVar[str] = "<|user|>"
+    chat_template: ClassVar[str] = GLM_TEMPLATE
 
     def image_mask(self, input_ids: torch.Tensor, token_types: torch.Tensor | None = None) -> torch.Tensor:
         placeholders = input_ids == self.image_token_id
@@ -91,13 +92,6 @@ class Glm4vAdapter(ModelAdapter):
         return dict(image_token_id=ids("<|image|>"), video_token_id=ids("<|video|>"),
                     image_start_token_id=ids("<|begin_of_image|>"), image_end_token_id=ids("<|end_of_image|>"),
                     video_start_token_id=ids("<|begin_of_video|>"), video_end_token_id=ids("<|end_of_video|>"))
-
-    @classmethod
-    def offline_processor(cls, tokenizer, min_tokens: int = 4, max_tokens: int = 256):
-        image = cls.make_image_processor(cls.patch_size, min_tokens=min_tokens, max_tokens=max_tokens)
-        return transformers_class(cls.processor_class)(
-            image_processor=image, tokenizer=tokenizer, video_processor=transformers_class(cls.video_processor_class)(),
-            chat_template=GLM_TEMPLATE)
 
 
 @dataclass

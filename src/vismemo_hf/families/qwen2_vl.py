@@ -12,7 +12,7 @@ from typing import ClassVar
 import torch
 
 from vismemo_hf.core.rope import rerotate, turn
-from vismemo_hf.families.base import ModelAdapter, tower_flops, transformers_class
+from vismemo_hf.families.base import ModelAdapter, tower_flops
 
 # The chat template of Qwen2-VL / Qwen2.5-VL (a default system turn); Qwen3-VL's has none.
 QWEN2_TEMPLATE = (
@@ -49,13 +49,6 @@ class QwenAdapter(ModelAdapter):
         merge = vision.spatial_merge_size ** 2
         out = getattr(vision, "out_hidden_size", None) or getattr(vision, "hidden_size", width)
         return mergers * 2 * (patches // merge) * (merge * width * merge * width + merge * width * out)
-
-    @classmethod
-    def offline_processor(cls, tokenizer, min_tokens: int = 4, max_tokens: int = 256):
-        image = cls.make_image_processor(cls.patch_size, min_tokens=min_tokens, max_tokens=max_tokens)
-        return transformers_class(cls.processor_class)(
-            image_processor=image, tokenizer=tokenizer, video_processor=transformers_class(cls.video_processor_class)(),
-            chat_template=cls.chat_template)
 
 
 @dataclass
