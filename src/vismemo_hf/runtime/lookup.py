@@ -170,10 +170,9 @@ def _runs(mask: torch.Tensor) -> list[tuple[int, int, int]]:
     return out
 
 
-def image_spans(image_mask: torch.Tensor, counts: list[int]) -> list[tuple[int, int]]:
-    """(row, first column) of each image, in the order of ``image_grid_thw``, from the (B, L) mask of image
-    placeholders (``ModelAdapter.image_mask``); checks the token counts."""
-    spans = _runs(image_mask)
+def image_spans(spans: list[tuple[int, int, int]], counts: list[int]) -> list[tuple[int, int]]:
+    """(row, first column) of each image, in the order of ``image_grid_thw``, from the runs of image placeholders
+    (``_runs`` of ``ModelAdapter.image_mask``); checks the token counts."""
     lengths = [n for _, _, n in spans]
     if lengths != list(counts):
         # adjacent images without separators would merge into one run; the processors always separate them
@@ -268,14 +267,15 @@ def lookup_request(adapter, cache, input_ids, pixel_values, grids, get_image_fea
     image_mask = adapter.image_mask(input_ids, token_types)
     n_images = adapter.image_count(grids)
     source = _expanded_order(image_mask, n_images, expand)
-    runs = [n for _, _, n in _runs(image_mask)]
+    placeholder_runs = _runs(image_mask)
+    runs = [n for _, _, n in placeholder_runs]
     lengths = [0] * n_images  # each original image's placeholder run (its first copy's)
     for j in reversed(range(min(len(source), len(runs)))):
         lengths[source[j]] = runs[j]
     items = adapter.split_images(pixel_values, grids, lengths)
     items = [items[i] for i in source]
     grid_list, pixels = [g for _, g, _ in items], [p for p, _, _ in items]
-    spans = image_spans(image_mask, [adapter.tokens_in(g) for g in grid_list])
+    spans = image_spans(placeholder_runs, [adapter.tokens_in(g) for g in grid_list])
     t0 = time.perf_counter()
     originals = {i: source.index(i) for i in sorted(set(source))}  # original image -> its first copy
     owner = cache.owner(adapter.fingerprint)
