@@ -39,7 +39,7 @@ def _counts(family: str, layers: int, policies: list[str]) -> dict:
     for label, case in overhead._kinds(plain, model, base, edited, seeded, policies).items():
         counter, event = overhead._syncs(case, label)
         assert event is None or str(event.kind) == case[3], label  # every case hits as it should
-        out[label] = counter.total
+        out[label] = (counter.total, counter.device_total)
     return out
 
 
@@ -48,4 +48,27 @@ def _counts(family: str, layers: int, policies: list[str]) -> dict:
 def test_no_kind_reads_more_values_on_a_deeper_model(family, policies):
     shallow, deep = _counts(family, 2, policies), _counts(family, 7, policies)
     assert shallow == deep, {k: (shallow[k], deep[k]) for k in shallow if shallow[k] != deep[k]}
-    assert deep["plain"] < deep["miss"] <= deep["plain"] + 20  # the lookup reads the ids and the image once
+    plain = deep["plain"][1]
+    # reads of device tensors (syncs on an accelerator): every kind within plain transformers' + 8 per request
+    assert all(device <= plain + 8 for _, device in deep.values()), deep
+    assert deep["plain"][0] < deep["miss"][0]  # the lookup's own reads are of host copies
+
+
+def test_the_counter_tells_reads_of_device_tensors_from_reads_of_host_copies():
+    from vismemo_hf.runtime.schedule import host_of, on_device
+
+    layer, x = torch.nn.Linear(3, 3), torch.ones(2, 3)
+    with SyncCounter(resident=[layer, {"x": x}]) as c:
+        y = layer(x)  # made from device tensors: on the device
+        y.sum().item()  # a sync
+        host = torch.tensor([1, 2, 3])
+        host.tolist()  # a host tensor: no sync
+        copy = y.cpu()  # a sync, then a host copy
+        copy.tolist()
+        moved = on_device(host, x.device)
+        moved.tolist()  # its device copy: a sync
+        host_of(moved).tolist()  # the host copy kept for it: none
+        torch.arange(3, device=x.device).tolist()  # made on the device: a sync
+        torch.zeros(2, device="cpu").tolist()  # made on the host by name: none
+    assert c.device_counts == {"item": 1, "cpu": 1, "tolist": 2} and c.device_total == 4
+    assert c.total == 8

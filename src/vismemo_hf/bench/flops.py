@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 #: real geometries the benchmarks price their plans at (model presets)
-REAL_PRESETS = ("qwen3-vl-8b", "qwen2.5-vl-7b", "glm-4.6v-flash")
+REAL_PRESETS = ("qwen3-vl-8b", "qwen2.5-vl-7b", "glm-4.6v-flash", "llava-onevision-7b")
 
 
 def layer_flops(config, queries: int, keys: float) -> float:
@@ -55,12 +55,14 @@ def encoder_flops(config, patches: int) -> float:
     family's own count (``ModelAdapter.encoder_flops``: each family file prices its tower)."""
     from vismemo_hf.families import FAMILIES
 
-    return FAMILIES[config.model_type].encoder_flops(config.vision_config, patches)
+    return FAMILIES[config.model_type].model_encoder_flops(config, patches)
 
 
 def patches_of(config, visual_tokens: int) -> int:
-    """Patches of an image that gives ``visual_tokens`` tokens (the merger's 2x2)."""
-    return visual_tokens * config.vision_config.spatial_merge_size ** 2
+    """Patches of an image that gives ``visual_tokens`` tokens (the family's: a merger's 2x2, or one per token)."""
+    from vismemo_hf.families import FAMILIES
+
+    return FAMILIES[config.model_type].patches_for(config, visual_tokens)
 
 
 def miss_flops(config, length: int, start: int, visual_tokens: int) -> tuple[float, float]:

@@ -3,10 +3,11 @@
 For each depth (``--layers``, the preset's other dimensions kept) and each kind (plain transformers on a
 never-enabled copy of the same weights, a miss, an exact hit, an approximate hit of each policy):
 
-- **host syncs** of one ``generate`` of one new token, counted by ``SyncCounter`` (every call that reads a
-  tensor's value or whose output size depends on it; on the CPU an upper bound of what a GPU would wait for), with
-  the code sites of the enabled kinds' counts. A hit path shaped for a GPU reads a constant number of values per
-  request, whatever the depth.
+- **host syncs** of one ``generate`` of one new token, counted by ``SyncCounter``: the calls that read a value of
+  a tensor that would live on the accelerator (the model's, the request's and what is computed from them), or whose
+  output size depends on one, with their code sites; next to them every value read, host copies included. A hit
+  path shaped for a GPU decides from host copies and syncs a constant number of times per request, whatever the
+  depth.
 - **cost per layer**: prefill times (``forward`` of the whole prompt, vision encoder included) at every visual
   length and depth; per kind and length the slope over the depths (least squares) is what one more decoder layer
   costs, and at the shortest length, where a layer's arithmetic is small, the loop's fixed cost per layer (what a
@@ -75,12 +76,23 @@ def _check(cache, expected, label: str) -> dict | None:
     return event  # a policy whose lookup finds no alias here is reported with the kind it got
 
 
+def _device_entries(cache) -> list:
+    """The K/V, embeddings and deepstack features the store's device tiers hold (on an accelerator they live
+    there; the rest of an entry stays on the host)."""
+    from vismemo_hf.store.tiers.device import DeviceTier
+
+    store = getattr(cache, "store", None)
+    tiers = [t for t in getattr(store, "tiers", ()) if isinstance(t, DeviceTier)]
+    return [[e.kv, e.embeds, e.deepstack] for t in tiers for e in t.lru.values()]
+
+
 @torch.no_grad()
 def _syncs(case, label: str) -> tuple[SyncCounter, object]:
     runner, inputs, make, expected = case
     cache = make()
     cuda = runner.device.type == "cuda"
-    with warnings.catch_warnings(record=True) as caught, SyncCounter(sites=True) as counter:
+    resident = [runner, dict(inputs), *_device_entries(cache)]
+    with warnings.catch_warnings(record=True) as caught, SyncCounter(sites=True, resident=resident) as counter:
         warnings.simplefilter("always")
         if cuda:  # the driver's own count of the synchronising calls
             torch.cuda.set_sync_debug_mode("warn")
@@ -169,7 +181,7 @@ def measure(args) -> dict:
     depths = [int(x) for x in args.layers.split(",")] if isinstance(args.layers, str) else list(args.layers)
     lengths = [int(x) for x in args.lengths.split(",")] if isinstance(args.lengths, str) else list(args.lengths)
     policies = args.policies.split(",") if isinstance(args.policies, str) else list(args.policies)
-    syncs, cuda_syncs, sites, timings, outside, got = {}, {}, {}, {}, {}, {}
+    syncs, device_syncs, cuda_syncs, sites, timings, outside, got = {}, {}, {}, {}, {}, {}, {}
     with progress(total=len(depths) * len(lengths), desc="overhead", unit="size") as bar:
         for layers in depths:
             plain, model, processor = _models(args, layers)
@@ -188,10 +200,12 @@ def measure(args) -> dict:
                         if event is not None and str(event.kind) != (case[3] or ""):
                             got.setdefault(label, {})[layers] = str(event.kind)
                         syncs.setdefault(label, {})[layers] = counter.total
+                        device_syncs.setdefault(label, {})[layers] = counter.device_total
                         if counter.cuda_syncs is not None:
                             cuda_syncs.setdefault(label, {})[layers] = counter.cuda_syncs
                         if label != "plain":
-                            sites.setdefault(label, {})[layers] = dict(counter.sites.most_common(args.sites))
+                            own = [(k, v) for k, v in counter.device_sites.most_common() if "vismemo_hf/" in k]
+                            sites.setdefault(label, {})[layers] = dict(own[: args.sites])
                     ms, event = _prefill_ms(case, label, args.repeats)
                     gflop = _flops(model.config, case[1], event)
                     timings.setdefault(label, []).append({"layers": layers, "visual_tokens": n, "gflop": gflop,
@@ -201,8 +215,8 @@ def measure(args) -> dict:
                 bar.update(1)
             del plain, model
     fits = {label: per_layer(rows) for label, rows in timings.items()}
-    return {"syncs": syncs, "cuda_syncs": cuda_syncs, "sites": sites, "timings": timings, "fits": fits,
-            "outside_kernels": outside, "depths": depths, "lengths": lengths, "got": got}
+    return {"syncs": syncs, "device_syncs": device_syncs, "cuda_syncs": cuda_syncs, "sites": sites, "timings": timings,
+            "fits": fits, "outside_kernels": outside, "depths": depths, "lengths": lengths, "got": got}
 
 
 def _report(data: dict, args, command: str, mach: dict) -> list[str]:
@@ -213,14 +227,24 @@ def _report(data: dict, args, command: str, mach: dict) -> list[str]:
               f"## Host syncs of one generate (one new token, {data['lengths'][0]} visual tokens)", "",
               "| kind | " + " | ".join(f"{d} layers" for d in depths) + " | per extra layer | over plain |",
               "| --- | " + " | ".join("---" for _ in depths) + " | --- | --- |"]
-    plain = data["syncs"]["plain"]
-    for label, counts in data["syncs"].items():
+    lines[-2:-2] = ["Syncs: reads of tensors that live on the accelerator (the model's parameters, the request's "
+                    "tensors, what is computed from them; `bench/syncs.py`), each of which drains the stream there; "
+                    "value reads: every read of a tensor's value, host copies included (what decisions made on the "
+                    "host read instead).", ""]
+    lines[-2] = ("| kind | " + " | ".join(f"syncs at {d} layers" for d in depths) + " | per extra layer | over plain | "
+                 + " | ".join(f"value reads at {d} layers" for d in depths) + " |")
+    lines[-1] = "| --- | " + " | ".join("---" for _ in depths) + " | --- | --- | " + " | ".join("---" for _ in depths) + " |"
+    device = data.get("device_syncs") or data["syncs"]
+    plain = device["plain"]
+    for label, counts in device.items():
         per = (counts[depths[-1]] - counts[depths[0]]) / max(1, depths[-1] - depths[0])
         over = max(counts[d] - plain[d] for d in depths)
+        values = " | ".join(str(data["syncs"][label][d]) for d in depths)
         if label in data["got"]:
             at = ", ".join(f"{d} layers" for d in data["got"][label])
             label = f"{label} (its lookup: a {next(iter(data['got'][label].values()))} at {at})"
-        lines.append(f"| {label} | " + " | ".join(str(counts[d]) for d in depths) + f" | {per:.2f} | {over:+d} |")
+        lines.append(f"| {label} | " + " | ".join(str(counts[d]) for d in depths) + f" | {per:.2f} | {over:+d} | "
+                     f"{values} |")
     if data["cuda_syncs"]:
         lines += ["", "CUDA's own count (`torch.cuda.set_sync_debug_mode`): " + "; ".join(
             f"{label} " + " / ".join(str(c[d]) for d in depths) for label, c in data["cuda_syncs"].items())]
@@ -240,10 +264,10 @@ def _report(data: dict, args, command: str, mach: dict) -> list[str]:
         lines.append(f"| {label} | {cells} | {over} | {share_s} |")
     lines += ["", f"Outside the kernels: share of one prefill at {data['lengths'][-1]} visual tokens and {depths[-1]} "
               "layers not spent in matrix products and attention kernels (torch.profiler self times).", "",
-              "## Where the enabled kinds read values (largest depth)", ""]
+              "## Where the library's own code syncs (largest depth; the rest are transformers' own)", ""]
     for label, per_depth in data["sites"].items():
         top = list(per_depth[depths[-1]].items())[: args.sites]
-        lines.append(f"- {label}: " + "; ".join(f"{site} x{k}" for site, k in top))
+        lines.append(f"- {label}: " + ("; ".join(f"{site} x{k}" for site, k in top) or "none"))
     return lines
 
 

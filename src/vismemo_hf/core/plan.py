@@ -311,14 +311,17 @@ class WarmupSignals:
         """(key, value) deviation at the check layer, scaled like ``key_deviation``: (N,) each."""
         if self.fresh_kv is None or self.cached_kv is None:
             return None
-        return tuple(relative_deviation(f, c) for f, c in zip(self.fresh_kv, self.cached_kv))
+        both = torch.stack([relative_deviation(f, c, host=False) for f, c in zip(self.fresh_kv, self.cached_kv)])
+        return tuple(both.cpu())  # one read
 
 
-def relative_deviation(fresh: torch.Tensor, cached: torch.Tensor) -> torch.Tensor:
-    """(H, N, D) x 2 -> (N,): squared distance per token over the mean squared norm of ``cached``."""
+def relative_deviation(fresh: torch.Tensor, cached: torch.Tensor, host: bool = True) -> torch.Tensor:
+    """(H, N, D) x 2 -> (N,): squared distance per token over the mean squared norm of ``cached``; on the host
+    (a read) unless ``host=False`` (the caller reads several at once)."""
     fresh, cached = fresh.float(), cached.float().to(fresh.device)
     scale = cached.pow(2).sum(dim=(0, 2)).mean().clamp_min(1e-12)
-    return ((fresh - cached).pow(2).sum(dim=(0, 2)) / scale).cpu()
+    out = (fresh - cached).pow(2).sum(dim=(0, 2)) / scale
+    return out.cpu() if host else out
 
 
 @dataclass

@@ -389,8 +389,8 @@ class ModelAdapter:
 
     def encode_images(self, get_image_features, images: list[tuple]) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
         """``encode`` of ``split_images``' (pixels, grid, extra) items, in one batch."""
-        return self.encode(get_image_features, torch.cat([p for p, _, _ in images]),
-                           torch.tensor([g for _, g, _ in images]))
+        pixels = torch.cat([p for p, _, _ in images])
+        return self.encode(get_image_features, pixels, torch.tensor([g for _, g, _ in images], device=pixels.device))
 
     def split_encoded(self, out) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
         """The tower's output per image: (embeds (N, d), extra visual features (k, N, d) | None)."""
@@ -405,6 +405,17 @@ class ModelAdapter:
     def encoder_flops(cls, vision, patches: int) -> float:
         """Forward FLOPs of the family's vision tower (config ``vision``) on one image of ``patches`` patches."""
         raise NotImplementedError(f"{cls.__name__} does not price its vision tower")
+
+    @classmethod
+    def model_encoder_flops(cls, config, patches: int) -> float:
+        """``encoder_flops`` with what the model adds between the tower and the language model (a family whose
+        projector is sized by the language model prices it here)."""
+        return cls.encoder_flops(config.vision_config, patches)
+
+    @classmethod
+    def patches_for(cls, config, visual_tokens: int) -> int:
+        """Patches of an image that gives ``visual_tokens`` tokens (the merger's groups of patches)."""
+        return visual_tokens * config.vision_config.spatial_merge_size ** 2
 
     # -- presets and offline processors (configs/models/, offline.py) ----------------------------------------
     #: special tokens of the family's chat format that an offline tokenizer adds (``offline.byte_tokenizer``)
@@ -436,9 +447,9 @@ class ModelAdapter:
     chat_template: ClassVar[str] = ""
 
     @classmethod
-    def offline_processor(cls, tokenizer, min_tokens: int = 4, max_tokens: int = 256):
+    def offline_processor(cls, tokenizer, min_tokens: int = 4, max_tokens: int = 256, vision=None):
         """The family's processor with local image / video processors, ``tokenizer`` and its ``chat_template``
-        (``offline.py``)."""
+        (``offline.py``); ``vision``: the tower's config, for a family whose processor follows its geometry."""
         image = cls.make_image_processor(cls.patch_size, min_tokens=min_tokens, max_tokens=max_tokens)
         return transformers_class(cls.processor_class)(
             image_processor=image, tokenizer=tokenizer, video_processor=transformers_class(cls.video_processor_class)(),

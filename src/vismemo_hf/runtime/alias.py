@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from vismemo_hf.core.plan import HitKind
+from vismemo_hf.runtime.schedule import on_device
 from vismemo_hf.store.store import store_call
 from vismemo_hf.store.tiers import token_rows
 
@@ -271,7 +272,7 @@ class AliasReader:
         cols = torch.full((batch, width), -1, dtype=torch.long)
         for b, r in enumerate(rows):
             cols[b, : r.numel()] = r
-        return cols.to(device)
+        return on_device(cols, device)  # built on the host: the layouts read its host copy
 
     # -- accounting ---------------------------------------------------------------------------------------
     def bytes_read(self, i: int) -> int:

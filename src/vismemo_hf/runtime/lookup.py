@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from vismemo_hf.core.features import (
     centred_sketches,
@@ -67,6 +68,7 @@ class ImageMatch:
     pixel_score: float | None = None  # an approximate hit the pixel stage accepted: its aligned thumbnail similarity
     aligned: bool = True  # False: a copy warped (zoomed, turned) so far that its tokens do not line up with the alias's
     drift: float = 0.0  # approximate hits: how far parts of the copy move against its centre (``local_drift``), tokens
+    host_embeds: torch.Tensor | None = None  # a miss's encoder output, read to the host once (descriptors, sketch)
 
     @property
     def n_tokens(self) -> int:
@@ -156,6 +158,27 @@ class PrefillRequest:
 
     images: tuple[ImageMatch, ...]
     needs_runner: bool = True
+
+
+def host_copies(tree):
+    """``tree`` with every tensor copied to the host in one transfer (their bytes side by side: one
+    synchronisation on an accelerator instead of one per tensor; for the small tensors that decide a request: ids,
+    masks, geometry)."""
+    leaves, spec = tree_flatten(tree)
+    moving = [i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor)]
+    if moving:
+        parts = [leaves[i].detach().contiguous() for i in moving]
+        chunks, offsets, offset = [], [], 0
+        for p in parts:  # each part at a multiple of 8 bytes: its dtype can view it back
+            n = p.numel() * p.element_size()
+            pad = -n % 8
+            chunks += [p.reshape(-1).view(torch.uint8), p.new_zeros(pad, dtype=torch.uint8)]
+            offsets.append(offset)
+            offset += n + pad
+        flat = torch.cat(chunks).cpu()
+        for i, p, at in zip(moving, parts, offsets):
+            leaves[i] = flat[at : at + p.numel() * p.element_size()].view(p.dtype).reshape(p.shape)
+    return tree_unflatten(leaves, spec)
 
 
 def _runs(mask: torch.Tensor) -> list[tuple[int, int, int]]:
@@ -264,6 +287,11 @@ def lookup_request(adapter, cache, input_ids, pixel_values, grids, get_image_fea
     (``video_items``), part of the context hash of every image after them. ``token_types``: the processor's
     ``mm_token_type_ids`` (families whose videos share the image placeholder tell them apart by it)."""
     merge = adapter.merge
+    # one read of the ids (and their types and padding): every decision below is made from the host copies
+    # two reads: every decision below is made from host copies of the ids (their types, padding) and the geometry,
+    # and the keys, pixel features and thumbnails read a host copy of the pixels; the tower gets the device's own
+    input_ids, token_types, valid, grids = host_copies((input_ids, token_types, valid, grids))
+    device_pixels, pixel_values = pixel_values, pixel_values.detach().cpu()
     image_mask = adapter.image_mask(input_ids, token_types)
     n_images = adapter.image_count(grids)
     source = _expanded_order(image_mask, n_images, expand)
@@ -272,9 +300,10 @@ def lookup_request(adapter, cache, input_ids, pixel_values, grids, get_image_fea
     lengths = [0] * n_images  # each original image's placeholder run (its first copy's)
     for j in reversed(range(min(len(source), len(runs)))):
         lengths[source[j]] = runs[j]
-    items = adapter.split_images(pixel_values, grids, lengths)
+    items = adapter.split_images(device_pixels, grids, lengths)
     items = [items[i] for i in source]
-    grid_list, pixels = [g for _, g, _ in items], [p for p, _, _ in items]
+    host = adapter.split_images(pixel_values, grids, lengths)
+    grid_list, pixels = [g for _, g, _ in items], [host[i][0] for i in source]
     spans = image_spans(placeholder_runs, [adapter.tokens_in(g) for g in grid_list])
     t0 = time.perf_counter()
     originals = {i: source.index(i) for i in sorted(set(source))}  # original image -> its first copy
@@ -298,9 +327,10 @@ def lookup_request(adapter, cache, input_ids, pixel_values, grids, get_image_fea
             embeds, deepstack = encodings[i]
             feats = ImageFeatures(keys[i], grid_list[j], embeds,
                                   pixel_features=adapter.pixel_features(pixels[j], grid_list[j]))
-            match = ImageMatch(row, start, feats, embeds, deepstack, region_descriptors(embeds, grid_list[j], merge),
+            host_embeds = embeds.detach().float().cpu()
+            match = ImageMatch(row, start, feats, embeds, deepstack, region_descriptors(host_embeds, grid_list[j], merge),
                                HitKind.MISS, prefix, encoder_ms=encoder_ms,
-                               thumbnail=adapter.thumbnail_of(pixels[j], grid_list[j]))
+                               thumbnail=adapter.thumbnail_of(pixels[j], grid_list[j]), host_embeds=host_embeds)
             match = _approximate(adapter, match, cache, get_image_features)
         images.append(replace(match, lookup_ms=exact_ms + (time.perf_counter() - t0) * 1e3))
     outputs = adapter.encoder_outputs([(m.embeds, m.deepstack) for m in images])
@@ -386,7 +416,7 @@ def _approximate(adapter, match: ImageMatch, cache, get_image_features) -> Image
     feats = match.features
     found = store_call("index", lambda: cache.store.candidates(owner, feats.grid, match.descriptors, thresholds.tau,
                                                                cache.top_k), [])
-    sketch = token_sketch(feats.embeds) if found else None
+    sketch = token_sketch(match.host_embeds if match.host_embeds is not None else feats.embeds) if found else None
     mine = centred_sketches(sketch, reference.token_mean) if found else None
     hw = token_grid(feats.grid, adapter.merge)[1:]
     scored, read = [], 0

@@ -20,7 +20,7 @@ from vismemo_hf.core.plan import CacheEvent, HitKind, ImagePlan
 from vismemo_hf.runtime.alias import AliasReader, stored_tokens
 from vismemo_hf.runtime.context import ForwardContext
 from vismemo_hf.runtime.lookup import ImageMatch, PrefillRequest
-from vismemo_hf.runtime.schedule import ActiveStates, Layout, Placement, Schedule, causal_mask, pad_rows
+from vismemo_hf.runtime.schedule import ActiveStates, Layout, Placement, Schedule, causal_mask, padded_on_device
 from vismemo_hf.runtime.signals import SignalCollector
 from vismemo_hf.runtime.verify import Verifier
 from vismemo_hf.runtime.watch import Watch
@@ -66,6 +66,15 @@ def _positions(position_ids: torch.Tensor | None, batch: int = 1, length: int = 
     return (position_ids[None].expand(3, -1, -1) if position_ids.ndim == 2 else position_ids)[-3:]
 
 
+def _offsets(positions: torch.Tensor, matches) -> list[int]:
+    """The first position of each image: one read for all of them."""
+    if not matches:
+        return []
+    rows = torch.tensor([m.row for m in matches], device=positions.device)
+    starts = torch.tensor([m.start for m in matches], device=positions.device)
+    return [int(p) for p in positions[0, rows, starts].tolist()]
+
+
 class PrefillRunner:
     """One prefill with images: plans, reads, the layer loop, entries and events."""
 
@@ -77,7 +86,7 @@ class PrefillRunner:
         self.position_ids = position_ids
         valid = attention_mask.bool() if attention_mask is not None and attention_mask.ndim == 2 else None
         self.valid = None if valid is None or bool(valid.all()) else valid
-        self.runs = [ImageRun(m, int(self.positions[0, m.row, m.start])) for m in request.images]
+        self.runs = [ImageRun(m, at) for m, at in zip(request.images, _offsets(self.positions, request.images))]
         device = inputs_embeds.device
         self.schedule = Schedule(self.batch, self.length, self.valid, device)
         self.reader = AliasReader(adapter, self.cache.store, [r.match for r in self.runs],
@@ -179,8 +188,8 @@ class PrefillRunner:
             rows = [[] for _ in range(self.batch)]
             for run in given:
                 rows[run.match.row].append(run.match.columns(stored_tokens(run.match.alias, run.plan.mask)))
-            self._kept = (key, pad_rows([torch.cat(r) if r else torch.empty(0, dtype=torch.long) for r in rows], -1,
-                                        self.schedule.device))
+            self._kept = (key, padded_on_device([torch.cat(r) if r else torch.empty(0, dtype=torch.long) for r in rows],
+                                                -1, self.schedule.device))
         return self._kept[1]
 
     # -- the loop -----------------------------------------------------------------------------------------
@@ -286,13 +295,14 @@ class _DeepstackAdder:
     def __call__(self, layer: int, hidden, columns):
         if self.rank is None or layer >= len(self.embeds):
             return hidden
-        r = self.rank.gather(1, columns.clamp(min=0)).masked_fill(columns < 0, -1)
-        ok = r >= 0
-        if not bool(ok.any()):
+        features = self.embeds[layer]
+        if features.shape[0] == 0:
             return hidden
-        hidden = hidden.clone()
-        hidden[ok] = hidden[ok] + self.embeds[layer][r[ok]].to(hidden.device, hidden.dtype)
-        return hidden
+        r = self.rank.gather(1, columns.clamp(min=0)).masked_fill(columns < 0, -1)
+        # every column gathers a feature and the non-visual ones add nothing: no selection, whose size is a read
+        ok = (r >= 0)[..., None]
+        added = features[r.clamp(min=0)].to(hidden.device, hidden.dtype)
+        return torch.where(ok, hidden + added, hidden)
 
 
 def record_event(cache, event: CacheEvent) -> None:
@@ -305,9 +315,9 @@ def finish_native(adapter, request: PrefillRequest, ctx: ForwardContext, positio
     """After a prefill the model computed itself (every image a miss): store its images, record its events."""
     cache = ctx.cache
     positions = None if position_ids is None else _positions(position_ids)
-    runs = [ImageRun(m, int(positions[0, m.row, m.start]) if positions is not None else m.start,
-                     cache.policy.miss_plan(m.features), timings={"warmup": 0.0, "recompute": 0.0})
-            for m in request.images]
+    offsets = _offsets(positions, request.images) if positions is not None else [m.start for m in request.images]
+    runs = [ImageRun(m, at, cache.policy.miss_plan(m.features), timings={"warmup": 0.0, "recompute": 0.0})
+            for m, at in zip(request.images, offsets)]
     write_entries(adapter, cache, [(i, r.match, r.plan, r.offset) for i, r in enumerate(runs)])
     for i, run in enumerate(runs):
         record_event(cache, run.event(None, i))

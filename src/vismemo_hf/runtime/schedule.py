@@ -5,6 +5,11 @@ there; the layer's *slots* hold, in request-column order, the K/V it attends ove
 alias, active ones computed) and the masked tokens given back for decoding afterwards. A ``Layout`` holds what
 attention needs for one layer: the queries' columns, the boolean mask over the slots and its query blocks. Plans
 only shrink the computed set with depth, so a layout is rebuilt only at the layers where it changes.
+
+Every decision here reads index values (widths, whether a write is a copy, which slots a block sees); on an
+accelerator each such read would drain the stream. So the index sets are built on the host and moved to the device
+once (``on_device``), which remembers the host copy (``host_of``): the decisions read the host copies, the
+arithmetic uses the device ones, and a prefill reads no value of a device tensor here.
 """
 
 from __future__ import annotations
@@ -12,10 +17,38 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 #: query rows per block at least (smaller blocks cost more in call overhead than they save)
 MIN_BLOCK_ROWS = 32
 MAX_BLOCKS = 16
+
+
+#: device tensor -> its host copy (the tensors ``on_device`` made)
+_MIRRORS = WeakIdKeyDictionary()
+
+
+def on_device(host: torch.Tensor, device) -> torch.Tensor:
+    """A device copy of the host tensor ``host`` (a new tensor even on a CPU device), whose ``host_of`` is ``host``:
+    an asynchronous copy, no read."""
+    out = torch.empty_like(host, device=device)
+    if out.device.type == "cuda":  # from pinned memory: a copy in stream order that the host does not wait for
+        out.copy_(host.pin_memory(), non_blocking=True)
+    else:
+        out.copy_(host)
+    _MIRRORS[out] = host
+    return out
+
+
+def host_of(tensor: torch.Tensor) -> torch.Tensor:
+    """The host copy of ``tensor``: the one ``on_device`` kept, else a read of it."""
+    host = _MIRRORS.get(tensor)
+    return host if host is not None else tensor.cpu()
+
+
+def padded_on_device(rows: list[torch.Tensor], fill: int, device) -> torch.Tensor:
+    """``pad_rows`` of host ``rows``, built on the host and moved to ``device`` (``host_of`` gives it back)."""
+    return on_device(pad_rows([r.cpu() for r in rows], fill, "cpu"), device)
 
 
 def pad_rows(rows: list[torch.Tensor], fill: int, device) -> torch.Tensor:
@@ -30,9 +63,9 @@ def pad_rows(rows: list[torch.Tensor], fill: int, device) -> torch.Tensor:
 def positions_of(columns: torch.Tensor, length: int) -> torch.Tensor:
     """(B, length) position of each request column inside ``columns`` (B, A) (-1 where it is absent): the
     inverse of a padded column layout. A scatter, with the pads sent to a spare column: no value is read."""
-    where = torch.full((columns.shape[0], length + 1), -1, dtype=torch.long, device=columns.device)
+    where = columns.new_full((columns.shape[0], length + 1), -1, dtype=torch.long)  # where ``columns`` lives
     target = torch.where(columns >= 0, columns, length)
-    where.scatter_(1, target, torch.arange(columns.shape[1], device=columns.device).expand_as(columns))
+    where.scatter_(1, target, torch.ones_like(columns, dtype=torch.long).cumsum(1) - 1)
     return where[:, :length]
 
 
@@ -57,15 +90,41 @@ def query_blocks(mask: torch.Tensor) -> list[tuple[int, int, int]]:
     """(first row, end row, key end) of each query block of a boolean (B, 1, q, S) mask: the block's rows see
     no key slot at or after ``key end``. One block (the whole mask) when the queries are few."""
     q_len, s_len = mask.shape[-2:]
+    if min(MAX_BLOCKS, q_len // MIN_BLOCK_ROWS) <= 1:
+        return [(0, q_len, s_len)]
+    slots = torch.arange(1, s_len + 1, device=mask.device)
+    return _blocks((mask.any(dim=(0, 1)) * slots).amax(-1), q_len, s_len)  # the last slot each row sees
+
+
+def _blocks(last: torch.Tensor, q_len: int, s_len: int) -> list[tuple[int, int, int]]:
+    """Query blocks from ``last`` (q,): one past the last slot each query row sees (0: none); one read."""
     blocks = min(MAX_BLOCKS, q_len // MIN_BLOCK_ROWS)
     if blocks <= 1:
         return [(0, q_len, s_len)]
     bounds = [round(k * q_len / blocks) for k in range(blocks + 1)]
-    # the last slot each row sees (0 for a row that sees none), then each block's largest: one read for all blocks
-    slots = torch.arange(1, s_len + 1, device=mask.device)
-    last = (mask.any(dim=(0, 1)) * slots).amax(-1)  # (q,)
     ends = torch.stack([last[r0:r1].amax() for r0, r1 in zip(bounds[:-1], bounds[1:])]).tolist()
     return [(r0, r1, int(end) if end else s_len) for r0, r1, end in zip(bounds[:-1], bounds[1:], ends)]
+
+
+def layout_blocks(slots: torch.Tensor, queries: torch.Tensor, valid: torch.Tensor | None,
+                  visible: torch.Tensor) -> list[tuple[int, int, int]]:
+    """``query_blocks`` of the layout mask ``slot_mask(slots, queries, valid) & visible`` (its slots' columns
+    visible), worked out from the host index sets without building the mask: slots are sorted by column, so the
+    slots a query sees are the visible ones among those whose column is not after its own."""
+    q_len, s_len = queries.shape[1], slots.shape[1]
+    if min(MAX_BLOCKS, q_len // MIN_BLOCK_ROWS) <= 1:
+        return [(0, q_len, s_len)]
+    held = slots >= 0
+    ok = held & visible.gather(1, slots.clamp(min=0))
+    if valid is not None:
+        ok &= valid.gather(1, slots.clamp(min=0))
+    index = torch.arange(1, s_len + 1).expand_as(slots)
+    last_ok = torch.cummax(torch.where(ok, index, 0), dim=1).values  # (B, S): one past the last usable slot so far
+    keys = torch.where(held, slots, torch.iinfo(slots.dtype).max).contiguous()
+    upto = torch.searchsorted(keys, queries.clamp(min=-1).contiguous(), right=True)  # (B, q) slots not after it
+    seen = torch.where(upto > 0, last_ok.gather(1, (upto - 1).clamp(min=0)), 0)
+    seen = torch.where(queries >= 0, seen, 0)
+    return _blocks(seen.amax(0), q_len, s_len)
 
 
 @dataclass(frozen=True)
@@ -100,7 +159,7 @@ class SlotWriter:
 
     def __init__(self, columns: torch.Tensor, length: int) -> None:
         self.columns, self.length = columns, length
-        self.slot_of = positions_of(columns, length)
+        self.slot_of = positions_of(host_of(columns), length)  # on the host: the plans are decided there
         self._plans: dict = {}
         self._settled: dict = {}
 
@@ -112,7 +171,7 @@ class SlotWriter:
         return hit[1]
 
     def _plan(self, columns: torch.Tensor) -> tuple:
-        columns = columns.to(self.slot_of.device)
+        columns = host_of(columns)
         ok = columns >= 0
         slots = self.slot_of.gather(1, columns.clamp(min=0))
         # one read decides: a written column the layout lacks; one row, no pads, consecutive slots (a copy)
@@ -125,9 +184,14 @@ class SlotWriter:
             raise RuntimeError("K/V written to a column the layer's layout does not hold")
         if columns.shape[0] == 1 and columns.numel() and not pads and not gaps:
             return ("run", int(first), int(last) + 1)
-        rows = torch.arange(columns.shape[0], device=columns.device)[:, None].expand_as(columns)[ok]
-        where = torch.arange(columns.shape[1], device=columns.device)[None].expand_as(columns)[ok]
-        return ("scatter", rows, slots[ok], where)
+        rows = torch.arange(columns.shape[0])[:, None].expand_as(columns)
+        where = torch.arange(columns.shape[1])[None].expand_as(columns)
+        if not pads:  # every column is written: nothing to select
+            rows, slots, where = rows.reshape(-1), slots.reshape(-1), where.reshape(-1)
+        else:
+            rows, slots, where = rows[ok], slots[ok], where[ok]
+        device = self.columns.device  # moved once: every layer with this layout writes them
+        return ("scatter", on_device(rows, device), on_device(slots, device), on_device(where, device))
 
     def settled(self, written: list[tuple]) -> torch.Tensor | None:
         key = tuple(id(p) for p in written)
@@ -138,16 +202,17 @@ class SlotWriter:
         return hit[1]
 
     def _settle(self, written: list[tuple]) -> torch.Tensor | None:
-        filled = torch.zeros(self.columns.shape, dtype=torch.bool, device=self.columns.device)
+        columns = host_of(self.columns)
+        filled = torch.zeros(columns.shape, dtype=torch.bool)
         for p in written:
             if p[0] == "run":
                 filled[:, p[1] : p[2]] = True
             else:
-                filled[p[1].to(filled.device), p[2].to(filled.device)] = True
-        cols = self.columns.masked_fill(~filled, -1)
-        if cols.shape[1] == self.length and bool((cols == torch.arange(self.length, device=cols.device)).all()):
+                filled[host_of(p[1]), host_of(p[2])] = True
+        cols = columns.masked_fill(~filled, -1)
+        if cols.shape[1] == self.length and bool((cols == torch.arange(self.length)).all()):
             return None
-        return cols
+        return on_device(cols, self.columns.device)
 
 
 class Schedule:
@@ -155,9 +220,10 @@ class Schedule:
 
     def __init__(self, batch: int, length: int, valid: torch.Tensor | None, device) -> None:
         self.batch, self.length, self.valid, self.device = batch, length, valid, device
-        self.all_columns = torch.arange(length, device=device).expand(batch, -1)
+        self.all_columns = on_device(torch.arange(length).expand(batch, -1), device)
         self._active_key, self._active = None, None
         self._slots, self._layout = None, None
+        self._valid_h = None
 
     def active(self, layer: int, images: list[Placement]) -> torch.Tensor:
         """(B, A) request columns computed at ``layer``; -1 pads short rows."""
@@ -177,19 +243,20 @@ class Schedule:
                 tokens = p.plan.computed_at(layer) if p.plan is not None else torch.arange(p.n_tokens)
                 keep[tokens + p.start] = True
             rows.append(torch.nonzero(keep).flatten())
-        return pad_rows(rows, -1, self.device)
+        return padded_on_device(rows, -1, self.device)
 
     def is_plain(self, active: torch.Tensor, reused_columns: torch.Tensor | None) -> bool:
         """Every column computed, nothing reused: the model's own masks apply."""
-        return reused_columns is None and active.shape == self.all_columns.shape and torch.equal(active,
-                                                                                                 self.all_columns)
+        if reused_columns is not None or active.shape != self.all_columns.shape:
+            return False
+        return active is self.all_columns or torch.equal(host_of(active), host_of(self.all_columns))
 
     def _mark(self, *columns: torch.Tensor | None) -> torch.Tensor:
-        """(B, L) True at every request column of ``columns`` ((B, k) each, -1 padded)."""
-        marked = torch.zeros(self.batch, self.length + 1, dtype=torch.bool, device=self.device)
+        """(B, L) True (on the host) at every request column of ``columns`` ((B, k) each, -1 padded)."""
+        marked = torch.zeros(self.batch, self.length + 1, dtype=torch.bool)
         for cols in columns:
             if cols is not None:
-                cols = cols.to(self.device)
+                cols = host_of(cols)
                 marked.scatter_(1, torch.where(cols >= 0, cols, self.length), True)  # pads to a spare column
         return marked[:, : self.length]
 
@@ -202,25 +269,36 @@ class Schedule:
         if self._slots is None or not all(_same(a, b) for a, b in zip(self._slots, key)):
             visible = self._mark(active, reused_columns)
             kept = visible | self._mark(kept_columns)
-            slots = _held(kept)
-            mask = slot_mask(slots, active, self.valid) & visible.gather(1, slots.clamp(min=0))[:, None, None, :]
-            self._slots, self._layout = key, (SlotWriter(slots, self.length), Layout(active, mask, query_blocks(mask)))
+            slots_host = _held(kept)
+            slots = on_device(slots_host, self.device)
+            seen = on_device(visible.gather(1, slots_host.clamp(min=0)), self.device)
+            mask = slot_mask(slots, active, self.valid) & seen[:, None, None, :]
+            blocks = layout_blocks(slots_host, host_of(active), self._valid_host(), visible)
+            self._slots, self._layout = key, (SlotWriter(slots, self.length), Layout(active, mask, blocks))
         return self._layout
+
+    def _valid_host(self) -> torch.Tensor | None:
+        if self.valid is None:
+            return None
+        if self._valid_h is None:
+            self._valid_h = self.valid.cpu()  # a padded batch: one read per prefill
+        return self._valid_h
 
 
 def _held(kept: torch.Tensor) -> torch.Tensor:
-    """(B, S) the columns where ``kept`` (B, L) is True, in order, rows padded with -1: one read (the width)."""
+    """(B, S) the columns where the host ``kept`` (B, L) is True, in order, rows padded with -1."""
     width = int(kept.sum(1).max()) if kept.numel() else 0
-    columns = torch.arange(kept.shape[1], device=kept.device).expand_as(kept)
+    columns = torch.arange(kept.shape[1]).expand_as(kept)
     order = torch.sort((~kept).to(torch.int8), dim=1, stable=True).indices[:, :width]  # held columns first, in order
     return torch.where(kept.gather(1, order), columns.gather(1, order), -1)
 
 
 def _same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
-    """The same columns: the same tensor (the schedule and the reader hand out one per set), else equal values."""
+    """The same columns: the same tensor (the schedule and the reader hand out one per set), else equal values
+    (of their host copies)."""
     if a is b:
         return True
-    return a is not None and b is not None and a.shape == b.shape and torch.equal(a, b)
+    return a is not None and b is not None and a.shape == b.shape and torch.equal(host_of(a), host_of(b))
 
 
 class ActiveStates:
@@ -255,15 +333,18 @@ class ActiveStates:
         self.hidden, self._buf = hidden.clone(), buf.clone()
 
     def narrow(self, columns: torch.Tensor) -> None:
-        """Keep the states of ``columns`` (B, A'), a subset of the current columns of every row."""
-        if columns is self.columns or (columns.shape == self.columns.shape and torch.equal(columns, self.columns)):
+        """Keep the states of ``columns`` (B, A'), a subset of the current columns of every row (decided on the
+        host copies of both)."""
+        if columns is self.columns:
+            return
+        new, old = host_of(columns), host_of(self.columns)
+        if new.shape == old.shape and torch.equal(new, old):
             return
         self._park()
-        where = positions_of(self.columns, self._out.shape[1])
-        idx = where.gather(1, columns.clamp(min=0))
-        if bool(((idx < 0) & (columns >= 0)).any()):
+        idx = positions_of(old, self._out.shape[1]).gather(1, new.clamp(min=0))
+        if bool(((idx < 0) & (new >= 0)).any()):
             raise RuntimeError("a plan computes a token at a layer after one where it was not computed")
-        idx = idx.clamp(min=0)
+        idx = on_device(idx.clamp(min=0), self.hidden.device)
         self.hidden = self.hidden.gather(1, idx[..., None].expand(-1, -1, self.hidden.shape[-1]))
         cols = columns.clamp(min=0)[..., None].expand(-1, -1, self._cos_all.shape[-1])
         self.cos, self.sin = self._cos_all.gather(1, cols), self._sin_all.gather(1, cols)

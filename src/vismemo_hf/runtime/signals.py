@@ -28,6 +28,7 @@ class SignalCollector:
         self.attention: dict[int, list[torch.Tensor]] = {}  # image -> per warmup layer (H, rows, N)
         self.layer_stats: list[LayerWindowStats] = []
         self._window = None
+        self._partial_window: set[int] = set()  # rows whose window holds visual columns
         self._visual = None
 
     def window(self) -> list[torch.Tensor]:
@@ -41,8 +42,9 @@ class SignalCollector:
                     self._window.append(torch.empty(0, dtype=torch.long))
                     continue
                 cols = torch.nonzero(valid[max(ends):]).flatten() + max(ends)
-                if cols.numel() == 0:
+                if cols.numel() == 0:  # the row ends with an image: its last columns, which a layer may not compute
                     cols = torch.nonzero(valid).flatten()[-OBSERVATION_FALLBACK:]
+                    self._partial_window.add(b)
                 self._window.append(cols)
         return self._window
 
@@ -72,8 +74,11 @@ class SignalCollector:
         for i in watching:
             m = self.matches[i]
             slots = layer.slot_of(m.columns(torch.arange(m.n_tokens, device=self.device)), m.row)
-            rows = capture.probs[m.row][:, capture.valid[m.row]]
-            self.attention.setdefault(i, []).append(rows[..., slots].cpu())
+            if m.row in self._partial_window:
+                rows = capture.probs[m.row][:, capture.valid[m.row]]
+            else:  # text after the last image: every window column is computed, the valid rows come first
+                rows = capture.probs[m.row][:, : self.window()[m.row].numel()]
+            self.attention.setdefault(i, []).append(rows[..., slots])  # read once, at the decision layer
         if self.wants_window_stats:
             self.layer_stats.append(window_stats(capture.probs, capture.valid, layer.slot_columns(),
                                                  self.visual_columns()))
@@ -84,7 +89,7 @@ class SignalCollector:
         attention so far, the warmup layers' K/V deviation, the check layer's fresh and cached K/V."""
         m = self.matches[i]
         attention = self.attention.get(i)
-        out = WarmupSignals(attention=torch.stack(attention) if attention else None,
+        out = WarmupSignals(attention=torch.stack(attention).cpu() if attention else None,
                             span=(m.start, m.start + m.n_tokens), window=self.window()[m.row],
                             prefix_changed=m.prefix_changed)
         if needs.deviation and m.kind is not HitKind.EXACT:
@@ -98,7 +103,7 @@ class SignalCollector:
         """(layers, N) relative K and V deviation at every layer below ``layer`` (None, None: not all were read)."""
         m = self.matches[i]
         cols = m.columns(torch.arange(m.n_tokens, device=self.device))
-        k_dev, v_dev = [], []
+        per_layer = []
         for at in range(layer):
             cache_layer = self.cache.layers[at]
             slots = cache_layer.slot_of(cols, m.row)
@@ -106,9 +111,11 @@ class SignalCollector:
             cached = reader.cached_at(i, at, fill=fresh)  # tokens a compressed alias lacks: no deviation
             if cached is None:
                 return None, None
-            k_dev.append(relative_deviation(fresh[0], cached[0]))
-            v_dev.append(relative_deviation(fresh[1], cached[1]))
-        return (torch.stack(k_dev), torch.stack(v_dev)) if k_dev else (None, None)
+            per_layer.append(torch.stack([relative_deviation(f, c, host=False) for f, c in zip(fresh, cached)]))
+        if not per_layer:
+            return None, None
+        both = torch.stack(per_layer).cpu()  # (layers, 2, N): one read for every layer
+        return both[:, 0], both[:, 1]
 
     def _fresh_kv(self, i: int, layer: int, hidden, active, cos, sin):
         """K/V ``layer`` would compute for the image's tokens from this request's hidden states: (H, N, D) each."""
