@@ -29,6 +29,21 @@ def test_the_encoder_count_matches_torchs_count_of_the_tower(family):
     assert counted > 0 and abs(analytic - counted) / counted < 0.1, (analytic, counted)
 
 
+def test_the_llava_onevision_count_matches_torchs_count_of_its_tower_and_projector():
+    from vismemo_hf.testing import tiny_model
+
+    model, _ = tiny_model("llava_onevision")
+    model.set_attn_implementation("eager")
+    v = model.config.vision_config
+    tiles = torch.randn(3, v.num_channels, v.image_size, v.image_size)  # each tile attends within itself
+    with torch.no_grad(), FlopCounterMode(display=False) as counter:
+        features = model.model.vision_tower(tiles).last_hidden_state
+        model.model.multi_modal_projector(features)
+    counted = counter.get_total_flops()
+    analytic = encoder_flops(model.config, patches_of(model.config, features.shape[0] * features.shape[1]))
+    assert counted > 0 and abs(analytic - counted) / counted < 0.1, (analytic, counted)
+
+
 def test_the_real_geometries_give_their_published_encoder_costs_and_shares():
     q3 = preset_config("qwen3-vl-8b")
     assert encoder_flops(q3, patches_of(q3, 1024)) == pytest.approx(5.8e12, rel=0.05)
@@ -36,9 +51,12 @@ def test_the_real_geometries_give_their_published_encoder_costs_and_shares():
     q25 = preset_config("qwen2.5-vl-7b")
     assert encoder_flops(q25, patches_of(q25, 4096)) == pytest.approx(26.7e12, rel=0.05)  # windowed layers
     assert encoder_share(q3, 4126, 15, 4096) > encoder_share(q3, 1054, 15, 1024) > 0.25
+    ov = preset_config("llava-onevision-7b")  # SigLIP-so400m attends within each tile of 729 patches
+    assert encoder_flops(ov, patches_of(ov, 1458)) == pytest.approx(2 * encoder_flops(ov, patches_of(ov, 729)))
+    assert encoder_share(ov, 4126, 15, 4096) < 0.1
 
 
-@pytest.mark.parametrize("real_name", ["qwen3-vl-8b", "qwen2.5-vl-7b", "glm-4.6v-flash"])
+@pytest.mark.parametrize("real_name", ["qwen3-vl-8b", "qwen2.5-vl-7b", "glm-4.6v-flash", "llava-onevision-7b"])
 @pytest.mark.parametrize("tokens", [1024, 4096])
 def test_the_narrow_stand_ins_keep_the_real_encoder_share(real_name, tokens):
     real, stand_in = preset_config(real_name), preset_config(f"{real_name}-narrow")
@@ -49,7 +67,8 @@ def test_the_narrow_stand_ins_keep_the_real_encoder_share(real_name, tokens):
 
 
 @pytest.mark.parametrize(("name", "family", "layers"), [("qwen2.5-vl-7b-narrow", "qwen2_5_vl", 28),
-                                                      ("glm-4.6v-flash-narrow", "glm4v", 40)])
+                                                      ("glm-4.6v-flash-narrow", "glm4v", 40),
+                                                      ("llava-onevision-7b-narrow", "llava_onevision", 28)])
 def test_the_stand_ins_build_and_answer(name, family, layers):
     from vismemo_hf.eval.loading import load_model
 

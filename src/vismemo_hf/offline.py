@@ -23,11 +23,11 @@ def byte_tokenizer(special_tokens=None, eos_token: str = "<|im_end|>", pad_token
     return tok
 
 
-def offline_processor(family: str, tokenizer=None, min_tokens: int = 4, max_tokens: int = 256):
+def offline_processor(family: str, tokenizer=None, min_tokens: int = 4, max_tokens: int = 256, vision=None):
     """The family's processor with local image/video processors and ``tokenizer`` (default: byte-level with the
-    family's special tokens)."""
+    family's special tokens); ``vision``: the model's vision config, for families whose processor follows it."""
     from vismemo_hf.families import FAMILIES
 
     adapter = FAMILIES[family]
     tokenizer = tokenizer or byte_tokenizer(adapter.special_tokens, adapter.eos_token, adapter.pad_token)
-    return adapter.offline_processor(tokenizer, min_tokens, max_tokens)
+    return adapter.offline_processor(tokenizer, min_tokens, max_tokens, vision=vision)

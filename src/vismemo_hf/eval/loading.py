@@ -46,9 +46,9 @@ def load_model(spec: str, family: str | None = None, dtype=torch.float32, seed: 
                                  f"it first or pass a local folder") from err
         raise ValueError(f"{spec!r} is neither a local checkpoint folder, a cached hub model, "
                          f"{docqa.MODEL_NAME}, {docqa_base.MODEL_NAME} nor a model preset") from None
-    from vismemo_hf.families import build_model
+    from vismemo_hf.families import build_model, preset_config
     from vismemo_hf.offline import offline_processor
 
     family = family or load_preset(spec).get("family") or "qwen2_vl"
-    processor = offline_processor(family)
+    processor = offline_processor(family, vision=preset_config(spec, family).vision_config)
     return build_model(spec, family, seed=seed, dtype=dtype, tokenizer=processor.tokenizer, device=device), processor

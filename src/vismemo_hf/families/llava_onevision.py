@@ -119,8 +119,34 @@ class LlavaOnevisionAdapter(QwenAdapter):
 
     @classmethod
     def config_kwargs(cls, vision: dict) -> dict:
-        return {"image_grid_pinpoints": vision.pop("image_grid_pinpoints", PINPOINTS),
-                "vision_feature_select_strategy": "full", "vision_feature_layer": -1}
+        """The tiny tower's pinpoints for its 56-pixel tiles; transformers' own (384-pixel tiles) otherwise."""
+        pinpoints = vision.pop("image_grid_pinpoints", PINPOINTS if vision.get("image_size") == TILE else None)
+        return {"image_grid_pinpoints": pinpoints, "vision_feature_select_strategy": "full",
+                "vision_feature_layer": -1}
+
+    # -- what the benchmarks price ---------------------------------------------------------------------------
+    @classmethod
+    def encoder_flops(cls, vision, patches: int) -> float:
+        """SigLIP over each tile on its own: patch embedding, ``num_hidden_layers`` blocks (projections, a plain
+        MLP of ``intermediate_size``, attention over the tile's patches); ``patches`` spread over whole tiles."""
+        per_tile = (vision.image_size // vision.patch_size) ** 2
+        tiles = -(-patches // per_tile)
+        w, depth = vision.hidden_size, vision.num_hidden_layers
+        embed = 2 * patches * vision.num_channels * vision.patch_size ** 2 * w
+        linear = 2 * patches * (4 * w * w + 2 * w * vision.intermediate_size)
+        attention = 4 * tiles * per_tile ** 2 * w
+        return embed + depth * (linear + attention)
+
+    @classmethod
+    def model_encoder_flops(cls, config, patches: int) -> float:
+        """The tower and the two-layer projector to the language model's width, per patch."""
+        w, d = config.vision_config.hidden_size, config.text_config.hidden_size
+        return cls.encoder_flops(config.vision_config, patches) + 2 * patches * (w * d + d * d)
+
+    @classmethod
+    def patches_for(cls, config, visual_tokens: int) -> int:
+        """A token per patch (the ``full`` feature strategy; the newline tokens left out)."""
+        return visual_tokens
 
     @classmethod
     def token_ids(cls, tokenizer) -> dict:
@@ -128,12 +154,16 @@ class LlavaOnevisionAdapter(QwenAdapter):
         return dict(image_token_index=ids("<image>"), video_token_index=ids("<video>"))
 
     @classmethod
-    def offline_processor(cls, tokenizer, min_tokens: int = 4, max_tokens: int = 256):
-        size = {"height": TILE, "width": TILE}
-        image = transformers_class(cls.image_processor_class)(size=size, image_grid_pinpoints=PINPOINTS,
-                                                              image_mean=list(cls.image_mean),
+    def offline_processor(cls, tokenizer, min_tokens: int = 4, max_tokens: int = 256, vision=None):
+        """Tiles of the tower's ``image_size`` (default the tiny tower's 56 pixels, with its pinpoints; other tiles
+        with transformers' own pinpoints, as ``config_kwargs`` gives the model)."""
+        tile = vision.image_size if vision is not None else TILE
+        patch = vision.patch_size if vision is not None else PATCH
+        size = {"height": tile, "width": tile}
+        pinpoints = {"image_grid_pinpoints": PINPOINTS} if tile == TILE else {}
+        image = transformers_class(cls.image_processor_class)(size=size, **pinpoints, image_mean=list(cls.image_mean),
                                                               image_std=list(cls.image_std))
         video = transformers_class(cls.video_processor_class)(size=size)
         return transformers_class(cls.processor_class)(
-            image_processor=image, tokenizer=tokenizer, video_processor=video, num_image_tokens=(TILE // PATCH) ** 2,
+            image_processor=image, tokenizer=tokenizer, video_processor=video, num_image_tokens=(tile // patch) ** 2,
             vision_feature_select_strategy="full", chat_template=cls.chat_template)
