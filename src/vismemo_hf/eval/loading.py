@@ -50,5 +50,7 @@ def load_model(spec: str, family: str | None = None, dtype=torch.float32, seed: 
     from vismemo_hf.offline import offline_processor
 
     family = family or load_preset(spec).get("family") or "qwen2_vl"
-    processor = offline_processor(family, vision=preset_config(spec, family).vision_config)
+    tokenizer = offline_processor(family).tokenizer
+    vision = preset_config(spec, family, tokenizer=tokenizer).vision_config
+    processor = offline_processor(family, tokenizer=tokenizer, vision=vision)
     return build_model(spec, family, seed=seed, dtype=dtype, tokenizer=processor.tokenizer, device=device), processor
