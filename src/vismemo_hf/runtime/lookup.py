@@ -287,7 +287,6 @@ def lookup_request(adapter, cache, input_ids, pixel_values, grids, get_image_fea
     (``video_items``), part of the context hash of every image after them. ``token_types``: the processor's
     ``mm_token_type_ids`` (families whose videos share the image placeholder tell them apart by it)."""
     merge = adapter.merge
-    # one read of the ids (and their types and padding): every decision below is made from the host copies
     # two reads: every decision below is made from host copies of the ids (their types, padding) and the geometry,
     # and the keys, pixel features and thumbnails read a host copy of the pixels; the tower gets the device's own
     input_ids, token_types, valid, grids = host_copies((input_ids, token_types, valid, grids))
