@@ -10,6 +10,7 @@ import torch
 from transformers import DynamicCache
 
 import vismemo_hf
+from vismemo_hf.core.context import SIZE, SPAN, context_change, context_sketch
 from vismemo_hf.core.features import thumb_per_token, thumbnail, token_grid
 from vismemo_hf.core.plan import HitKind, ImageFeatures, ImagePlan, WarmupSignals
 from vismemo_hf.core.thresholds import MAX_DRIFT, local_drift
@@ -54,6 +55,49 @@ def test_the_context_check_recomputes_what_moved_and_spreads_probes_over_the_res
     many = torch.full((n,), 0.02)  # the context moved every token: compute the image in full
     assert policy.context_recompute(_signals(many), n) is None
     assert AttendDeviatePolicy(prefix_miss_ratio=1.0).context_recompute(_signals(many), n)[0].numel() == n
+
+
+def test_a_context_sketch_counts_the_tokens_two_texts_differ_in():
+    ids = torch.arange(100, 140)
+    stored = context_sketch(ids, [], b"key")
+
+    def change(new, earlier=(), key=b"key"):
+        return context_change(stored, context_sketch(new, list(earlier), key))
+
+    assert change(torch.cat([ids[:10], torch.tensor([7, 8, 9]), ids[10:]])) == 3  # three inserted
+    replaced = ids.clone()
+    replaced[20] = 5
+    assert change(replaced) == 1
+    assert change(ids[:-2]) == 2 and change(torch.cat([ids, torch.tensor([1])])) == 1  # next to the image
+    assert change(torch.tensor([1, 2, 3])) == 40 and change(torch.zeros(0, dtype=torch.long)) == 40
+    assert change(ids, ["another image"]) is None  # other images before: not a count of text tokens
+    assert change(replaced, key=b"other") == 40  # another key shares no run: nothing known in common
+    assert context_change(None, stored) is None and context_change(stored, stored) is None
+    long = torch.arange(1000, 1000 + 3 * SPAN)
+    middle = long.clone()
+    middle[SPAN + 5] = 1  # beyond both spans: every token between them counts (an upper bound)
+    assert context_change(context_sketch(long, []), context_sketch(middle, [])) == SPAN
+    assert stored.shape == (SIZE,) and not set(ids.tolist()) & set(stored[2:].tolist())  # hashes, not the ids
+
+
+def test_a_small_context_change_recomputes_the_top_share_and_verifies_the_rest_loosely():
+    """A change of a few tokens lifts the check layer's deviation of most tokens: it is not a reason to compute
+    the image in full, the probes and the confidence guard judge it; a larger or unknown change still is."""
+    policy = AttendDeviatePolicy()
+    n = 100
+    signals = _signals(torch.full((n,), 0.02))  # every token past prefix_tolerance
+    signals.context_change = 3
+    recompute, probes = policy.context_recompute(signals, n)
+    assert recompute.numel() - probes.numel() == math.ceil(policy.prefix_recompute_ratio * n) and probes.numel()
+    image = ImageFeatures("a", (1, 20, 20), torch.randn(n, 8), torch.zeros(n))
+    plan = policy.prefix_plan(image, "a", signals)
+    assert plan.fallback is None and plan.verify_tolerance == policy.prefix_small_tolerance
+    for larger in (policy.prefix_small_change + 1, None):
+        signals.context_change = larger
+        assert policy.context_recompute(signals, n) is None
+        assert policy.prefix_plan(image, "a", signals).fallback == "context"
+    with pytest.raises(ValueError, match="prefix_small"):
+        AttendDeviatePolicy(prefix_small_change=-1)
 
 
 def test_an_approximate_plan_after_another_context_adds_the_check_and_its_probes():
@@ -142,9 +186,10 @@ def test_an_approximate_hit_after_another_text_is_flagged_checked_and_answers_li
     assert paper.events[0].prefix_changed and paper.events[0].plan.verify is None and paper.events[0].fallback is None
 
 
-@pytest.mark.parametrize("options, reason", [({"prefix_probe_tolerance": 0.0}, "context"),
-                                             ({"prefix_probe_tolerance": 10.0, "prefix_min_confidence": 1.0},
-                                              "uncertain")])
+@pytest.mark.parametrize("options, reason", [({"prefix_probe_tolerance": 0.0, "prefix_small_tolerance": 0.0},
+                                              "context"),
+                                             ({"prefix_probe_tolerance": 10.0, "prefix_small_tolerance": 10.0,
+                                               "prefix_min_confidence": 1.0}, "uncertain")])
 def test_a_failed_verification_computes_the_image_in_full_exactly_as_plain(base_reader, options, reason):
     """The probes (or the confidence guard) fail after the layers ran: they run again from the decision layer with
     the image computed in full, and the answer and first-token probabilities are plain transformers'."""
@@ -165,10 +210,47 @@ def test_a_failed_verification_computes_the_image_in_full_exactly_as_plain(base_
     assert answer == ref
     assert float((logprobs.exp() - ref_logprobs.exp()).abs().max()) <= 1e-4
     kept = vismemo_hf.VisMemoCache(store=store, store_misses=False, prefix_probe_tolerance=10.0,
-                                   prefix_min_confidence=0.0)
+                                   prefix_small_tolerance=10.0, prefix_min_confidence=0.0)
     _ask(model, processor, asked, question, kept, 1)
     assert kept.events[0].fallback is None and kept.events[0].verify_estimate is not None
     assert kept.events[0].recomputed < kept.events[0].n_tokens
+
+
+def _text_change(processor, image_token, old_parts, new_parts, question) -> int:
+    """The tokens of text by which two requests' contexts before their (last) image differ, counted directly."""
+    def before(parts):
+        messages, images = context.chat(parts, question)
+        text = processor.apply_chat_template(messages, add_generation_prompt=True)
+        ids = processor(text=[text], images=images, return_tensors="pt")["input_ids"][0].tolist()
+        return ids[: ids.index(image_token)]
+
+    old, new = before(old_parts), before(new_parts)
+    head = next((i for i, (a, b) in enumerate(zip(old, new)) if a != b), min(len(old), len(new)))
+    tail = next((i for i, (a, b) in enumerate(zip(old[::-1], new[::-1])) if a != b), min(len(old), len(new)))
+    return max(len(old), len(new)) - min(head + tail, len(old), len(new))
+
+
+@pytest.mark.parametrize("secret", [False, "a store secret of 32 bytes......"])
+def test_an_exact_hit_after_a_few_other_tokens_counts_them_and_checks_them_as_a_small_change(base_reader, secret):
+    model, plain, processor = base_reader
+    page = docpage.random_page(2**31 + 77_000, layout="form")
+    question = docpage.ask(page, "key", 1, 0).text
+    image = docpage.render(page)
+    store = vismemo_hf.VisMemoStore(secret=secret)
+    stored = [("text", "Scan:"), ("image", image)]
+    _ask(model, processor, stored, question, vismemo_hf.VisMemoCache(store=store))
+    for text, small in [("Scan 2:", True), ("User: " + "please read the total of this page and the date " * 3, False)]:
+        asked = [("text", text), ("image", image)]
+        cache = vismemo_hf.VisMemoCache(store=store, store_misses=False)
+        answer, _ = _ask(model, processor, asked, question, cache)
+        event, policy = cache.events[0], cache.policy
+        assert event.kind is HitKind.EXACT and event.prefix_changed
+        assert event.context_change == _text_change(processor, model.config.image_token_id, stored, asked, question), text
+        assert (event.context_change <= policy.prefix_small_change) == small
+        if event.fallback is None:
+            tolerance = policy.prefix_small_tolerance if small else policy.prefix_probe_tolerance
+            assert event.plan.verify_tolerance == tolerance and event.recomputed < event.n_tokens
+        assert answer == _ask(plain, processor, asked, question, DynamicCache())[0]
 
 
 def test_a_one_letter_key_edit_recomputes_the_rest_of_the_record(base_reader):
@@ -298,7 +380,7 @@ def test_an_unsure_answer_after_a_reuse_is_computed_in_full_at_that_token(base_r
         ref = plain.generate(**inputs, **options)
     monkeypatch.setattr(PrefillRunner, "_uncertain", lambda self, states: [])  # the prefill's own check passes
     cache = vismemo_hf.VisMemoCache(store=store, store_misses=False, prefix_probe_tolerance=10.0,
-                                    prefix_min_confidence=1.0)
+                                    prefix_small_tolerance=10.0, prefix_min_confidence=1.0)
     with torch.no_grad():
         out = model.generate(**inputs, cache=cache, **options)
     event = cache.events[0]

@@ -8,6 +8,7 @@ import torch
 from transformers import DynamicCache
 
 import vismemo_hf
+from vismemo_hf.core.context import context_sketch
 from vismemo_hf.core.plan import HitKind
 from vismemo_hf.store import blob
 
@@ -23,6 +24,7 @@ def test_every_byte_of_a_blob_is_checked(variant):
     entry.patch_hashes = torch.arange(3)
     entry.prefix = "ab" * 16
     entry.thumbnail = torch.randint(0, 256, (3, 5), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    entry.context = context_sketch(torch.arange(70), ["earlier"], b"key")
     if "compressed" in variant:
         entry = entry.compressed(torch.tensor([0, 2]))
     kv_format = variant.split("-")[0] if variant.startswith(("int8", "fp8")) else None
@@ -41,7 +43,7 @@ def test_every_byte_of_a_blob_is_checked(variant):
         except blob.BlobError:
             continue
         assert torch.equal(got.kv, entry.kv) and torch.equal(got.embeds, entry.embeds), pos
-        assert torch.equal(got.thumbnail, entry.thumbnail), pos
+        assert torch.equal(got.thumbnail, entry.thumbnail) and torch.equal(got.context, entry.context), pos
         assert (got.key, got.fingerprint, got.grid, got.offset, got.prefix) == (
             entry.key, entry.fingerprint, entry.grid, entry.offset, entry.prefix), pos
     header = blob.parse_header(data[: blob.HEADER_SIZE])

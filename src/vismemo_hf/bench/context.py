@@ -28,13 +28,16 @@ from vismemo_hf.progress import progress as progress_bar
 
 #: the routings compared: the library's default and the two published baselines under the same lookup and store
 POLICIES = {"default": {}, "cacheblend": {"policy": "cacheblend"}, "vismemo": {"policy": "vismemo"}}
-#: the front of the context check (``--front``): the default's probe tolerance and confidence guard swept, and the
-#: check layer alone (no probes), on the classes of another text or page before the image
-FRONT = {"check layer only": {"prefix_probe_share": 0.0, "prefix_min_confidence": 0.0},
-         "probes 0.008, no guard": {"prefix_min_confidence": 0.0},
-         "probes 0.064": {"prefix_probe_tolerance": 0.064}, "probes 0.032": {"prefix_probe_tolerance": 0.032},
-         "probes 0.016": {"prefix_probe_tolerance": 0.016}, "probes 0.008 (default)": {},
-         "probes 0.004": {"prefix_probe_tolerance": 0.004}, "every token (full)": {"policy": "full"}}
+#: the front of the context check (``--front``): the size of a small context change (``prefix_small_change``,
+#: tokens) swept, the default with its confidence guard off, the default's probe tolerance for larger changes swept,
+#: the check layer alone (no probes) and every token computed
+FRONT = {"small <= 0 (every change checked in full)": {"prefix_small_change": 0},
+         "small <= 8": {"prefix_small_change": 8}, "small <= 16 (default)": {},
+         "small <= 32": {"prefix_small_change": 32},
+         "small <= 16, no guard": {"prefix_min_confidence": 0.0, "prefix_watch_tokens": 0},
+         "probes 0.016": {"prefix_probe_tolerance": 0.016}, "probes 0.004": {"prefix_probe_tolerance": 0.004},
+         "check layer only": {"prefix_small_change": 0, "prefix_probe_share": 0.0, "prefix_min_confidence": 0.0},
+         "every token (full)": {"policy": "full"}}
 FRONT_CLASSES = tuple(c for c in context.CLASSES if c.startswith(("text-", "image-")))
 READERS = {"vismemo-docqa-base": "docpage", "vismemo-docqa-tiny": "synthdoc"}
 
@@ -72,7 +75,8 @@ def run_case(model, plain, processor, case: context.Case, policies: dict, max_ne
                          "stale": q.stale is not None and pred == q.stale and ref != q.stale,
                          "kind": str(event.kind), "intended": case.intended,
                          "recomputed_share": event.recomputed / event.n_tokens if event.n_tokens else 0.0,
-                         "prefix_changed": event.prefix_changed, "fallback": event.fallback,
+                         "prefix_changed": event.prefix_changed, "context_change": event.context_change,
+                         "fallback": event.fallback,
                          "verify_estimate": event.verify_estimate,
                          "ttft_ms": ms, "plain_ttft_ms": ref_ms})
     return rows
@@ -181,11 +185,15 @@ def main(args) -> int:
         (out / "context.json").write_text(json.dumps(report, indent=1))
         lines += ["", "## The context check's front", "",
                   f"The classes of another text or page before the image (seed {args.seed + 1}, "
-                  f"{args.front_pairs} pages per class, three questions each), the default's probe tolerance "
-                  "(`prefix_probe_tolerance`) and confidence guard (`prefix_min_confidence`, 0.8; \"no guard\": 0) "
-                  "swept, the check layer alone (no probes, `prefix_probe_share=0`) and the `full` policy (every "
-                  "token computed). Worst: the lowest agreement over the classes; recomputed: the mean share of an "
-                  "image's tokens computed (a fallback computes all)."]
+                  f"{args.front_pairs} pages per class, three questions each). Swept: the largest context change "
+                  "(in tokens of text, `prefix_small_change`) checked as a small one (the 15 % whose K/V deviate "
+                  "most at the check layer recomputed, the rest verified by probes against "
+                  "`prefix_small_tolerance` and by the confidence guard); the default without its confidence guard "
+                  "and watch (`prefix_min_confidence=0`, `prefix_watch_tokens=0`); the probe tolerance of larger "
+                  "changes (`prefix_probe_tolerance`, default 0.008); the check layer alone (no probes, no guard, "
+                  "every change checked in full) and the `full` policy (every token computed). Worst: the lowest "
+                  "agreement over the classes; recomputed: the mean share of an image's tokens computed (a fallback "
+                  "computes all)."]
         for reader, summary in front.items():
             lines += ["", f"### {reader}", "", "| routing | worst agreement | stale | " + " | ".join(
                 f"{c}: agreement / recomputed" for c in FRONT_CLASSES) + " |",

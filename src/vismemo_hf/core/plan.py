@@ -294,7 +294,9 @@ class WarmupSignals:
     ``span``: (first, end) request columns of the image in its row; ``window``: the request columns
     of the observation window (text after the row's last image, else its last 16 tokens).
     ``prefix_changed``: a hit whose context before the image (text, earlier images and videos) differs from the
-    alias entry's: its K/V from layer 1 on were computed after another context.
+    alias entry's: its K/V from layer 1 on were computed after another context; ``context_change``: then the tokens
+    of text by which the two contexts differ (``core.context.context_change``; None: unknown, or other images or
+    videos before the image).
     """
 
     attention: torch.Tensor | None = None
@@ -305,6 +307,7 @@ class WarmupSignals:
     span: tuple[int, int] | None = None
     window: torch.Tensor | None = None
     prefix_changed: bool = False
+    context_change: int | None = None
 
     @property
     def check_deviation(self) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -341,6 +344,8 @@ class CacheEvent:
     plan: ImagePlan | None = field(default=None, repr=False)
     #: a hit whose context before the image (text, earlier images, videos) differs from the alias entry's
     prefix_changed: bool = False
+    #: then the tokens of text by which the two contexts differ (None: unknown, or other images or videos before it)
+    context_change: int | None = None
     #: bytes of alias K/V this request read (a full entry for exact hits from a lower tier, ranges otherwise)
     bytes_read: int = 0
     #: bytes the fine lookup stage read: the candidates' lookup sections (descriptors, thumbnails, token sketches)
@@ -370,6 +375,7 @@ class CacheEvent:
             "masked": self.masked,
             "score": self.score,
             "prefix_changed": self.prefix_changed,
+            "context_change": self.context_change,
             "bytes_read": self.bytes_read,
             "lookup_bytes": self.lookup_bytes,
             "shift": list(self.shift),

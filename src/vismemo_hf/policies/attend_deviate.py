@@ -152,5 +152,5 @@ class AttendDeviatePolicy(RoutingPolicy):
             mask, _ = split_by_score(-attention, unlikely, self.budget(self.max_mask_ratio, n))
             rest[mask] = False
         reuse = torch.nonzero(rest).flatten()
-        extra = self.verification(probes) if probes is not None else {}
+        extra = self.verification(probes, signals) if probes is not None else {}
         return approximate_plan(self, image, alias, recompute, reuse, mask, restore_masked=self.restore_masked, **extra)

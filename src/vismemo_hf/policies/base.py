@@ -114,6 +114,14 @@ class RoutingPolicy:
     #: and the first this many generated tokens are watched the same way (``runtime/watch.py``): at an unsure one the
     #: sequence so far is computed in full
     prefix_watch_tokens: int = 16
+    #: a context that differs from the alias's in at most this many tokens of text (a label, a word of an
+    #: instruction: ``core.context.context_change``) is a small change: the check recomputes the
+    #: ``prefix_recompute_ratio`` whose K/V deviate most and verifies the rest by the probes, against
+    #: ``prefix_small_tolerance``, and by the confidence guard and watch, without ``prefix_tolerance`` and
+    #: ``prefix_miss_ratio`` (a short change lifts the first layers' deviation of most tokens while what the answer
+    #: reads stays close; ``vismemo report context``); a larger or unknown change is checked as above
+    prefix_small_change: int = 16
+    prefix_small_tolerance: float = 0.1
     #: reused tokens a compressed alias entry holds no K/V for (docs/METHOD.md §4): ``"mask"`` them (VL-Cache's choice;
     #: they are left out of attention) or ``"recompute"`` them (compute them at every layer)
     missing: str = "mask"
@@ -131,6 +139,8 @@ class RoutingPolicy:
             raise ValueError("prefix_check_layer and prefix_tolerance must be >= 0, prefix_recompute_ratio in [0, 1]")
         if not 0.0 <= self.prefix_miss_ratio <= 1.0 or not 0.0 <= self.prefix_probe_share <= 1.0:
             raise ValueError("prefix_miss_ratio and prefix_probe_share must lie in [0, 1]")
+        if self.prefix_small_change < 0 or self.prefix_small_tolerance < 0:
+            raise ValueError("prefix_small_change and prefix_small_tolerance must be >= 0")
         if self.prefix_probe_tolerance < 0 or not 0.0 <= self.prefix_min_confidence <= 1.0 or \
                 self.prefix_watch_tokens < 0:
             raise ValueError("prefix_probe_tolerance and prefix_watch_tokens must be >= 0, prefix_min_confidence in "
@@ -195,14 +205,17 @@ class RoutingPolicy:
         """(recompute, probes) for a changed context (``prefix_routing="check"``), both sorted: the
         ``prefix_recompute_ratio`` whose K/V deviate most at the check layer, every token past ``prefix_tolerance``,
         and the probes that verify the rest (``prefix_probe_share`` of it at every rank of its deviation); None when
-        the check alone is more than ``prefix_miss_ratio`` of the image (compute it all)."""
+        the check alone is more than ``prefix_miss_ratio`` of the image (compute it all). A small change
+        (``small_context``) recomputes the ``prefix_recompute_ratio`` alone and never returns None."""
         deviation = signals.check_deviation
         if deviation is None:
             raise ValueError("the context check needs the fresh and cached K/V of the check layer")
         score = (deviation[0] + deviation[1]).float()
-        count = max(self.budget(self.prefix_recompute_ratio, n), int((score > self.prefix_tolerance).sum()))
-        if count > self.prefix_miss_ratio * n:
-            return None
+        count = self.budget(self.prefix_recompute_ratio, n)
+        if not self.small_context(signals):
+            count = max(count, int((score > self.prefix_tolerance).sum()))
+            if count > self.prefix_miss_ratio * n:
+                return None
         order = torch.sort(score, descending=True, stable=True).indices
         rest = order[count:]
         probes = rest[:0]
@@ -210,6 +223,10 @@ class RoutingPolicy:
             m = min(rest.numel(), max(MIN_PROBES, math.ceil(self.prefix_probe_share * n)))
             probes = rest[torch.linspace(0, rest.numel() - 1, m).round().long().unique()]
         return torch.cat([order[:count], probes]).sort().values, probes.sort().values
+
+    def small_context(self, signals: WarmupSignals) -> bool:
+        """Whether a changed context is a small change (``prefix_small_change``)."""
+        return signals.context_change is not None and signals.context_change <= self.prefix_small_change
 
     def prefix_plan(self, image: ImageFeatures, alias: str, signals: WarmupSignals) -> ImagePlan:
         """An exact hit after another context: recompute what the context changed (``context_recompute``)."""
@@ -221,11 +238,12 @@ class RoutingPolicy:
         rest = torch.ones(n, dtype=torch.bool)
         rest[recompute] = False
         return ImagePlan(HitKind.EXACT, n, self.prefix_check_layer, recompute, torch.nonzero(rest).flatten(), [], alias,
-                         **self.verification(probes))
+                         **self.verification(probes, signals))
 
-    def verification(self, probes: torch.Tensor) -> dict:
+    def verification(self, probes: torch.Tensor, signals: WarmupSignals) -> dict:
         """The ``ImagePlan`` fields that verify a reuse after another context by ``probes``."""
-        return {"verify": probes, "verify_tolerance": self.prefix_probe_tolerance,
+        tolerance = self.prefix_small_tolerance if self.small_context(signals) else self.prefix_probe_tolerance
+        return {"verify": probes, "verify_tolerance": tolerance,
                 "verify_confidence": self.prefix_min_confidence, "verify_watch": self.prefix_watch_tokens}
 
     def miss_plan(self, image: ImageFeatures) -> ImagePlan:

@@ -17,6 +17,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from vismemo_hf.core.context import context_change, context_sketch
 from vismemo_hf.core.features import (
     centred_sketches,
     exact_key,
@@ -61,6 +62,9 @@ class ImageMatch:
     alias_offset: int = 0
     score: float | None = None
     prefix_changed: bool = False  # a hit whose alias's K/V were computed after another context before the image
+    context: torch.Tensor | None = None  # sketch of the context before the image (``core.context``)
+    #: a hit after another context: the tokens by which it differs from the alias's (None: unknown or not text alone)
+    context_change: int | None = None
     lookup_bytes: int = 0  # lookup-section bytes of the candidates the fine stage scored
     lookup_ms: float = 0.0
     encoder_ms: float = 0.0
@@ -79,7 +83,7 @@ class ImageMatch:
 
     def as_miss(self) -> ImageMatch:
         return replace(self, kind=HitKind.MISS, alias=None, alias_entry=None, alias_offset=0, score=None,
-                       prefix_changed=False, pixel_score=None, aligned=True)
+                       prefix_changed=False, context_change=None, pixel_score=None, aligned=True)
 
 
 class DeferredImageFeatures:
@@ -315,20 +319,21 @@ def lookup_request(adapter, cache, input_ids, pixel_values, grids, get_image_fea
     encodings = _encode(adapter, get_image_features, todo, encoded, [items[originals[i]] for i in todo])
     encoder_ms = (time.perf_counter() - t0) * 1e3
     contexts = _contexts(input_ids, valid, spans, [keys[i] for i in source],
-                         video_items(adapter.video_mask(input_ids, token_types), merge, videos))
+                         video_items(adapter.video_mask(input_ids, token_types), merge, videos),
+                         owner.encode() + getattr(cache.store, "context_key", b""))
     images = []
     for j, i in enumerate(source):
         t0 = time.perf_counter()
-        (row, start), prefix, entry = spans[j], contexts[j], entries[i]
+        (row, start), (prefix, sketch), entry = spans[j], contexts[j], entries[i]
         if entry is not None:
-            match = _exact_match(row, start, entry, prefix)
+            match = _exact_match(row, start, entry, prefix, sketch)
         else:
             embeds, deepstack = encodings[i]
             feats = ImageFeatures(keys[i], grid_list[j], embeds,
                                   pixel_features=adapter.pixel_features(pixels[j], grid_list[j]))
             host_embeds = embeds.detach().float().cpu()
             match = ImageMatch(row, start, feats, embeds, deepstack, region_descriptors(host_embeds, grid_list[j], merge),
-                               HitKind.MISS, prefix, encoder_ms=encoder_ms,
+                               HitKind.MISS, prefix, encoder_ms=encoder_ms, context=sketch,
                                thumbnail=adapter.thumbnail_of(pixels[j], grid_list[j]), host_embeds=host_embeds)
             match = _approximate(adapter, match, cache, get_image_features)
         images.append(replace(match, lookup_ms=exact_ms + (time.perf_counter() - t0) * 1e3))
@@ -344,11 +349,12 @@ def _exact_entry(adapter, cache, key: str, grid) -> Entry | None:
     return entry if _usable(adapter, cache, entry, key, grid) else None
 
 
-def _exact_match(row: int, start: int, entry: Entry, prefix: str) -> ImageMatch:
+def _exact_match(row: int, start: int, entry: Entry, prefix: str, sketch: torch.Tensor | None) -> ImageMatch:
     feats = entry.features()
+    changed = entry.prefix != prefix
     return ImageMatch(row, start, feats, entry.embeds, entry.deepstack, entry.descriptors, HitKind.EXACT, prefix,
-                      alias=feats, alias_entry=entry, alias_offset=entry.offset, score=1.0,
-                      prefix_changed=entry.prefix != prefix)
+                      alias=feats, alias_entry=entry, alias_offset=entry.offset, score=1.0, prefix_changed=changed,
+                      context=sketch, context_change=context_change(entry.context, sketch) if changed else None)
 
 
 def _encode(adapter, get_image_features, todo: list[int], encoded, items) -> dict:
@@ -362,13 +368,18 @@ def _encode(adapter, get_image_features, todo: list[int], encoded, items) -> dic
     return dict(zip(todo, adapter.encode_images(get_image_features, items)))
 
 
-def _contexts(input_ids, valid, spans, keys, videos: dict) -> list[str]:
-    """The context hash of every image: the row's text before it and the images and videos before it."""
+def _contexts(input_ids, valid, spans, keys, videos: dict, sketch_key: bytes) -> list[tuple[str, torch.Tensor]]:
+    """(context hash, context sketch) of every image: the row's text before it and the images and videos before
+    it; ``sketch_key`` keys the sketch's hashes (``core.context``)."""
     earlier = {row: list(items) for row, items in videos.items()}
     out = []
     for (row, start), key in zip(spans, keys):
         before = [ident for at, ident in sorted(earlier.get(row, [])) if at < start]
-        out.append(prefix_digest(input_ids[row], None if valid is None else valid[row], start, before))
+        ids = input_ids[row][:start]
+        if valid is not None:
+            ids = ids[valid[row][:start].to(ids.device)]
+        out.append((prefix_digest(input_ids[row], None if valid is None else valid[row], start, before),
+                    context_sketch(ids, before, sketch_key)))
         earlier.setdefault(row, []).append((start, key))
     return out
 
@@ -444,6 +455,8 @@ def _approximate(adapter, match: ImageMatch, cache, get_image_features) -> Image
     return replace(match, kind=HitKind.APPROXIMATE, alias=alias,
                    alias_offset=entry.offset, score=best_score, pixel_score=pixel,
                    prefix_changed=entry.prefix != match.prefix, drift=drift,
+                   context_change=context_change(entry.context, match.context) if entry.prefix != match.prefix
+                   else None,
                    aligned=zoom_drift(zoom, hw) <= MAX_ZOOM_DRIFT and drift <= MAX_DRIFT)
 
 

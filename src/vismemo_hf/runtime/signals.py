@@ -91,7 +91,7 @@ class SignalCollector:
         attention = self.attention.get(i)
         out = WarmupSignals(attention=torch.stack(attention).cpu() if attention else None,
                             span=(m.start, m.start + m.n_tokens), window=self.window()[m.row],
-                            prefix_changed=m.prefix_changed)
+                            prefix_changed=m.prefix_changed, context_change=m.context_change)
         if needs.deviation and m.kind is not HitKind.EXACT:
             out.key_deviation, out.value_deviation = self._deviation(i, layer, reader)
         if needs.check_kv and layer < self.adapter.num_layers:

@@ -61,7 +61,7 @@ def write_entries(adapter, cache, done: list[tuple], importance=lambda i: None) 
             return Entry(key=feats.key, fingerprint=fingerprint, grid=feats.grid, embeds=match.embeds.detach(),
                          deepstack=match.deepstack.detach() if match.deepstack is not None else None,
                          descriptors=match.descriptors, entropy=feats.entropy, kv=kv, offset=offset,
-                         patch_hashes=feats.patch_hashes, prefix=match.prefix,
+                         patch_hashes=feats.patch_hashes, prefix=match.prefix, context=match.context,
                          thumbnail=match.thumbnail() if match.thumbnail is not None else None), weights
 
         store_call("write", lambda b=build: cache.store.put_later(b), None)

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 import torch
 from crc32c import crc32c
 
+from vismemo_hf.core.context import SIZE as CONTEXT_SIZE
 from vismemo_hf.core.features import THUMB_MAX
 from vismemo_hf.store.entry import Entry
 
@@ -42,6 +43,7 @@ LAYOUT_VERSION = 6
 _FIELDS = struct.Struct("<4sHBB" + "I" * 13 + "q32s64s16sQQ16s16s16s16s16s")  # the MAC last (zeros while computed)
 MAC_BYTES = 16
 SEALED = 32  # header flag: MACs in place of checksums
+CONTEXT = 64  # header flag: the context sketch (``Entry.context``) at the end of the metadata
 _HEADER_CRC = struct.Struct("<I")
 HEADER_SIZE = _FIELDS.size + _HEADER_CRC.size
 HASH_BYTES = 8
@@ -97,6 +99,10 @@ class Seal:
 
     def __repr__(self) -> str:
         return "Seal(<secret>)"
+
+    def context_key(self) -> bytes:
+        """The key of the context sketches (``core.context``) this store's entries keep."""
+        return hmac.digest(self._key, b"context sketch", "sha256")
 
     def header_mac(self, fields: bytes) -> bytes:
         return hmac.digest(self._key, fields, "sha256")[:MAC_BYTES]
@@ -228,7 +234,7 @@ def parse_header(data: bytes, seal: Seal | None = None) -> BlobHeader:
         raise BlobError(f"layout version {version}, expected {LAYOUT_VERSION}")
     if dtype not in DTYPES:
         raise BlobError(f"unknown dtype code {dtype}")
-    if bin(flags & 12).count("1") > 1 or flags & ~63 or kv_count > n or (kv_count != n and not flags & 16):
+    if bin(flags & 12).count("1") > 1 or flags & ~127 or kv_count > n or (kv_count != n and not flags & 16):
         raise BlobError(f"unknown flags {flags:#x}")
     sealed = None
     if flags & SEALED:
@@ -263,6 +269,8 @@ def _meta_tensors(entry: Entry) -> list[torch.Tensor]:
         tensors.append(entry.patch_hashes.long())
     if entry.kv_tokens is not None:
         tensors.append(entry.kv_tokens.long())
+    if entry.context is not None:
+        tensors.append(entry.context.long())
     return [t.detach().cpu().contiguous() for t in tensors]
 
 
@@ -292,6 +300,7 @@ def encode(entry: Entry, kv_format: str | None = None, seal: Seal | None = None)
     flags |= SEALED if seal is not None else 0
     flags |= KV_FORMATS[kv_format][0] if kv_format is not None else 0
     flags |= 16 if entry.kv_tokens is not None else 0
+    flags |= CONTEXT if entry.context is not None else 0
     levels = entry.deepstack.shape[0] if entry.deepstack is not None else 0
     body_start = HEADER_SIZE + blocks.numel()
     fields = _FIELDS.pack(
@@ -350,11 +359,12 @@ def decode_meta(header: BlobHeader, meta) -> Entry:
     deepstack = take(levels * n * d, header.dtype, (levels, n, d)) if header.flags & 1 else None
     patch_hashes = take(n, torch.int64, (n,)) if header.flags & 2 else None
     kv_tokens = take(header.kv_count, torch.int64, (header.kv_count,)) if header.flags & 16 else None
+    context = take(CONTEXT_SIZE, torch.int64, (CONTEXT_SIZE,)).clone() if header.flags & CONTEXT else None
     if pos != buf.numel():
         raise BlobError("metadata size does not match its header")
     return Entry(header.key, header.fingerprint, header.grid, embeds, deepstack, descriptors, entropy, None,
                  header.offset, patch_hashes, prefix=header.prefix, n_layers=header.n_layers, sketch=sketch,
-                 kv_tokens=kv_tokens, thumbnail=thumb if thumb.numel() else None)
+                 kv_tokens=kv_tokens, thumbnail=thumb if thumb.numel() else None, context=context)
 
 
 def decode_lookup(header: BlobHeader, section) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:

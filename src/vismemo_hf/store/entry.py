@@ -6,6 +6,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from vismemo_hf.core.context import SIZE as CONTEXT_SIZE
 from vismemo_hf.core.features import token_sketch
 from vismemo_hf.core.plan import ImageFeatures
 
@@ -40,6 +41,9 @@ class Entry:
     kv_tokens: torch.Tensor | None = None
     #: (H, W) uint8 luma thumbnail for the lookup's pixel stage (``core.features.thumbnail``); None: not kept
     thumbnail: torch.Tensor | None = None
+    #: (``core.context.SIZE``,) int64 sketch of that context (``core.context.context_sketch``): how far a later
+    #: request's context moved from it; None: not kept (a changed context then counts as unknown)
+    context: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if self.kv is not None:
@@ -54,7 +58,8 @@ class Entry:
     @property
     def nbytes(self) -> int:
         tensors = [self.embeds, self.descriptors, self.entropy, self.sketch]
-        tensors += [t for t in (self.kv, self.deepstack, self.patch_hashes, self.kv_tokens, self.thumbnail)
+        tensors += [t for t in (self.kv, self.deepstack, self.patch_hashes, self.kv_tokens, self.thumbnail,
+                                 self.context)
                     if t is not None]
         return sum(t.numel() * t.element_size() for t in tensors)
 
@@ -88,5 +93,7 @@ class Entry:
             raise ValueError(f"entry {self.key[:12]}: patch hash count disagrees")
         if self.thumbnail is not None and (self.thumbnail.ndim != 2 or self.thumbnail.dtype != torch.uint8):
             raise ValueError(f"entry {self.key[:12]}: the thumbnail must be (H, W) uint8")
+        if self.context is not None and (self.context.shape != (CONTEXT_SIZE,) or self.context.dtype != torch.int64):
+            raise ValueError(f"entry {self.key[:12]}: the context sketch must be ({CONTEXT_SIZE},) int64")
         if self.deepstack is not None and self.deepstack.shape[1] != n:
             raise ValueError(f"entry {self.key[:12]}: deepstack token count disagrees")

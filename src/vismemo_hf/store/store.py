@@ -183,6 +183,8 @@ class VisMemoStore(Roles):
             secret = os.environ.get(SECRET_ENV) or False
         seal = blob.Seal(secret) if secret is not False else None
         self.sealed = seal is not None
+        #: keys the context sketches of this store's entries (``core.context``): derived from the secret, if any
+        self.context_key = seal.context_key() if seal is not None else b""
         self.namespace = checked_namespace(namespace) if namespace is not None else None
         self.catalog = Catalog(thresholds)
         self.eviction = ExactPriorityLRU(protect)
