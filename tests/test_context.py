@@ -388,3 +388,27 @@ def test_an_unsure_answer_after_a_reuse_is_computed_in_full_at_that_token(base_r
     assert cache.watch is None and torch.equal(out.sequences, ref.sequences)
     for mine, theirs in zip(out.scores[1:], ref.scores[1:]):  # the steps after the repair: plain's, to rounding
         assert float((mine.float().softmax(-1) - theirs.float().softmax(-1)).abs().max()) <= 1e-4
+
+
+def test_the_context_report_takes_its_front_from_an_earlier_run_only_when_it_holds_every_point(tmp_path):
+    import argparse
+    import json
+
+    from vismemo_hf.bench import context as report
+
+    point = {"agreement": 1.0, "recomputed_share": 0.5, "stale": 0}
+    earlier = {"command": "vismemo report context --front-pairs 10",
+               "front": {"vismemo-docqa-tiny": {c: {**{n: point for n in report.FRONT}, "small <= 8": point}
+                                                 for c in report.FRONT_CLASSES}}}
+    del earlier["front"]["vismemo-docqa-tiny"][report.FRONT_CLASSES[0]]["small <= 8 (default)"]  # the older label
+    path = tmp_path / "context.json"
+    path.write_text(json.dumps(earlier))
+    args = argparse.Namespace(front_from=str(path), front_pairs=10, seed=9000, max_new_tokens=6, quiet=True)
+    front, note = report._front(args, ["vismemo-docqa-tiny"])
+    assert set(front["vismemo-docqa-tiny"][report.FRONT_CLASSES[0]]) >= set(report.FRONT)
+    assert earlier["command"] in note and any("small <= 8 (default)" in line for line in
+                                              report._front_lines(front, args, note))
+    del earlier["front"]["vismemo-docqa-tiny"][report.FRONT_CLASSES[1]]["every token (full)"]
+    path.write_text(json.dumps(earlier))
+    with pytest.raises(ValueError, match="lacks front points"):
+        report._front(args, ["vismemo-docqa-tiny"])

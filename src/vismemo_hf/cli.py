@@ -461,7 +461,8 @@ def _add_bench(sub) -> None:
                                              "plain transformers, by visual length")
     _preset_options(p, "qwen3-vl-8b-narrow")
     p.add_argument("--lengths", type=INTS, default="256,512,1024,2048,4096", help="visual tokens per image")
-    p.add_argument("--policies", default="attend-deviate,vismemo,cacheblend", help="policies of the approximate hits")
+    p.add_argument("--policies", default="attend-deviate,vismemo,cacheblend",
+                   help="policies of the approximate hits (none: no approximate hits, for families without them)")
     p.add_argument("--repeats", type=int, default=3, help="timed rounds")
     p.add_argument("--new-tokens", type=int, default=32, help="tokens of every timed generate")
     p.add_argument("--long-tokens", type=int, default=256, help="tokens of one longer generate per kind (0: none)")
@@ -593,6 +594,8 @@ def _add_report(sub) -> None:
     p.add_argument("--front-pairs", type=int, default=0,
                    help="pages per class of the context check's front (its options swept on the seed after --seed; "
                         "0: none)")
+    p.add_argument("--front-from", default=None,
+                   help="the front of an earlier run's context.json instead of measuring it (same options)")
     p.add_argument("--max-new-tokens", type=int, default=6, help="tokens generated per answer")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
     _out_option(p, "results/quality")

@@ -32,12 +32,16 @@ POLICIES = {"default": {}, "cacheblend": {"policy": "cacheblend"}, "vismemo": {"
 #: tokens) swept, the default with its confidence guard off, the default's probe tolerance for larger changes swept,
 #: the check layer alone (no probes) and every token computed
 FRONT = {"small <= 0 (every change checked in full)": {"prefix_small_change": 0},
-         "small <= 8": {"prefix_small_change": 8}, "small <= 16 (default)": {},
+         "small <= 8 (default)": {"prefix_small_change": 8}, "small <= 16": {"prefix_small_change": 16},
          "small <= 32": {"prefix_small_change": 32},
-         "small <= 16, no guard": {"prefix_min_confidence": 0.0, "prefix_watch_tokens": 0},
-         "probes 0.016": {"prefix_probe_tolerance": 0.016}, "probes 0.004": {"prefix_probe_tolerance": 0.004},
+         "small <= 16, no guard": {"prefix_small_change": 16, "prefix_min_confidence": 0.0, "prefix_watch_tokens": 0},
+         "small <= 16, probes 0.016": {"prefix_small_change": 16, "prefix_probe_tolerance": 0.016},
+         "small <= 16, probes 0.004": {"prefix_small_change": 16, "prefix_probe_tolerance": 0.004},
          "check layer only": {"prefix_small_change": 0, "prefix_probe_share": 0.0, "prefix_min_confidence": 0.0},
          "every token (full)": {"policy": "full"}}
+#: labels an earlier ``context.json``'s front used for the same options (``--front-from``)
+FRONT_ALIASES = {"small <= 8": "small <= 8 (default)", "small <= 16 (default)": "small <= 16",
+                 "probes 0.016": "small <= 16, probes 0.016", "probes 0.004": "small <= 16, probes 0.004"}
 FRONT_CLASSES = tuple(c for c in context.CLASSES if c.startswith(("text-", "image-")))
 READERS = {"vismemo-docqa-base": "docpage", "vismemo-docqa-tiny": "synthdoc"}
 
@@ -159,7 +163,8 @@ def main(args) -> int:
         rows, summary = measure(reader, args.seed, args.pairs, policies, classes, args.max_new_tokens,
                                 quiet=args.quiet)
         results[reader], all_rows[reader] = summary, rows
-    command = report_command("report context", args, ["readers", "pairs", "seed", "policies", "classes", "front_pairs"])
+    command = report_command("report context", args, ["readers", "pairs", "seed", "policies", "classes", "front_pairs"]
+                             + (["front_from"] if getattr(args, "front_from", None) else []))
     report = {"command": command, "machine": machine(note="fp32"), "seconds": round(time.time() - t0),
               "results": results, "rows": all_rows}
     out = Path(args.out)
@@ -177,33 +182,53 @@ def main(args) -> int:
     for reader, summary in results.items():
         lines += ["", f"## {reader}", ""] + _table(summary, names)
     (out / "context.md").write_text("\n".join(lines) + "\n")  # the main part kept if the front is interrupted
-    if args.front_pairs:
-        front = {reader: measure(reader, args.seed + 1, args.front_pairs, FRONT, FRONT_CLASSES,
-                                 args.max_new_tokens, desc=f"{reader} (front)", quiet=args.quiet)[1]
-                 for reader in readers}
+    front, note = _front(args, readers)
+    if front is not None:
         report["front"] = front
         (out / "context.json").write_text(json.dumps(report, indent=1))
-        lines += ["", "## The context check's front", "",
-                  f"The classes of another text or page before the image (seed {args.seed + 1}, "
-                  f"{args.front_pairs} pages per class, three questions each). Swept: the largest context change "
-                  "(in tokens of text, `prefix_small_change`) checked as a small one (the 15 % whose K/V deviate "
-                  "most at the check layer recomputed, the rest verified by probes against "
-                  "`prefix_small_tolerance` and by the confidence guard); the default without its confidence guard "
-                  "and watch (`prefix_min_confidence=0`, `prefix_watch_tokens=0`); the probe tolerance of larger "
-                  "changes (`prefix_probe_tolerance`, default 0.008); the check layer alone (no probes, no guard, "
-                  "every change checked in full) and the `full` policy (every token computed). Worst: the lowest "
-                  "agreement over the classes; recomputed: the mean share of an image's tokens computed (a fallback "
-                  "computes all)."]
-        for reader, summary in front.items():
-            lines += ["", f"### {reader}", "", "| routing | worst agreement | stale | " + " | ".join(
-                f"{c}: agreement / recomputed" for c in FRONT_CLASSES) + " |",
-                      "| " + " | ".join(["---"] * (3 + len(FRONT_CLASSES))) + " |"]
-            for name in FRONT:
-                worst = min(summary[c][name]["agreement"] for c in FRONT_CLASSES)
-                stale = sum(summary[c][name]["stale"] for c in FRONT_CLASSES)
-                cells = [f"{summary[c][name]['agreement']:.3f} / {summary[c][name]['recomputed_share']:.2f}"
-                         for c in FRONT_CLASSES]
-                lines.append(f"| {name} | {worst:.3f} | {stale} | " + " | ".join(cells) + " |")
+        lines += _front_lines(front, args, note)
     (out / "context.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0
+
+
+def _front(args, readers: list[str]) -> tuple[dict | None, str]:
+    """(front, a note on where it came from): measured, or read from an earlier run's json (``--front-from``)."""
+    if getattr(args, "front_from", None):  # the front of an earlier run (its options named, not the default's)
+        earlier = json.loads(Path(args.front_from).read_text())
+        front = {reader: {cls: {FRONT_ALIASES.get(k, k): v for k, v in by.items()} for cls, by in summary.items()}
+                 for reader, summary in earlier["front"].items() if reader in readers}
+        missing = [(r, c, n) for r in readers for c in FRONT_CLASSES for n in FRONT
+                   if n not in front.get(r, {}).get(c, {})]
+        if missing:
+            raise ValueError(f"{args.front_from} lacks front points {missing[:3]}")
+        return front, f" Measured by `{earlier['command']}` (its options as labelled here)."
+    if args.front_pairs:
+        return {reader: measure(reader, args.seed + 1, args.front_pairs, FRONT, FRONT_CLASSES, args.max_new_tokens,
+                                desc=f"{reader} (front)", quiet=args.quiet)[1] for reader in readers}, ""
+    return None, ""
+
+
+def _front_lines(front: dict, args, note: str) -> list[str]:
+    lines = ["", "## The context check's front", "",
+             f"The classes of another text or page before the image (seed {args.seed + 1}, "
+             f"{args.front_pairs} pages per class, three questions each). Swept: the largest context change "
+             "(in tokens of text, `prefix_small_change`) checked as a small one (the 15 % whose K/V deviate "
+             "most at the check layer recomputed, the rest verified by probes against "
+             "`prefix_small_tolerance` and by the confidence guard); at 16, without the confidence guard and watch "
+             "(`prefix_min_confidence=0`, `prefix_watch_tokens=0`) and with other probe tolerances for larger "
+             "changes (`prefix_probe_tolerance`, default 0.008); the check layer alone (no probes, no guard, "
+             "every change checked in full) and the `full` policy (every token computed). Worst: the lowest "
+             "agreement over the classes; recomputed: the mean share of an image's tokens computed (a fallback "
+             "computes all)." + note]
+    for reader, summary in front.items():
+        lines += ["", f"### {reader}", "", "| routing | worst agreement | stale | " + " | ".join(
+            f"{c}: agreement / recomputed" for c in FRONT_CLASSES) + " |",
+                  "| " + " | ".join(["---"] * (3 + len(FRONT_CLASSES))) + " |"]
+        for name in FRONT:
+            worst = min(summary[c][name]["agreement"] for c in FRONT_CLASSES)
+            stale = sum(summary[c][name]["stale"] for c in FRONT_CLASSES)
+            cells = [f"{summary[c][name]['agreement']:.3f} / {summary[c][name]['recomputed_share']:.2f}"
+                     for c in FRONT_CLASSES]
+            lines.append(f"| {name} | {worst:.3f} | {stale} | " + " | ".join(cells) + " |")
+    return lines

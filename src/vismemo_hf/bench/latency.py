@@ -252,7 +252,7 @@ def main(args) -> int:
     if hasattr(processor, "image_processor"):
         any_size(processor, model)
     lengths = [int(x) for x in args.lengths.split(",")]
-    policies = args.policies.split(",")
+    policies = [] if args.policies == "none" else [p for p in args.policies.split(",") if p]  # none: no approximate
     total = len(lengths) * (args.repeats + 2) * (3 + len(policies))
     with progress(total=total, desc="latency", unit="run") as bar:
         records = run(model, plain, processor, lengths, policies, args.repeats, args.new_tokens, args.long_tokens, bar)

@@ -120,7 +120,7 @@ class RoutingPolicy:
     #: ``prefix_small_tolerance``, and by the confidence guard and watch, without ``prefix_tolerance`` and
     #: ``prefix_miss_ratio`` (a short change lifts the first layers' deviation of most tokens while what the answer
     #: reads stays close; ``vismemo report context``); a larger or unknown change is checked as above
-    prefix_small_change: int = 16
+    prefix_small_change: int = 8
     prefix_small_tolerance: float = 0.1
     #: reused tokens a compressed alias entry holds no K/V for (docs/METHOD.md §4): ``"mask"`` them (VL-Cache's choice;
     #: they are left out of attention) or ``"recompute"`` them (compute them at every layer)
