@@ -33,15 +33,16 @@ def context_sketch(ids: torch.Tensor, earlier: list[str], key: bytes = b"") -> t
     """(SIZE,) int64 sketch of a context: ``ids`` the real token ids before the image (1-D, host), ``earlier`` the
     identities of the images and videos before it; ``key`` keys the hashes (at most 64 bytes are used)."""
     key = hashlib.blake2b(key, digest_size=32).digest()
-    values = [int(t) for t in ids.reshape(-1).tolist()]
+    ids = ids.reshape(-1)
+    head, tail = ids[:SPAN].tolist(), ids[-SPAN:].tolist() if ids.numel() else []  # only the spans are hashed
     out = [0] * SIZE
-    out[0] = len(values)
+    out[0] = ids.numel()
     if earlier:
         h = hashlib.blake2b(key=key, digest_size=8, person=b"vm-earlier")
         for ident in earlier:
             h.update(ident.encode() + b"\0")
         out[1] = _h(h.digest())
-    for base, run in ((2, reversed(values)), (2 + SPAN, iter(values))):
+    for base, run in ((2, reversed(tail)), (2 + SPAN, iter(head))):
         h = hashlib.blake2b(key=key, digest_size=8, person=b"vm-context")
         for k, token in zip(range(SPAN), run):
             h.update(token.to_bytes(8, "little", signed=True))
