@@ -44,11 +44,13 @@ def test_tau_is_respected(qwen2, pages):
     model, processor = qwen2
     store = vismemo_hf.VisMemoStore()
     _kind(model, processor, store, pages["base"])
-    edit = _kind(model, processor, store, pages["edit"])
-    assert edit.kind is HitKind.APPROXIMATE
-    strict = _kind(model, processor, store, pages["edit"], tau_fine=min(0.99999, edit.score + 1e-4), store_misses=False)
+    edit = _kind(model, processor, store, pages["edit"], same_pixels=None, store_misses=False)
+    assert edit.kind is HitKind.APPROXIMATE and edit.found_by == "encoder"  # the encoder-based stages alone
+    strict = _kind(model, processor, store, pages["edit"], tau_fine=min(0.99999, edit.score + 1e-4), store_misses=False,
+                   same_pixels=None)
     assert strict.kind is HitKind.MISS  # the fine stage's threshold
-    assert _kind(model, processor, store, pages["edit"], tau=0.99999, store_misses=False).kind is HitKind.MISS
+    assert _kind(model, processor, store, pages["edit"], tau=0.99999, store_misses=False,
+                 same_pixels=None).kind is HitKind.MISS
     assert _kind(model, processor, store, pages["shift"], top_k=0).kind is HitKind.MISS
 
 

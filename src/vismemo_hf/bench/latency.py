@@ -21,7 +21,7 @@ import torch
 from transformers import StoppingCriteriaList
 
 from vismemo_hf import VisMemoCache, VisMemoStore, enable
-from vismemo_hf.bench.flops import encoder_share, kind_floor, patches_of, plan_flops, real_configs
+from vismemo_hf.bench.flops import encoder_flops, encoder_share, kind_floor, patches_of, plan_flops, real_configs
 from vismemo_hf.bench.report import command as report_command
 from vismemo_hf.bench.report import header, machine
 from vismemo_hf.eval import synthetic
@@ -61,7 +61,8 @@ def timed_prefill(model, inputs, cache) -> dict:
     t = dict(event.timings)
     t["prefill"] = t["prefill"] - t.get("encoder", 0.0)
     return {"timings": t, "kind": str(event.kind), "recomputed": event.recomputed, "reused": event.reused,
-            "masked": event.masked, "n_tokens": event.n_tokens, "bytes_read": event.bytes_read, "plan": event.plan}
+            "masked": event.masked, "n_tokens": event.n_tokens, "bytes_read": event.bytes_read, "plan": event.plan,
+            "encoded_tokens": event.encoded_tokens, "found_by": event.found_by}
 
 
 @torch.no_grad()
@@ -87,7 +88,7 @@ def timed_generate(model, inputs, cache, new_tokens: int) -> dict:
         t["prefill"] = t["prefill"] - t.get("encoder", 0.0)
         out["event"] = {"timings": t, "kind": str(event.kind), "recomputed": event.recomputed, "reused": event.reused,
                         "masked": event.masked, "n_tokens": event.n_tokens, "bytes_read": event.bytes_read,
-                        "plan": event.plan}
+                        "plan": event.plan, "encoded_tokens": event.encoded_tokens, "found_by": event.found_by}
     return out
 
 
@@ -152,7 +153,6 @@ def _records(config, miss_in, runs: dict, long: dict, family: str, new_tokens: i
     miss_flops = plan_flops(config, ids.numel(), start, miss[0]["event"]["plan"])
     # the TTFT floor, encoder included, here and at the real models' geometry (the same plan priced there)
     geometries = {"stand-in": config, **real_configs()}
-    patches = patches_of(config, n_visual)
     plain_floor = {g: kind_floor(c, ids.numel(), start, miss[0]["event"]["plan"], patches_of(c, n_visual))
                    for g, c in geometries.items()}
     shares = {g: encoder_share(c, ids.numel(), start, n_visual) for g, c in geometries.items()}
@@ -174,11 +174,20 @@ def _records(config, miss_in, runs: dict, long: dict, family: str, new_tokens: i
             first = outs[0]["event"]
             flops = plan_flops(config, ids.numel(), start, first["plan"])
             median = {s: statistics.median(o["event"]["timings"].get(s, 0.0) for o in outs) for s in STAGES + ("prefill",)}
-            encoded = 0 if kind == "exact" else patches  # an exact hit skips the tower; the others run it whole
+            # the tokens the tower ran for: none on an exact hit, the changed ones and their context on a hit found
+            # by its pixels, all on the others
+            encoded = first.get("encoded_tokens", n_visual if kind != "exact" else 0)
+            encoded = n_visual if encoded < 0 else encoded
             record["ttft_floor"] = {g: kind_floor(c, ids.numel(), start, first["plan"],
-                                                  encoded and patches_of(c, n_visual)) / plain_floor[g]
+                                                  encoded and patches_of(c, encoded)) / plain_floor[g]
                                     for g, c in geometries.items()}
             record["encoder_share"] = shares
+            miss_encoder = statistics.median(o["event"]["timings"].get("encoder", 0.0) for o in miss)
+            record["encoded_tokens"], record["found_by"] = encoded, first.get("found_by")
+            record["encoder_work"] = {
+                "analytic": {g: (encoder_flops(c, patches_of(c, encoded)) if encoded else 0.0)
+                             / encoder_flops(c, patches_of(c, n_visual)) for g, c in geometries.items()},
+                "measured": median["encoder"] / miss_encoder if miss_encoder > 0 else None}
             record.update({"prefill_ms": median["prefill"], "ratio_to_miss": median["prefill"] / miss_ms,
                            "floor_ratio": flops / miss_flops, "plan_gflops": flops / 1e9,
                            "recomputed": first["recomputed"], "reused": first["reused"], "masked": first["masked"],
@@ -277,14 +286,24 @@ def _floors(records) -> list[str]:
         return []
     names = list(hits[0]["ttft_floor"])
     lines = ["", "## TTFT floors, the vision encoder included", "",
-             "The FLOPs each kind runs over plain transformers' (`bench.flops`: the vision encoder unless the kind is "
-             "an exact hit, which skips it, then the plan's decoder layers), on this stand-in and for the same plan at "
-             "the real models' published geometry; `encoder share`: the encoder's part of a miss's FLOPs there.", "",
-             "| visual tokens | kind | policy | measured TTFT / plain | " + " | ".join(f"floor {n}" for n in names)
+             "The FLOPs each kind runs over plain transformers' (`bench.flops`: the vision encoder over the tokens the "
+             "kind encodes -- none on an exact hit, the changed tokens and their context on a hit found by its pixels "
+             "(`found by` pixels), all of them otherwise -- then the plan's decoder layers), on this stand-in and for "
+             "the same plan at the real models' published geometry; `encoder share`: the encoder's part of a miss's "
+             "FLOPs there; `encoder work`: the hit's encoder FLOPs over a full encode's (analytic, stand-in) and its "
+             "measured encoder time over the miss's.", "",
+             "| visual tokens | kind | policy | found by | encoded | encoder work (analytic / measured) | "
+             "measured TTFT / plain | " + " | ".join(f"floor {n}" for n in names)
              + " | " + " | ".join(f"encoder share {n}" for n in names) + " |",
-             "| --- | --- | --- | --- | " + " | ".join("---" for _ in names * 2) + " |"]
+             "| --- | --- | --- | --- | --- | --- | --- | " + " | ".join("---" for _ in names * 2) + " |"]
     for r in hits:
+        work = r.get("encoder_work") or {}
+        measured = work.get("measured")
+        analytic = (work.get("analytic") or {}).get(names[0])
+        work_text = "-" if analytic is None else \
+            f"{analytic:.3f} / {measured:.3f}" if measured is not None else f"{analytic:.3f} / -"
         lines.append(f"| {r['visual_tokens']} | {r['kind']} | {r['policy'] if r['kind'] == 'approximate' else '-'} | "
+                     f"{r.get('found_by') or '-'} | {r.get('encoded_tokens', '-')} | {work_text} | "
                      f"{r['ratio_to_plain']:.3f} | " + " | ".join(f"{r['ttft_floor'][n]:.3f}" for n in names) + " | "
                      + " | ".join(f"{r['encoder_share'][n]:.0%}" for n in names) + " |")
     return lines

@@ -59,7 +59,8 @@ def _changed(base, edited, change: str):
 
 def floors(preset: str, tokens: int, points: list[tuple[str, dict]]) -> dict:
     """Each point's FLOPs over a miss's on ``preset`` (random weights) at about ``tokens`` visual tokens, the vision
-    encoder included (an approximate hit runs it whole, as a miss does: ``bench.flops.kind_floor``), per change of
+    encoder included over the tokens the hit encodes (all of them, or a hit found by its pixels its changed tokens
+    and their context: ``bench.flops.kind_floor``), per change of
     ``FLOOR_CHANGES`` and their mean (a change the point serves as a miss costs a miss)."""
     from vismemo_hf.bench.flops import kind_floor, patches_of
     from vismemo_hf.bench.latency import any_size, page_pair, request_inputs, timed_prefill
@@ -88,7 +89,9 @@ def floors(preset: str, tokens: int, points: list[tuple[str, dict]]) -> dict:
         per = {}
         for change, inputs in changed.items():
             hit = timed_prefill(model, inputs, VisMemoCache(store=store, policy=policy, store_misses=False, **options))
-            per[change] = (kind_floor(model.config, ids.numel(), start, hit["plan"], patches) / miss_flops
+            encoded = hit["n_tokens"] if hit["encoded_tokens"] < 0 else hit["encoded_tokens"]
+            per[change] = (kind_floor(model.config, ids.numel(), start, hit["plan"],
+                                      encoded and patches_of(model.config, encoded)) / miss_flops
                            if hit["kind"] == "approximate" else 1.0)
         out[label], by_change[label] = sum(per.values()) / len(per), per
     return {"preset": preset, "visual_tokens": miss["n_tokens"], "floor": out, "by_change": by_change}

@@ -362,6 +362,11 @@ class CacheEvent:
     drift: float = 0.0
     #: a watched answer (``ImagePlan.verify_watch``) whose sequence was computed in full at this generated token
     repaired_at: int | None = None
+    #: the image's tokens the vision tower ran for (0: an exact hit; fewer than ``n_tokens``: an approximate hit found
+    #: by its pixels, which encodes its changed tokens only; -1: not known)
+    encoded_tokens: int = -1
+    #: which lookup stage found the alias: "key", "pixels", "encoder" or "thumbnail" (None: a miss)
+    found_by: str | None = None
 
     def as_dict(self) -> dict:
         return {
@@ -384,5 +389,7 @@ class CacheEvent:
             "verify_estimate": self.verify_estimate,
             "drift": self.drift,
             "repaired_at": self.repaired_at,
+            "encoded_tokens": self.encoded_tokens,
+            "found_by": self.found_by,
             "timings": dict(self.timings),
         }

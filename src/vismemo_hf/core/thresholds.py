@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from vismemo_hf.core.features import token_grid
+from vismemo_hf.core.pixel_first import MIN_SAME
 
 #: how far above the model's most similar unrelated reference pair an adaptive ``tau_fine`` is kept
 UNRELATED_MARGIN = 0.03
@@ -43,7 +44,9 @@ class LookupThresholds:
     (``aligned_similarity``) reaches ``tau_pixel`` -- a page moved by part of a token or zoomed by a few percent,
     whose tokens all changed although its pixels did not. ``fingerprint``: the model they were calibrated for
     (None: any). ``adaptive``: ``tau_fine`` is raised, per model, to ``UNRELATED_MARGIN`` above its most similar
-    unrelated reference pair (on by default; off for calibrated presets and explicit values)."""
+    unrelated reference pair (on by default; off for calibrated presets and explicit values). ``same_pixels``: the
+    pixel-first stage (``core.pixel_first``) takes a stored image as the alias when at least this share of the new
+    image's tokens, and of its distinctive ones, show its pixels at the same places (None: no pixel-first stage)."""
 
     tau: float = 0.8
     tau_fine: float = 0.85
@@ -51,6 +54,7 @@ class LookupThresholds:
     adaptive: bool = True
     tau_pixel: float | None = None
     tau_near: float | None = None
+    same_pixels: float | None = MIN_SAME
 
     def fine_for(self, reference: ModelReference) -> float:
         """The fine threshold for a model."""
@@ -81,6 +85,9 @@ class LookupThresholds:
                 raise ValueError(f"{name} must be a cosine in [-1, 1], got {value!r}")
         if (self.tau_pixel is None) != (self.tau_near is None):
             raise ValueError("tau_pixel and tau_near go together: give both or neither")
+        same = self.same_pixels
+        if same is not None and (isinstance(same, bool) or not isinstance(same, (int, float)) or not 0 < same <= 1):
+            raise ValueError(f"same_pixels must be a share in (0, 1] or None, got {same!r}")
 
     @classmethod
     def load(cls, name_or_path: str) -> LookupThresholds:
@@ -89,7 +96,7 @@ class LookupThresholds:
 
         cfg = load("lookup", name_or_path)
         where = find("lookup", name_or_path)
-        unknown = set(cfg) - {"tau", "tau_fine", "tau_pixel", "tau_near", "fingerprint", "calibration"}
+        unknown = set(cfg) - {"tau", "tau_fine", "tau_pixel", "tau_near", "same_pixels", "fingerprint", "calibration"}
         if unknown:
             raise ValueError(f"unknown lookup option(s) {sorted(unknown)} in {where}")
         missing = {"tau", "tau_fine"} - set(cfg)
@@ -99,7 +106,7 @@ class LookupThresholds:
         if fingerprint is not None and not isinstance(fingerprint, str):
             raise ValueError(f"fingerprint in {where} must be a string, got {fingerprint!r}")
         return cls(cfg["tau"], cfg["tau_fine"], fingerprint, adaptive=False, tau_pixel=cfg.get("tau_pixel"),
-                   tau_near=cfg.get("tau_near"))
+                   tau_near=cfg.get("tau_near"), same_pixels=cfg.get("same_pixels", MIN_SAME))
 
     def as_dict(self) -> dict:
         return asdict(self)

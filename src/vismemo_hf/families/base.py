@@ -115,8 +115,59 @@ def _weights_signature(params: tuple) -> tuple:
 
 
 
+class VisionTower:
+    """What the runtime and the benchmarks need of a family's vision tower: its calls (whole images, some of an
+    image's tokens), its output per image, and its price (``bench/flops.py``). ``ModelAdapter`` is one."""
+
+    #: whether the tower can encode some of an image's tokens at their own positions (``encode_tokens``): an
+    #: approximate hit then encodes only what changed and reuses its alias's encoder output for the rest
+    partial_encoder: ClassVar[bool] = False
+
+    def encode(self, get_image_features, pixel_values, grids) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        """Run the vision tower once over several images: per image (embeds (N, d), deepstack (k, N, d) | None)."""
+        return self.split_encoded(get_image_features(pixel_values, grids, return_dict=True))
+
+    def encode_images(self, get_image_features, images: list[tuple]) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        """``encode`` of ``split_images``' (pixels, grid, extra) items, in one batch."""
+        pixels = torch.cat([p for p, _, _ in images])
+        return self.encode(get_image_features, pixels, torch.tensor([g for _, g, _ in images], device=pixels.device))
+
+    def encode_tokens(self, get_image_features, items: list[tuple[torch.Tensor, tuple, torch.Tensor]]) \
+            -> list[tuple[torch.Tensor, torch.Tensor | None]] | None:
+        """The encoder output of some tokens of some images, in one call: ``items`` holds (the image's pixel rows,
+        its grid, the sorted tokens wanted); per image (embeds (k, d), extra features (levels, k, d) | None) of those
+        tokens, each at its own place in its image, attending to the others wanted of its image only (docs/METHOD.md
+        §1, encoder reuse). None: the family's tower cannot (``partial_encoder``)."""
+        return None
+
+    def split_encoded(self, out) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        """The tower's output per image: (embeds (N, d), extra visual features (k, N, d) | None)."""
+        return [(e, None) for e in out.pooler_output]
+
+    def encoder_outputs(self, per_image: list[tuple[torch.Tensor, torch.Tensor | None]]):
+        """The ``mm_encoder_outputs["image"]`` object the model's forward expects."""
+        return BaseModelOutputWithPooling(pooler_output=tuple(e for e, _ in per_image))
+
+    # -- what the benchmarks price (bench/flops.py) ---------------------------------------------------------
+    @classmethod
+    def encoder_flops(cls, vision, patches: int) -> float:
+        """Forward FLOPs of the family's vision tower (config ``vision``) on one image of ``patches`` patches."""
+        raise NotImplementedError(f"{cls.__name__} does not price its vision tower")
+
+    @classmethod
+    def model_encoder_flops(cls, config, patches: int) -> float:
+        """``encoder_flops`` with what the model adds between the tower and the language model (a family whose
+        projector is sized by the language model prices it here)."""
+        return cls.encoder_flops(config.vision_config, patches)
+
+    @classmethod
+    def patches_for(cls, config, visual_tokens: int) -> int:
+        """Patches of an image that gives ``visual_tokens`` tokens (the merger's groups of patches)."""
+        return visual_tokens * config.vision_config.spatial_merge_size ** 2
+
+
 @dataclass
-class ModelAdapter:
+class ModelAdapter(VisionTower):
     """Handles on one enabled model: its parts, geometry and identity (the generic family; see the module doc)."""
 
     model: torch.nn.Module
@@ -219,11 +270,24 @@ class ModelAdapter:
         """Visual tokens of an image of ``grid``."""
         return (grid[0] * grid[1] * grid[2]) // self.merge**2
 
-    def pixel_features(self, pixels: torch.Tensor, grid):
-        """What computes an image's (patch entropy, token pixel hashes) when they are first needed."""
-        from vismemo_hf.core.features import patch_entropy, patch_hashes
+    def pixel_features(self, pixels: torch.Tensor, grid, hashes: torch.Tensor | None = None):
+        """What computes an image's (patch entropy, token pixel hashes) when they are first needed (``hashes``:
+        already computed)."""
+        from vismemo_hf.core.features import patch_entropy
 
-        return lambda: (patch_entropy(pixels, **self.entropy_kwargs()), patch_hashes(pixels, self.merge))
+        return lambda: (patch_entropy(pixels, **self.entropy_kwargs()),
+                        hashes if hashes is not None else self.patch_hashes(pixels, grid))
+
+    def patch_hashes(self, pixels: torch.Tensor, grid) -> torch.Tensor | None:
+        """(N,) hash of each visual token's pixels (``core.features.patch_hashes``), or None (no token grid)."""
+        from vismemo_hf.core.features import patch_hashes
+
+        return patch_hashes(pixels, self.merge)
+
+    @property
+    def encoder_window(self) -> int | None:
+        """The side, in visual tokens, of the windows the tower's windowed blocks attend within (None: none)."""
+        return None
 
     def thumbnail_of(self, pixels: torch.Tensor, grid):
         """What computes an image's (H, W) uint8 thumbnail once (the pixel stage, the store), or None."""
@@ -381,41 +445,6 @@ class ModelAdapter:
             size={"shortest_edge": min_tokens * budget, "longest_edge": max_tokens * budget}, patch_size=patch,
             temporal_patch_size=temporal, merge_size=merge, image_mean=list(mean or cls.image_mean),
             image_std=list(std or cls.image_std))
-
-    # -- vision encoder --------------------------------------------------------------------
-    def encode(self, get_image_features, pixel_values, grids) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
-        """Run the vision tower once over several images: per image (embeds (N, d), deepstack (k, N, d) | None)."""
-        return self.split_encoded(get_image_features(pixel_values, grids, return_dict=True))
-
-    def encode_images(self, get_image_features, images: list[tuple]) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
-        """``encode`` of ``split_images``' (pixels, grid, extra) items, in one batch."""
-        pixels = torch.cat([p for p, _, _ in images])
-        return self.encode(get_image_features, pixels, torch.tensor([g for _, g, _ in images], device=pixels.device))
-
-    def split_encoded(self, out) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
-        """The tower's output per image: (embeds (N, d), extra visual features (k, N, d) | None)."""
-        return [(e, None) for e in out.pooler_output]
-
-    def encoder_outputs(self, per_image: list[tuple[torch.Tensor, torch.Tensor | None]]):
-        """The ``mm_encoder_outputs["image"]`` object the model's forward expects."""
-        return BaseModelOutputWithPooling(pooler_output=tuple(e for e, _ in per_image))
-
-    # -- what the benchmarks price (bench/flops.py) ---------------------------------------------------------
-    @classmethod
-    def encoder_flops(cls, vision, patches: int) -> float:
-        """Forward FLOPs of the family's vision tower (config ``vision``) on one image of ``patches`` patches."""
-        raise NotImplementedError(f"{cls.__name__} does not price its vision tower")
-
-    @classmethod
-    def model_encoder_flops(cls, config, patches: int) -> float:
-        """``encoder_flops`` with what the model adds between the tower and the language model (a family whose
-        projector is sized by the language model prices it here)."""
-        return cls.encoder_flops(config.vision_config, patches)
-
-    @classmethod
-    def patches_for(cls, config, visual_tokens: int) -> int:
-        """Patches of an image that gives ``visual_tokens`` tokens (the merger's groups of patches)."""
-        return visual_tokens * config.vision_config.spatial_merge_size ** 2
 
     # -- presets and offline processors (configs/models/, offline.py) ----------------------------------------
     #: special tokens of the family's chat format that an offline tokenizer adds (``offline.byte_tokenizer``)

@@ -89,9 +89,12 @@ class LlavaOnevisionAdapter(QwenAdapter):
             out.append((encoded.pooler_output[0], None))
         return out
 
-    def pixel_features(self, pixels: torch.Tensor, grid):
+    def pixel_features(self, pixels: torch.Tensor, grid, hashes=None):
         n = grid[2]
         return lambda: (torch.zeros(n), None)
+
+    def patch_hashes(self, pixels: torch.Tensor, grid) -> None:
+        return None
 
     def thumbnail_of(self, pixels: torch.Tensor, grid):
         return None

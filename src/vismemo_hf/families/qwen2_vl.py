@@ -34,6 +34,35 @@ class QwenAdapter(ModelAdapter):
     """What the Qwen-VL families share: keys turned over halves of the head dimension."""
 
     chat_template: ClassVar[str] = QWEN2_TEMPLATE
+    partial_encoder: ClassVar[bool] = True
+
+    def encode_tokens(self, get_image_features, items):
+        """As ``ModelAdapter.encode_tokens``: the tokens' patch rows go through the tower as one sequence per image,
+        with the positions (and the family's ``subset_inputs``) they have in the whole image, handed to the tower
+        precomputed (``transformers.vision_utils``); the tower is told a grid of the subset's size only so that it
+        splits its output per image. Images of one frame only."""
+        from transformers.vision_utils import get_vision_position_ids
+
+        if not items or any(grid[0] != 1 for _, grid, _ in items):
+            return None
+        unit = self.merge**2
+        device = items[0][0].device
+        rows, positions, grids, lengths = [], [], [], [0]
+        for pixels, grid, tokens in items:
+            patch_rows = (tokens.to(torch.long)[:, None] * unit + torch.arange(unit)).reshape(-1)
+            positions.append(get_vision_position_ids(torch.tensor([grid]), self.merge)[patch_rows])
+            rows.append(pixels[patch_rows.to(pixels.device)])
+            grids.append((1, self.merge, self.merge * tokens.numel()))
+            lengths.append(lengths[-1] + patch_rows.numel())
+        inputs = {"position_ids": torch.cat(positions).to(device),
+                  "cu_seqlens": torch.tensor(lengths, dtype=torch.int32, device=device),
+                  **self.subset_inputs(items, device)}
+        out = get_image_features(torch.cat(rows), torch.tensor(grids, device=device), return_dict=True, **inputs)
+        return self.split_encoded(out)
+
+    def subset_inputs(self, items, device) -> dict:
+        """What else the tower precomputes from the grid, for the tokens of ``items`` (``encode_tokens``)."""
+        return {}
 
     def move_keys(self, keys: torch.Tensor, delta: int, shift: tuple[int, int] = (0, 0)) -> torch.Tensor:
         """As ``ModelAdapter.move_keys``; the text's delta in float64 angles (``delta`` may be long), a moved
@@ -73,6 +102,30 @@ class Qwen2_5_VLAdapter(QwenAdapter):  # noqa: N801 (the transformers class name
     title: ClassVar[str] = "Qwen2.5-VL"
     processor_class: ClassVar[str] = "Qwen2_5_VLProcessor"
     video_processor_class: ClassVar[str] = "qwen2_vl.video_processing_qwen2_vl:Qwen2VLVideoProcessor"
+
+    @property
+    def encoder_window(self) -> int:
+        vision = self.vision_config
+        return vision.window_size // self.merge // vision.patch_size
+
+    def subset_inputs(self, items, device) -> dict:
+        """The windows of the windowed blocks: each wanted token in the window it has in the whole image, the
+        windows in the tower's order (row-major, tokens row-major inside); a window all of whose tokens are wanted
+        is computed as in the whole image."""
+        side, unit = self.encoder_window, self.merge**2
+        order, bounds, first = [], [0], 0
+        for _, (_, h, w), tokens in items:
+            width = w // self.merge
+            across = width // side + 1  # the tower pads every row of windows by a window
+            tokens = tokens.to(torch.long)
+            window = (tokens // width // side) * across + (tokens % width) // side
+            ranked = torch.argsort(window * (h * w) + tokens)
+            order.append(ranked + first)
+            counts = torch.unique_consecutive(window[ranked], return_counts=True)[1]
+            bounds.extend((bounds[-1] + counts.cumsum(0) * unit).tolist())
+            first += tokens.numel()
+        return {"window_index": torch.cat(order).to(device),
+                "cu_window_seqlens": torch.tensor(bounds, dtype=torch.int32, device=device)}
 
     @classmethod
     def encoder_flops(cls, vision, patches: int) -> float:

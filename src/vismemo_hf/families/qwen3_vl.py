@@ -32,15 +32,31 @@ class Qwen3VLAdapter(QwenAdapter):
     def deepstack_levels(self) -> int:
         return len(getattr(self.vision_config, "deepstack_visual_indexes", ()))
 
+    def subset_inputs(self, items, device) -> dict:
+        """The learned position table resampled to each whole image, at the wanted tokens' patches."""
+        from transformers.vision_utils import get_vision_interpolation_indices_and_weights
+
+        visual, unit = self.base.visual, self.merge**2
+        indices, weights = [], []
+        for _, grid, tokens in items:
+            taps, taken = get_vision_interpolation_indices_and_weights(
+                torch.tensor([grid]), num_grid_per_side=visual.num_grid_per_side, mode=visual.interpolation_mode,
+                align_corners=visual.interpolation_align_corners, spatial_merge_size=self.merge)
+            patch_rows = (tokens.to(torch.long)[:, None] * unit + torch.arange(unit)).reshape(-1)
+            indices.append(taps[patch_rows])
+            weights.append(taken[patch_rows])
+        return {"interp_indices": torch.cat(indices).to(device), "interp_weights": torch.cat(weights).to(device)}
+
     def split_encoded(self, out) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
         per_layer = [list(level) for level in out.deepstack_features]
-        return [(e, torch.stack([level[i] for level in per_layer])) for i, e in enumerate(out.pooler_output)]
+        return [(e, torch.stack([level[i] for level in per_layer]) if per_layer else None)
+                for i, e in enumerate(out.pooler_output)]
 
     def encoder_outputs(self, per_image):
         from transformers.models.qwen3_vl.modeling_qwen3_vl import BaseModelOutputWithDeepstackFeatures
 
         embeds = tuple(e for e, _ in per_image)
-        levels = per_image[0][1].shape[0] if per_image else 0
+        levels = per_image[0][1].shape[0] if per_image and per_image[0][1] is not None else 0
         deepstack = [tuple(d[level] for _, d in per_image) for level in range(levels)]
         return BaseModelOutputWithDeepstackFeatures(pooler_output=embeds, deepstack_features=deepstack)
 

@@ -95,6 +95,8 @@ class AttendDeviatePolicy(RoutingPolicy):
     #: them all and has no dependents)
     local_share: float = 0.25
     prefix_routing: str = "check"
+    #: an approximate hit found by its pixels encodes only the changed tokens (``RoutingPolicy.reuses_encoder``)
+    reuse_encoder: bool = True
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -108,6 +110,9 @@ class AttendDeviatePolicy(RoutingPolicy):
             raise ValueError(f"dependents must be 'row' or a count >= 0, got {self.dependents!r}")
         if not 0.0 <= self.local_share <= 1.0:
             raise ValueError("local_share must lie in [0, 1]")
+
+    def reuses_encoder(self) -> bool:
+        return self.reuse_encoder
 
     def prefetch_tokens(self, image: ImageFeatures, alias: ImageFeatures) -> torch.Tensor:
         return torch.arange(image.n_tokens)  # every token not recomputed is reused
@@ -134,7 +139,7 @@ class AttendDeviatePolicy(RoutingPolicy):
         attention = warmup_score(signals, n)
         recompute = [self.select(deviation, attention, n)]
         changed = changed_tokens(image, alias)
-        if changed is not None and self.dependents and int(changed.sum()) <= self.local_share * n:
+        if changed is not None and int(changed.sum()) <= self.local_share * n:  # with dependents 0: themselves
             recompute.append(torch.nonzero(reading_dependents(changed, image.token_hw, self.dependents)).flatten())
         probes = None
         if signals.prefix_changed and self.prefix_routing == "check":  # the alias was computed after another context

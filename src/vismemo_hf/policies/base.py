@@ -154,6 +154,12 @@ class RoutingPolicy:
             return SignalNeeds(check_kv=True)
         return SignalNeeds(self.needs_attention, self.needs_deviation, self.needs_check_kv)
 
+    def reuses_encoder(self) -> bool:
+        """Whether an approximate hit found by its pixels encodes only the tokens whose pixels changed and keeps
+        the alias's encoder output for the rest (docs/METHOD.md §1); False: its tower runs on the whole image (a
+        routing that reads the encoder output of every token, as the paper's does)."""
+        return False
+
     def decision_layer(self, kind: HitKind) -> int:
         """The layer before which the plan of an image of ``kind`` is made (the end of its warmup)."""
         return self.prefix_check_layer if kind is HitKind.EXACT else self.warmup_layers

@@ -232,8 +232,9 @@ class VisMemoCache(DynamicCache):
     Approximate lookup compares embeddings centred by the model's reference means with ``thresholds``: a
     ``LookupThresholds``, or a preset name / YAML path written by ``vismemo calibrate`` for the model; None: the
     store's calibration for the model (``VisMemoStore(thresholds=...)``), else tau 0.8 and tau_fine 0.85 raised
-    above the model's unrelated reference pairs. ``tau`` / ``tau_fine`` override single values; ``top_k``
-    candidates get the fine stage (0: exact hits only).
+    above the model's unrelated reference pairs. ``tau`` / ``tau_fine`` / ``same_pixels`` (the pixel-first stage's
+    least unchanged share; None: no pixel-first stage) override single values; ``top_k`` candidates get the fine
+    stage (0: exact hits only).
 
     ``namespace`` (a tenant, user or project name; default the store's ``namespace``): like vLLM's ``cache_salt``,
     it enters every exact key and the lookup index, so that this cache never reuses, exactly or approximately, an
@@ -253,6 +254,7 @@ class VisMemoCache(DynamicCache):
         thresholds: str | LookupThresholds | None = None,
         tau: float | None = None,
         tau_fine: float | None = None,
+        same_pixels: float | None = _UnsetFloat(0.75),
         top_k: int = 5,
         store_misses: bool = True,
         compress: VLCacheCompression | None = None,
@@ -276,6 +278,8 @@ class VisMemoCache(DynamicCache):
         self._overrides = {k: float(v) for k, v in (("tau", tau), ("tau_fine", tau_fine)) if v is not None}
         if tau_fine is not None:
             self._overrides["adaptive"] = False
+        if not isinstance(same_pixels, _Unset):
+            self._overrides["same_pixels"] = same_pixels
         replace(LookupThresholds(), **self._overrides)  # a bad tau is an error here, not at the first lookup
         if top_k < 0:
             raise ValueError("top_k must be >= 0")

@@ -26,6 +26,7 @@ from vismemo_hf.core.features import (
     token_grid,
     token_sketch,
 )
+from vismemo_hf.core.pixel_first import encoder_tokens, pixel_changes
 from vismemo_hf.core.plan import HitKind, ImageFeatures
 from vismemo_hf.core.thresholds import (
     MAX_DRIFT,
@@ -73,6 +74,12 @@ class ImageMatch:
     aligned: bool = True  # False: a copy warped (zoomed, turned) so far that its tokens do not line up with the alias's
     drift: float = 0.0  # approximate hits: how far parts of the copy move against its centre (``local_drift``), tokens
     host_embeds: torch.Tensor | None = None  # a miss's encoder output, read to the host once (descriptors, sketch)
+    #: the tokens the vision tower ran for (None: the whole image; 0: none, an exact hit); an approximate hit found by
+    #: its pixels encodes its changed tokens only (``core.pixel_first``) and keeps its alias's output for the rest
+    encoded_tokens: int | None = None
+    #: which stage found the alias: "key" (exact), "pixels" (pixel-first), "encoder" (coarse and fine stages),
+    #: "thumbnail" (the aligned pixel stage); None: a miss
+    found_by: str | None = None
 
     @property
     def n_tokens(self) -> int:
@@ -83,7 +90,7 @@ class ImageMatch:
 
     def as_miss(self) -> ImageMatch:
         return replace(self, kind=HitKind.MISS, alias=None, alias_entry=None, alias_offset=0, score=None,
-                       prefix_changed=False, context_change=None, pixel_score=None, aligned=True)
+                       prefix_changed=False, context_change=None, pixel_score=None, aligned=True, found_by=None)
 
 
 class DeferredImageFeatures:
@@ -316,7 +323,18 @@ def lookup_request(adapter, cache, input_ids, pixel_values, grids, get_image_fea
     exact_ms = (time.perf_counter() - t0) * 1e3 / max(1, len(source))
     t0 = time.perf_counter()
     todo = [i for i in originals if entries[i] is None]
-    encodings = _encode(adapter, get_image_features, todo, encoded, [items[originals[i]] for i in todo])
+    hashes = {i: _hashes_for_lookup(adapter, cache, owner, pixels[originals[i]], grid_list[originals[i]])
+              for i in todo}
+    firsts = {i: found for i in todo if (found := _pixel_alias(adapter, cache, owner, grid_list[originals[i]],
+                                                               hashes[i])) is not None}
+    pixel_ms = (time.perf_counter() - t0) * 1e3 / max(1, len(todo))  # the pixel-first stage, per image
+    t0 = time.perf_counter()
+    reusing = encoded is None and adapter.partial_encoder and cache.policy.reuses_encoder()
+    partial = _encode_changed(adapter, get_image_features, {i: firsts[i] for i in firsts if reusing},
+                              {i: items[originals[i]] for i in firsts})
+    rest = [i for i in todo if i not in partial]
+    encodings = {**_encode(adapter, get_image_features, rest, encoded, [items[originals[i]] for i in rest]),
+                 **{i: out[:2] for i, out in partial.items()}}
     encoder_ms = (time.perf_counter() - t0) * 1e3
     contexts = _contexts(input_ids, valid, spans, [keys[i] for i in source],
                          video_items(adapter.video_mask(input_ids, token_types), merge, videos),
@@ -327,16 +345,20 @@ def lookup_request(adapter, cache, input_ids, pixel_values, grids, get_image_fea
         (row, start), (prefix, sketch), entry = spans[j], contexts[j], entries[i]
         if entry is not None:
             match = _exact_match(row, start, entry, prefix, sketch)
+            store_call("index", lambda e=entry: cache.store.note_pixels(e.key, e.patch_hashes), None)
         else:
             embeds, deepstack = encodings[i]
             feats = ImageFeatures(keys[i], grid_list[j], embeds,
-                                  pixel_features=adapter.pixel_features(pixels[j], grid_list[j]))
+                                  pixel_features=adapter.pixel_features(pixels[j], grid_list[j], hashes[i]))
             host_embeds = embeds.detach().float().cpu()
             match = ImageMatch(row, start, feats, embeds, deepstack, region_descriptors(host_embeds, grid_list[j], merge),
                                HitKind.MISS, prefix, encoder_ms=encoder_ms, context=sketch,
-                               thumbnail=adapter.thumbnail_of(pixels[j], grid_list[j]), host_embeds=host_embeds)
-            match = _approximate(adapter, match, cache, get_image_features)
-        images.append(replace(match, lookup_ms=exact_ms + (time.perf_counter() - t0) * 1e3))
+                               thumbnail=adapter.thumbnail_of(pixels[j], grid_list[j]), host_embeds=host_embeds,
+                               encoded_tokens=partial[i][2] if i in partial else None)
+            match = _pixel_first_match(match, *firsts[i]) if i in firsts else \
+                _approximate(adapter, match, cache, get_image_features)
+        stages = exact_ms + (pixel_ms if entry is None else 0.0)
+        images.append(replace(match, lookup_ms=stages + (time.perf_counter() - t0) * 1e3))
     outputs = adapter.encoder_outputs([(m.embeds, m.deepstack) for m in images])
     compressing = cache.compress is not None or (cache.store_misses and cache.store.keep_ratio is not None)
     needs_runner = compressing or any(m.kind is not HitKind.MISS for m in images)
@@ -354,7 +376,86 @@ def _exact_match(row: int, start: int, entry: Entry, prefix: str, sketch: torch.
     changed = entry.prefix != prefix
     return ImageMatch(row, start, feats, entry.embeds, entry.deepstack, entry.descriptors, HitKind.EXACT, prefix,
                       alias=feats, alias_entry=entry, alias_offset=entry.offset, score=1.0, prefix_changed=changed,
-                      context=sketch, context_change=context_change(entry.context, sketch) if changed else None)
+                      context=sketch, context_change=context_change(entry.context, sketch) if changed else None,
+                      encoded_tokens=0, found_by="key")
+
+
+def _approximate_lookup(adapter, cache) -> bool:
+    """Whether this cache and model make approximate lookups at all."""
+    if cache.top_k == 0 or not adapter.approximate:
+        return False
+    if cache.policy.decision_layer(HitKind.APPROXIMATE) >= adapter.num_layers:  # nothing left to reuse
+        logger.info("vismemo: the routing's warmup leaves no layer to reuse in a %d-layer model; no approximate "
+                    "lookup", adapter.num_layers)
+        return False
+    return True
+
+
+def _hashes_for_lookup(adapter, cache, owner: str, pixels: torch.Tensor, grid) -> torch.Tensor | None:
+    """The image's token pixel hashes when a pixel-first lookup can use them (the index holds images of its model
+    and grid), else None (computed later, when needed)."""
+    if not _approximate_lookup(adapter, cache) or cache.lookup_thresholds(adapter.fingerprint).same_pixels is None or \
+            not store_call("index", lambda: cache.store.knows_pixels(owner, tuple(grid)), False):
+        return None
+    return adapter.patch_hashes(pixels, grid)
+
+
+def _pixel_alias(adapter, cache, owner: str, grid, hashes: torch.Tensor | None) -> tuple | None:
+    """Pixel-first stage (docs/METHOD.md §1, step 2): (entry, (N,) changed tokens, share of tokens unchanged) of
+    the first candidate of the pixel index that the image shows edited (``pixel_changes``), or None."""
+    same_pixels = cache.lookup_thresholds(adapter.fingerprint).same_pixels
+    if hashes is None or same_pixels is None:
+        return None
+    found = store_call("index", lambda: cache.store.pixel_candidates(owner, tuple(grid), hashes, cache.top_k), [])
+    for key, _ in found:
+        entry = store_call("read", lambda k=key: cache.store.peek(k, owner), None)
+        if not _usable(adapter, cache, entry, key, tuple(grid)):
+            continue
+        changed = pixel_changes(hashes, entry.patch_hashes, same_pixels)
+        if changed is not None:
+            return entry, changed, 1.0 - float(changed.float().mean())
+    return None
+
+
+def _encode_changed(adapter, get_image_features, found: dict, items: dict) -> dict:
+    """{image: (embeds, deepstack, tokens encoded)} of pixel-first hits (``found``: image -> ``_pixel_alias``'s
+    result): the tower runs, in one call, for each image's changed tokens and their context (``encoder_tokens``);
+    the changed tokens take its output, the others keep the alias's. {} when the family's tower cannot."""
+    wanted = {}
+    for i, (entry, changed, _) in found.items():
+        if bool(changed.any()):
+            wanted[i] = encoder_tokens(changed, token_grid(entry.grid, adapter.merge)[1:], window=adapter.encoder_window)
+    fresh = adapter.encode_tokens(get_image_features, [(items[i][0], items[i][1], t) for i, t in wanted.items()]) \
+        if wanted else []
+    if fresh is None:
+        return {}
+    fresh = dict(zip(wanted, fresh))
+    out = {}
+    for i, (entry, changed, _) in found.items():
+        embeds, deepstack = _on_device(entry.embeds, items[i][0]), entry.deepstack
+        deepstack = _on_device(deepstack, items[i][0]) if deepstack is not None else None
+        if i in fresh:
+            at = torch.searchsorted(wanted[i], torch.nonzero(changed).flatten())
+            new, extra = fresh[i]
+            embeds = embeds.to(new.dtype).index_copy(0, torch.nonzero(changed).flatten().to(new.device),
+                                                     new[at.to(new.device)])
+            if deepstack is not None and extra is not None:
+                deepstack = deepstack.to(extra.dtype).index_copy(1, torch.nonzero(changed).flatten().to(extra.device),
+                                                                 extra[:, at.to(extra.device)])
+        out[i] = (embeds, deepstack, int(wanted[i].numel()) if i in wanted else 0)
+    return out
+
+
+def _on_device(tensor: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    return tensor.to(like.device) if tensor.device != like.device else tensor
+
+
+def _pixel_first_match(match: ImageMatch, entry: Entry, changed: torch.Tensor, same: float) -> ImageMatch:
+    """The match as an approximate hit on the entry its pixels found (tokens in place: no shift, no warp)."""
+    changed_prefix = entry.prefix != match.prefix
+    return replace(match, kind=HitKind.APPROXIMATE, alias=entry.features(), alias_offset=entry.offset, score=same,
+                   prefix_changed=changed_prefix, found_by="pixels",
+                   context_change=context_change(entry.context, match.context) if changed_prefix else None)
 
 
 def _encode(adapter, get_image_features, todo: list[int], encoded, items) -> dict:
@@ -410,11 +511,7 @@ def _approximate(adapter, match: ImageMatch, cache, get_image_features) -> Image
     positions (``ImageFeatures.moved``). With a calibrated pixel stage, candidates just below the fine threshold
     are also compared by their thumbnails, aligned across zooms and moves of part of a token (``_fine_stage``)."""
     fp, owner = adapter.fingerprint, cache.owner(adapter.fingerprint)
-    if cache.top_k == 0 or not adapter.approximate:
-        return match
-    if cache.policy.decision_layer(HitKind.APPROXIMATE) >= adapter.num_layers:  # nothing left to reuse
-        logger.info("vismemo: the routing's warmup leaves no layer to reuse in a %d-layer model; no approximate "
-                    "lookup", adapter.num_layers)
+    if not _approximate_lookup(adapter, cache):
         return match
     thresholds = cache.lookup_thresholds(fp)
     if thresholds.fingerprint not in (None, fp):
@@ -452,7 +549,8 @@ def _approximate(adapter, match: ImageMatch, cache, get_image_features) -> Image
     alias = entry.features().moved(moved_by, hw)
     drift = local_drift(match.thumbnail(), thumb, thumb_per_token(hw)) if thumb is not None and \
         match.thumbnail is not None and _changed_share(feats, alias) > UNWARPED_SHARE else 0.0
-    return replace(match, kind=HitKind.APPROXIMATE, alias=alias,
+    store_call("index", lambda: cache.store.note_pixels(entry.key, entry.patch_hashes), None)
+    return replace(match, kind=HitKind.APPROXIMATE, alias=alias, found_by="thumbnail" if pixel is not None else "encoder",
                    alias_offset=entry.offset, score=best_score, pixel_score=pixel,
                    prefix_changed=entry.prefix != match.prefix, drift=drift,
                    context_change=context_change(entry.context, match.context) if entry.prefix != match.prefix

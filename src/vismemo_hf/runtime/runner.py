@@ -55,7 +55,8 @@ class ImageRun:
                           prefix_changed=m.prefix_changed, bytes_read=reader.bytes_read(i) if reader else 0,
                           lookup_bytes=m.lookup_bytes, shift=m.alias.shift if m.alias is not None else (0, 0),
                           pixel_score=m.pixel_score, fallback=plan.fallback, verify_estimate=self.verify_estimate,
-                          drift=m.drift, context_change=m.context_change)
+                          drift=m.drift, context_change=m.context_change, found_by=m.found_by,
+                          encoded_tokens=m.n_tokens if m.encoded_tokens is None else m.encoded_tokens)
 
 
 def _positions(position_ids: torch.Tensor | None, batch: int = 1, length: int = 0, device=None) -> torch.Tensor:

@@ -36,18 +36,27 @@ def _slots(row_columns: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
     return slots
 
 
+def reused_encoder(match) -> bool:
+    """Whether the image's encoder output is partly its alias's (a pixel-first hit, ``runtime.lookup``): its K/V,
+    even computed at every layer, are not a full prefill's, so it never becomes an entry (an exact hit on it would
+    not equal plain transformers)."""
+    return match.encoded_tokens is not None and 0 < match.n_tokens and match.encoded_tokens < match.n_tokens \
+        and match.kind is not HitKind.EXACT
+
+
 def write_entries(adapter, cache, done: list[tuple], importance=lambda i: None) -> None:
-    """Store the images of ``done`` ((index, match, plan, offset)) whose plan computed every token at every layer,
-    each key once, off the request's critical path: the cache layers' tensors as they are now are handed to the
-    store, which gathers and writes the entries on its writer thread (later reads of the store wait for them).
-    Non-finite K/V are never stored. ``importance(index)``: what a compressed store keeps first."""
+    """Store the images of ``done`` ((index, match, plan, offset)) whose plan computed every token at every layer
+    from their own encoder output (``reused_encoder``), each key once, off the request's critical path: the cache
+    layers' tensors as they are now are handed to the store, which gathers and writes the entries on its writer
+    thread (later reads of the store wait for them). Non-finite K/V are never stored. ``importance(index)``: what a
+    compressed store keeps first."""
     if not cache.store_misses:
         return
     layers = [(layer.keys, layer.values, layer.columns) for layer in cache.layers]
     fingerprint, seen = cache.owner(adapter.fingerprint), set()
     for i, match, plan, offset in done:
         key = match.features.key
-        if match.kind is HitKind.EXACT or not plan.complete or key in seen:
+        if match.kind is HitKind.EXACT or not plan.complete or key in seen or reused_encoder(match):
             continue
         seen.add(key)
         weights = importance(i)

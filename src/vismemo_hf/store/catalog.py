@@ -7,6 +7,7 @@ import torch
 
 from vismemo_hf.core.thresholds import LookupThresholds, ModelReference
 from vismemo_hf.store.index import DescriptorIndex
+from vismemo_hf.store.pixels import PixelIndex
 
 
 class Catalog:
@@ -16,6 +17,7 @@ class Catalog:
     def __init__(self, thresholds=None) -> None:
         self.where: dict[str, tuple[str, tuple]] = {}  # key -> (fingerprint, grid)
         self.index = DescriptorIndex()
+        self.pixels = PixelIndex()  # the pixel-first index: what this process stored or looked at
         self._references: dict[str, ModelReference] = {}
         self._thresholds: dict[str, LookupThresholds] = {}
         for preset in [thresholds] if isinstance(thresholds, str) else (thresholds or []):
@@ -40,6 +42,13 @@ class Catalog:
         known = self.where.pop(key, None)
         if known is not None:
             self.index.remove(known[0], known[1], key)
+        self.pixels.remove(key)
+
+    def add_pixels(self, key: str, hashes: torch.Tensor | None) -> None:
+        """Index a cataloged entry's token pixel hashes for the pixel-first lookup (``store.pixels``)."""
+        known = self.where.get(key)
+        if known is not None and hashes is not None:
+            self.pixels.add(key, known[0], known[1], hashes)
 
     def candidates(self, fingerprint: str, grid, descriptors: torch.Tensor, tau: float, top_k: int):
         return self.index.search(fingerprint, grid, descriptors, tau, top_k)

@@ -257,6 +257,7 @@ class VisMemoStore(Roles):
                 self._stats["rejected"] += 1
                 return False
             self.catalog.add(entry.key, entry.fingerprint, entry.grid, entry.descriptors)
+            self.catalog.add_pixels(entry.key, entry.patch_hashes)
             self._stats["puts"] += 1
             return True
 
@@ -389,6 +390,26 @@ class VisMemoStore(Roles):
             for tier in self.tiers:  # what other processes published since the last look
                 self._take_news(tier)
             return self.catalog.candidates(fingerprint, grid, descriptors, tau, top_k)
+
+    def pixel_candidates(self, fingerprint: str, grid: tuple[int, int, int], hashes: torch.Tensor,
+                         top_k: int) -> list[tuple[str, float]]:
+        """Pixel-first stage: (key, share of its sampled distinctive tokens the image shows) of same-grid entries
+        whose pixels the image shows at the same places (``store.pixels``), best first."""
+        self._drain()
+        with self._lock:
+            return self.catalog.pixels.candidates(fingerprint, grid, hashes, top_k)
+
+    def knows_pixels(self, fingerprint: str, grid: tuple[int, int, int]) -> bool:
+        """Whether the pixel-first index holds any entry of this model and grid."""
+        self._drain()
+        with self._lock:
+            return self.catalog.pixels.knows(fingerprint, grid)
+
+    def note_pixels(self, key: str, hashes: torch.Tensor | None) -> None:
+        """Index an entry a lookup found otherwise (exact key, encoder output) for later pixel-first lookups."""
+        with self._lock:
+            if key not in self.catalog.pixels:
+                self.catalog.add_pixels(key, hashes)
 
     def reference(self, fingerprint: str) -> ModelReference | None:
         """The model's ``ModelReference`` (the means the lookup centres by); None until registered."""

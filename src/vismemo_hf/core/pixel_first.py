@@ -1,0 +1,56 @@
+"""The pixel-first lookup's rule and the tokens an approximate hit encodes (docs/METHOD.md §1, step 2).
+
+A new image that shows, token for token, the pixels of a stored one at the same places except in a few tokens is
+that image edited: the stored entry is its alias, the tokens whose pixels differ are what changed, and neither
+needs the vision tower to tell. The tower then runs only for the changed tokens and the context its attention
+gives them (``encoder_tokens``); every other token keeps the alias's encoder output.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+#: the least share of a new image's tokens, and of its distinctive ones, that must show the alias's pixels
+MIN_SAME = 0.75
+#: tokens around each changed one encoded with it (the context the tower's attention gives it)
+ENCODE_HALO = 2
+
+
+def distinctive(hashes: torch.Tensor) -> torch.Tensor:
+    """(N,) True at the tokens whose pixel hash occurs once in the image (text, rules, figures; not the background
+    every page of a layout shares)."""
+    _, inverse, counts = torch.unique(hashes, return_inverse=True, return_counts=True)
+    return counts[inverse] == 1
+
+
+def pixel_changes(mine: torch.Tensor | None, theirs: torch.Tensor | None,
+                  min_same: float = MIN_SAME) -> torch.Tensor | None:
+    """(N,) True at the tokens whose pixels differ from the candidate's, when the image is the candidate edited: at
+    least ``min_same`` of its tokens, and of its distinctive tokens, show the candidate's pixels at the same place;
+    else None (another image, a moved or re-encoded copy: the encoder-based stages decide)."""
+    if mine is None or theirs is None or mine.shape != theirs.shape or not mine.numel():
+        return None
+    same = mine == theirs
+    own = distinctive(mine)
+    if float(same.float().mean()) < min_same or (bool(own.any()) and float(same[own].float().mean()) < min_same):
+        return None
+    return ~same
+
+
+def encoder_tokens(changed: torch.Tensor, hw: tuple[int, int], halo: int = ENCODE_HALO,
+                   window: int | None = None) -> torch.Tensor:
+    """(k,) sorted tokens to encode for the ``changed`` ones ((N,) bool over a ``hw`` token grid): each with the
+    tokens within ``halo`` of it, and with ``window`` (a windowed tower's window side, in tokens) every window any
+    of them falls in, so that a window's attention is computed as in the whole image."""
+    h, w = hw
+    grid = changed.reshape(1, 1, h, w).float()
+    if halo > 0:
+        grid = F.max_pool2d(grid, 2 * halo + 1, stride=1, padding=halo)
+    grid = grid[0, 0] > 0
+    if window:
+        rows, cols = -(-h // window), -(-w // window)
+        padded = F.pad(grid.float(), (0, cols * window - w, 0, rows * window - h))
+        hit = F.max_pool2d(padded[None, None], window)[0, 0] > 0
+        grid = hit.repeat_interleave(window, 0).repeat_interleave(window, 1)[:h, :w]
+    return torch.nonzero(grid.reshape(-1)).flatten()

@@ -1,0 +1,214 @@
+"""Pixel-first lookup and encoder reuse (docs/METHOD.md §1, step 2): an edited page is found by its pixels before the
+vision tower runs, and the tower runs only for the tokens whose pixels changed and their context."""
+
+import copy
+
+import pytest
+import torch
+
+import vismemo_hf
+from vismemo_hf.core.features import token_grid
+from vismemo_hf.core.pixel_first import distinctive, encoder_tokens, pixel_changes
+from vismemo_hf.core.plan import HitKind
+from vismemo_hf.eval import synthetic
+from vismemo_hf.runtime.hooks import _own
+from vismemo_hf.store.pixels import CROWDED, SAMPLE, PixelIndex
+
+from conftest import _enabled_tiny, build_inputs, generate, stored
+
+PARTIAL = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"]
+SIZE = (336, 252)  # 12 x 9 visual tokens of 28 px
+
+
+def _image_inputs(processor, image):
+    inputs = build_inputs(processor, [image])
+    return inputs["pixel_values"], tuple(int(x) for x in inputs["image_grid_thw"][0])
+
+
+def _event(model, processor, store, image, **opts):
+    cache = vismemo_hf.VisMemoCache(store=store, **opts)
+    generate(model, build_inputs(processor, [image]), cache, 2)
+    return cache.events[0]
+
+
+# -- the rule ---------------------------------------------------------------------------------------------
+def test_distinctive_and_pixel_changes():
+    hashes = torch.tensor([7, 7, 7, 1, 2, 3, 4, 5])
+    assert distinctive(hashes).tolist() == [False, False, False, True, True, True, True, True]
+    edited = hashes.clone()
+    edited[4] = 99
+    assert pixel_changes(edited, hashes).nonzero().flatten().tolist() == [4]
+    other = torch.tensor([7, 7, 7, 11, 12, 13, 14, 5])  # the same background, other content: not an edit
+    assert pixel_changes(other, hashes) is None
+    assert pixel_changes(edited, hashes[:-1]) is None and pixel_changes(None, hashes) is None
+    assert pixel_changes(edited, hashes, min_same=1.0) is None
+
+
+def test_encoder_tokens_halo_and_windows():
+    changed = torch.zeros(6 * 8, dtype=torch.bool)
+    changed[2 * 8 + 3] = True
+    around = encoder_tokens(changed, (6, 8), halo=1)
+    assert sorted((t // 8, t % 8) for t in around.tolist()) == [(r, c) for r in (1, 2, 3) for c in (2, 3, 4)]
+    assert encoder_tokens(changed, (6, 8), halo=0).tolist() == [19]
+    windows = encoder_tokens(changed, (6, 8), halo=0, window=4)  # the window of rows 0-3, columns 0-3
+    assert sorted(windows.tolist()) == [r * 8 + c for r in range(4) for c in range(4)]
+    assert encoder_tokens(torch.zeros(48, dtype=torch.bool), (6, 8)).numel() == 0
+
+
+# -- the index --------------------------------------------------------------------------------------------
+def test_pixel_index_finds_edits_not_other_pages():
+    index = PixelIndex()
+    gen = torch.Generator().manual_seed(0)
+    page = torch.randint(0, 2**32, (400,), generator=gen)
+    page[:200] = 5  # a background every page shares
+    index.add("page", "m", (1, 40, 40), page)
+    edited = page.clone()
+    edited[300:320] = torch.randint(0, 2**32, (20,), generator=gen)
+    assert [k for k, _ in index.candidates("m", (1, 40, 40), edited, 5)] == ["page"]
+    other = page.clone()
+    other[200:] = torch.randint(0, 2**32, (200,), generator=gen)
+    assert index.candidates("m", (1, 40, 40), other, 5) == []
+    assert index.candidates("m", (1, 40, 20), edited, 5) == [] and index.candidates("n", (1, 40, 40), edited, 5) == []
+    assert index.knows("m", (1, 40, 40)) and not index.knows("m", (1, 20, 20))
+    index.remove("page")
+    assert len(index) == 0 and not index.knows("m", (1, 40, 40))
+
+
+def test_pixel_index_ignores_crowded_codes():
+    """A code more than CROWDED entries hold (a header every page of a template shows) finds none of them."""
+    index = PixelIndex()
+    header = torch.arange(1, SAMPLE + 1) * 7919
+    for i in range(CROWDED + 1):
+        index.add(f"p{i}", "m", (1, 8, 8), torch.cat([header, torch.full((64 - SAMPLE,), 10**6 + i)]))
+    assert index.candidates("m", (1, 8, 8), torch.cat([header, torch.zeros(64 - SAMPLE, dtype=torch.long)]), 5) == []
+
+
+# -- the family seam: a subset of tokens through the tower -------------------------------------------------
+@pytest.mark.parametrize("family", PARTIAL)
+def test_encode_tokens_of_every_token_is_the_whole_image(family):
+    model, processor = _enabled_tiny(family)
+    adapter = model._vismemo
+    pixels, grid = _image_inputs(processor, synthetic.page(3, SIZE))
+    encoder = _own(adapter.base, "get_image_features")
+    with torch.no_grad():
+        whole = adapter.encode(encoder, pixels, torch.tensor([grid]))[0]
+        n = whole[0].shape[0]
+        some = torch.tensor([0, 5, 6, n - 1])
+        both = adapter.encode_tokens(encoder, [(pixels, grid, torch.arange(n)), (pixels, grid, some)])
+        alone = adapter.encode_tokens(encoder, [(pixels, grid, some)])[0]
+    assert torch.equal(both[0][0], whole[0])
+    assert (whole[1] is None) == (both[0][1] is None) and (whole[1] is None or torch.equal(both[0][1], whole[1]))
+    assert torch.allclose(both[1][0], alone[0], atol=1e-5)  # each image attends to its own tokens only
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
+def test_encode_tokens_keeps_each_tokens_place(family):
+    """With attention confined to windows (Qwen2.5-VL's windowed blocks) or no blocks at all (Qwen3-VL: the
+    resampled position table and the mergers), the tokens of whole windows come out as in the whole image."""
+    model, processor = _enabled_tiny(family)
+    model = copy.deepcopy(model)
+    adapter = model._vismemo
+    visual = adapter.base.visual
+    if family == "qwen2_5_vl":
+        visual.fullatt_block_indexes = []
+    else:
+        visual.blocks = torch.nn.ModuleList()
+        visual.deepstack_visual_indexes = []
+        visual.deepstack_merger_list = torch.nn.ModuleList()
+    pixels, grid = _image_inputs(processor, synthetic.page(4, SIZE))
+    hw = token_grid(grid, adapter.merge)[1:]
+    changed = torch.zeros(hw[0] * hw[1], dtype=torch.bool)
+    changed[[hw[1] + 2, 3 * hw[1] + hw[1] - 1]] = True
+    tokens = encoder_tokens(changed, hw, halo=0, window=adapter.encoder_window or 1)
+    encoder = _own(adapter.base, "get_image_features")
+    with torch.no_grad():
+        whole = adapter.encode(encoder, pixels, torch.tensor([grid]))[0][0]
+        part = adapter.encode_tokens(encoder, [(pixels, grid, tokens)])[0][0]
+    assert tokens.numel() < changed.numel()
+    torch.testing.assert_close(part, whole[tokens], atol=1e-5, rtol=1e-5)
+
+
+def test_families_without_a_partial_tower_say_so():
+    model, processor = _enabled_tiny("glm4v")
+    assert not model._vismemo.partial_encoder
+    assert model._vismemo.encode_tokens(None, []) is None
+
+
+# -- end to end -------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("family", PARTIAL)
+def test_an_edit_is_found_by_its_pixels_and_encodes_what_changed(family):
+    model, processor = _enabled_tiny(family)
+    base, edit = synthetic.page(5, SIZE), synthetic.edited(5, row=3, value="7213", size=SIZE)
+    store = stored(model, processor, base)
+    event = _event(model, processor, store, edit)
+    assert event.kind is HitKind.APPROXIMATE and event.found_by == "pixels"
+    assert 0 < event.encoded_tokens < event.n_tokens / 2
+    pixels, grid = _image_inputs(processor, edit)
+    changed = pixel_changes(model._vismemo.patch_hashes(pixels, grid),
+                            model._vismemo.patch_hashes(*_image_inputs(processor, base)))
+    assert set(torch.nonzero(changed).flatten().tolist()) <= set(event.plan.recompute.tolist())  # always recomputed
+    assert edit_key(model, processor, base) in store
+    assert edit_key(model, processor, edit) not in store  # K/V partly from the alias's encoder output: not an entry
+    again = _event(model, processor, store, edit)
+    assert again.found_by == "pixels" and again.alias == event.alias
+
+
+def edit_key(model, processor, image):
+    from vismemo_hf.core.features import exact_key
+
+    pixels, grid = _image_inputs(processor, image)
+    return exact_key(vismemo_hf.VisMemoCache().owner(model._vismemo.fingerprint), pixels, grid)
+
+
+def test_the_stage_is_every_policys_and_the_encoder_reuse_the_routings(qwen2):
+    model, processor = qwen2
+    base, edit = synthetic.page(6, SIZE), synthetic.edited(6, row=1, value="4404", size=SIZE)
+    store = stored(model, processor, base)
+    paper = _event(model, processor, store, edit, policy="vismemo", store_misses=False)
+    assert paper.found_by == "pixels" and paper.encoded_tokens == paper.n_tokens  # §2 reads every encoder output
+    off = _event(model, processor, store, edit, reuse_encoder=False, store_misses=False)
+    assert off.found_by == "pixels" and off.encoded_tokens == off.n_tokens
+    without = _event(model, processor, store, edit, same_pixels=None, store_misses=False)
+    assert without.found_by == "encoder" and without.encoded_tokens == without.n_tokens
+    with pytest.raises(ValueError, match="same_pixels"):
+        vismemo_hf.VisMemoCache(store=store, same_pixels=1.5)
+
+
+def test_other_pages_of_the_layout_are_not_found_by_pixels(qwen2):
+    model, processor = qwen2
+    store = stored(model, processor, *[synthetic.page(seed, SIZE) for seed in (10, 11, 12)])
+    for seed in (13, 14):
+        event = _event(model, processor, store, synthetic.page(seed, SIZE), store_misses=False)
+        assert event.found_by != "pixels"
+
+
+def test_a_faulty_pixel_index_is_a_lookup_without_it(qwen2, monkeypatch):
+    model, processor = qwen2
+    base, edit = synthetic.page(7, SIZE), synthetic.edited(7, row=2, value="1212", size=SIZE)
+    store = stored(model, processor, base)
+
+    def broken(*args, **kwargs):
+        raise OSError("index gone")
+
+    monkeypatch.setattr(store, "pixel_candidates", broken)
+    event = _event(model, processor, store, edit, store_misses=False)
+    assert event.found_by != "pixels" and event.encoded_tokens == event.n_tokens
+
+
+def test_an_evicted_entry_leaves_the_pixel_index(qwen2):
+    model, processor = qwen2
+    base = synthetic.page(8, SIZE)
+    store = stored(model, processor, base)
+    assert len(store.catalog.pixels) == 1
+    store.clear()
+    assert len(store.catalog.pixels) == 0
+    event = _event(model, processor, store, synthetic.edited(8, row=0, value="0000", size=SIZE))
+    assert event.kind is HitKind.MISS
+
+
+def test_namespaces_do_not_find_each_others_pixels(qwen2):
+    model, processor = qwen2
+    base, edit = synthetic.page(9, SIZE), synthetic.edited(9, row=4, value="3131", size=SIZE)
+    store = stored(model, processor, base, namespace="alice")
+    assert _event(model, processor, store, edit, namespace="bob", store_misses=False).kind is HitKind.MISS
+    assert _event(model, processor, store, edit, namespace="alice", store_misses=False).found_by == "pixels"
