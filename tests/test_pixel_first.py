@@ -140,7 +140,8 @@ def test_an_edit_is_found_by_its_pixels_and_encodes_what_changed(family):
     model, processor = _enabled_tiny(family)
     base, edit = synthetic.page(5, SIZE), synthetic.edited(5, row=3, value="7213", size=SIZE)
     store = stored(model, processor, base)
-    event = _event(model, processor, store, edit)
+    assert _event(model, processor, store, edit).encoded_tokens == event_tokens(processor, edit)  # by default: all
+    event = _event(model, processor, store, edit, reuse_encoder=True)
     assert event.kind is HitKind.APPROXIMATE and event.found_by == "pixels"
     assert 0 < event.encoded_tokens < event.n_tokens / 2
     pixels, grid = _image_inputs(processor, edit)
@@ -149,8 +150,13 @@ def test_an_edit_is_found_by_its_pixels_and_encodes_what_changed(family):
     assert set(torch.nonzero(changed).flatten().tolist()) <= set(event.plan.recompute.tolist())  # always recomputed
     assert edit_key(model, processor, base) in store
     assert edit_key(model, processor, edit) not in store  # K/V partly from the alias's encoder output: not an entry
-    again = _event(model, processor, store, edit)
+    again = _event(model, processor, store, edit, reuse_encoder=True)
     assert again.found_by == "pixels" and again.alias == event.alias
+
+
+def event_tokens(processor, image):
+    _, grid = _image_inputs(processor, image)
+    return grid[0] * grid[1] * grid[2] // 4
 
 
 def edit_key(model, processor, image):
@@ -166,8 +172,11 @@ def test_the_stage_is_every_policys_and_the_encoder_reuse_the_routings(qwen2):
     store = stored(model, processor, base)
     paper = _event(model, processor, store, edit, policy="vismemo", store_misses=False)
     assert paper.found_by == "pixels" and paper.encoded_tokens == paper.n_tokens  # §2 reads every encoder output
-    off = _event(model, processor, store, edit, reuse_encoder=False, store_misses=False)
+    off = _event(model, processor, store, edit, store_misses=False)  # the default encodes the whole image
     assert off.found_by == "pixels" and off.encoded_tokens == off.n_tokens
+    on = _event(model, processor, store, edit, reuse_encoder=True, store_misses=False)
+    assert on.found_by == "pixels" and on.encoded_tokens < on.n_tokens
+    assert _event(model, processor, store, edit, policy="pixel-patch", store_misses=False).encoded_tokens == on.n_tokens
     without = _event(model, processor, store, edit, same_pixels=None, store_misses=False)
     assert without.found_by == "encoder" and without.encoded_tokens == without.n_tokens
     with pytest.raises(ValueError, match="same_pixels"):
@@ -191,7 +200,7 @@ def test_a_faulty_pixel_index_is_a_lookup_without_it(qwen2, monkeypatch):
         raise OSError("index gone")
 
     monkeypatch.setattr(store, "pixel_candidates", broken)
-    event = _event(model, processor, store, edit, store_misses=False)
+    event = _event(model, processor, store, edit, store_misses=False, reuse_encoder=True)
     assert event.found_by != "pixels" and event.encoded_tokens == event.n_tokens
 
 

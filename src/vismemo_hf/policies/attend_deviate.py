@@ -95,8 +95,11 @@ class AttendDeviatePolicy(RoutingPolicy):
     #: them all and has no dependents)
     local_share: float = 0.25
     prefix_routing: str = "check"
-    #: an approximate hit found by its pixels encodes only the changed tokens (``RoutingPolicy.reuses_encoder``)
-    reuse_encoder: bool = True
+    #: an approximate hit found by its pixels encodes only the changed tokens and their context
+    #: (``RoutingPolicy.reuses_encoder``); off by default: on the tiny reader's full-attention tower the changed
+    #: tokens encoded with a context of 2 tokens agree with a whole-image encode no better than the old ones do
+    #: (docs/METHOD.md §1 step 2)
+    reuse_encoder: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -22,9 +22,6 @@ class PixelPatchPolicy(RoutingPolicy):
     name: ClassVar[str] = "pixel-patch"
     warmup_layers: int = 0
 
-    def reuses_encoder(self) -> bool:
-        return True
-
     def prefetch_tokens(self, image: ImageFeatures, alias: ImageFeatures) -> torch.Tensor:
         return torch.nonzero(identical_tokens(image, alias)).flatten()
 

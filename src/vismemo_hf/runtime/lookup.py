@@ -326,7 +326,7 @@ def lookup_request(adapter, cache, input_ids, pixel_values, grids, get_image_fea
     hashes = {i: _hashes_for_lookup(adapter, cache, owner, pixels[originals[i]], grid_list[originals[i]])
               for i in todo}
     firsts = {i: found for i in todo if (found := _pixel_alias(adapter, cache, owner, grid_list[originals[i]],
-                                                               hashes[i])) is not None}
+                                                               hashes[i], keys[i])) is not None}
     pixel_ms = (time.perf_counter() - t0) * 1e3 / max(1, len(todo))  # the pixel-first stage, per image
     t0 = time.perf_counter()
     reusing = encoded is None and adapter.partial_encoder and cache.policy.reuses_encoder()
@@ -400,14 +400,17 @@ def _hashes_for_lookup(adapter, cache, owner: str, pixels: torch.Tensor, grid) -
     return adapter.patch_hashes(pixels, grid)
 
 
-def _pixel_alias(adapter, cache, owner: str, grid, hashes: torch.Tensor | None) -> tuple | None:
+def _pixel_alias(adapter, cache, owner: str, grid, hashes: torch.Tensor | None, own: str) -> tuple | None:
     """Pixel-first stage (docs/METHOD.md §1, step 2): (entry, (N,) changed tokens, share of tokens unchanged) of
-    the first candidate of the pixel index that the image shows edited (``pixel_changes``), or None."""
+    the first candidate of the pixel index that the image shows edited (``pixel_changes``), or None. The image's
+    own key (``own``: an entry the exact stage could not read or use) is never its alias."""
     same_pixels = cache.lookup_thresholds(adapter.fingerprint).same_pixels
     if hashes is None or same_pixels is None:
         return None
     found = store_call("index", lambda: cache.store.pixel_candidates(owner, tuple(grid), hashes, cache.top_k), [])
     for key, _ in found:
+        if key == own:
+            continue
         entry = store_call("read", lambda k=key: cache.store.peek(k, owner), None)
         if not _usable(adapter, cache, entry, key, tuple(grid)):
             continue
