@@ -2,8 +2,9 @@
 
 A new image that shows, token for token, the pixels of a stored one at the same places except in a few tokens is
 that image edited: the stored entry is its alias, the tokens whose pixels differ are what changed, and neither
-needs the vision tower to tell. The tower then runs only for the changed tokens and the context its attention
-gives them (``encoder_tokens``); every other token keeps the alias's encoder output.
+needs the vision tower to tell. With encoder reuse (a routing's ``reuses_encoder``) the tower then runs only for
+the changed tokens and the context its attention gives them (``encoder_tokens``), and every other token keeps the
+alias's encoder output.
 """
 
 from __future__ import annotations
