@@ -1,7 +1,9 @@
 """How close a partial encode comes to a whole-image one: for one-value edits of synthetic forms, the cosine between
-the changed tokens' encoder output when the tower sees only them and their context (``encoder_tokens`` with a halo
-of h tokens, ``ModelAdapter.encode_tokens``) and their output in a whole-image encode; next to it, how far the old
-page's output at those tokens is (what reusing the alias's output would give) and how far the unchanged tokens move.
+the changed tokens' encoder output in a partial encode and their output in a whole-image encode of the edited page.
+Two partial encodes: the changed tokens lent the old page's tower K/V of every other patch (``families.tower_kv``,
+what the default does), and the changed tokens with only a halo of h neighbours as context (``encoder_tokens``).
+Next to them, how far the old page's output at those tokens is (what reusing the alias's output would give) and how
+far the unchanged tokens move.
 
     python benchmarks/encoder_reuse.py --readers vismemo-docqa-tiny,vismemo-docqa-base --pages 10 --seed 60000
 
@@ -33,8 +35,8 @@ def measure(name: str, pages: int, seed: int) -> dict:
     enable(model)
     adapter = model._vismemo
     encoder = _own(adapter.base, "get_image_features")
-    rows = {"old": [], "unchanged": [], **{h: [] for h in HALOS}}
-    tokens = {h: [] for h in HALOS}
+    rows = {"old": [], "unchanged": [], "lent": [], **{h: [] for h in HALOS}}
+    tokens = {"lent": [], **{h: [] for h in HALOS}}
     n = 0
     for i in range(pages):
         base = synthdoc.random_form(seed + i, style=synthdoc.STYLES[i % len(synthdoc.STYLES)])
@@ -43,7 +45,8 @@ def measure(name: str, pages: int, seed: int) -> dict:
                             return_tensors="pt") for p in (base, edited)]
         pixels = [(x["pixel_values"], tuple(int(v) for v in x["image_grid_thw"][0])) for x in inputs]
         with torch.no_grad():
-            whole = [adapter.encode(encoder, p, torch.tensor([g]))[0][0] for p, g in pixels]
+            [(old, _)], kvs = adapter.encode_capturing(encoder, pixels[0][0], torch.tensor([pixels[0][1]]))
+            whole = [old, adapter.encode(encoder, pixels[1][0], torch.tensor([pixels[1][1]]))[0][0]]
             changed = pixel_changes(adapter.patch_hashes(*pixels[1]), adapter.patch_hashes(*pixels[0]))
             if changed is None or not bool(changed.any()):
                 continue
@@ -52,6 +55,11 @@ def measure(name: str, pages: int, seed: int) -> dict:
             rows["old"].append(float(F.cosine_similarity(whole[0][at], whole[1][at], dim=-1).mean()))
             rows["unchanged"].append(float(F.cosine_similarity(whole[0][~changed], whole[1][~changed], dim=-1).mean()))
             hw = token_grid(pixels[1][1], adapter.merge)[1:]
+            wanted = encoder_tokens(changed, hw, halo=0, window=adapter.encoder_window)
+            part = adapter.encode_tokens(encoder, [(pixels[1][0], pixels[1][1], wanted)], lent=kvs)[0][0]
+            rows["lent"].append(float(F.cosine_similarity(part[torch.searchsorted(wanted, at)], whole[1][at],
+                                                          dim=-1).mean()))
+            tokens["lent"].append(wanted.numel() / n)
             for halo in HALOS:
                 wanted = encoder_tokens(changed, hw, halo=halo, window=adapter.encoder_window)
                 part = adapter.encode_tokens(encoder, [(pixels[1][0], pixels[1][1], wanted)])[0][0]
@@ -75,14 +83,16 @@ def main() -> int:
     lines = header("Encoder reuse: a partial encode against a whole-image one", command, machine()) + [
         "One-value edits of synthetic forms (seeds from `--seed`). `old`: mean cosine, over the changed tokens, "
         "between the old page's whole-image encoder output and the edited page's (what reusing the alias's output "
-        "would give); `unchanged`: the same over the tokens whose pixels did not change; `halo h`: the changed "
-        "tokens encoded with only the tokens within h of them (`encoder_tokens`), against their whole-image output, "
-        "and the share of the image's tokens that encode ran for.", "",
-        "| reader | pages | visual tokens | old | unchanged | " + " | ".join(f"halo {h}" for h in HALOS) + " |",
-        "| --- | --- | --- | --- | --- | " + " | ".join("---" for _ in HALOS) + " |"]
+        "would give); `unchanged`: the same over the tokens whose pixels did not change; `lent`: the changed tokens "
+        "encoded alone but lent the old page's tower K/V of every other patch at every full-attention block (the "
+        "default, `families.tower_kv`); `halo h`: the changed tokens encoded with only the tokens within h of them "
+        "(`encoder_tokens`); each against their whole-image output, with the share of the image's tokens that "
+        "encode ran for.", "",
+        "| reader | pages | visual tokens | old | unchanged | lent | " + " | ".join(f"halo {h}" for h in HALOS) + " |",
+        "| --- | --- | --- | --- | --- | --- | " + " | ".join("---" for _ in HALOS) + " |"]
     for r in results:
         lines.append(f"| {r['reader']} | {r['pages']} | {r['tokens']} | {r['cos']['old']:.3f} | "
-                     f"{r['cos']['unchanged']:.4f} | " + " | ".join(
+                     f"{r['cos']['unchanged']:.4f} | {r['cos']['lent']:.4f} ({r['encoded']['lent']:.0%}) | " + " | ".join(
                          f"{r['cos'][str(h)]:.3f} ({r['encoded'][str(h)]:.0%})" for h in HALOS) + " |")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text("\n".join(lines) + "\n")

@@ -25,6 +25,7 @@ def test_every_byte_of_a_blob_is_checked(variant):
     entry.prefix = "ab" * 16
     entry.thumbnail = torch.randint(0, 256, (3, 5), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
     entry.context = context_sketch(torch.arange(70), ["earlier"], b"key")
+    entry.tower_kv = torch.randn(2, 2, 12, 4, generator=torch.Generator().manual_seed(1)).to(entry.kv.dtype)
     if "compressed" in variant:
         entry = entry.compressed(torch.tensor([0, 2]))
     kv_format = variant.split("-")[0] if variant.startswith(("int8", "fp8")) else None
@@ -32,6 +33,7 @@ def test_every_byte_of_a_blob_is_checked(variant):
     reference = blob.decode_entry(blob.parse_header(data[: blob.HEADER_SIZE]),
                                   torch.frombuffer(bytearray(data), dtype=torch.uint8))
     entry.kv = reference.kv  # what the format gives back
+    assert torch.equal(reference.tower_kv, entry.tower_kv)
     for pos in range(len(data)):
         bad = bytearray(data)
         bad[pos] ^= 0x5A
@@ -44,6 +46,7 @@ def test_every_byte_of_a_blob_is_checked(variant):
             continue
         assert torch.equal(got.kv, entry.kv) and torch.equal(got.embeds, entry.embeds), pos
         assert torch.equal(got.thumbnail, entry.thumbnail) and torch.equal(got.context, entry.context), pos
+        assert torch.equal(got.tower_kv, entry.tower_kv), pos
         assert (got.key, got.fingerprint, got.grid, got.offset, got.prefix) == (
             entry.key, entry.fingerprint, entry.grid, entry.offset, entry.prefix), pos
     header = blob.parse_header(data[: blob.HEADER_SIZE])

@@ -101,6 +101,36 @@ def test_encode_tokens_of_every_token_is_the_whole_image(family):
     assert torch.allclose(both[1][0], alone[0], atol=1e-5)  # each image attends to its own tokens only
 
 
+@pytest.mark.parametrize("family", PARTIAL)
+def test_tokens_lent_their_images_tower_kv_come_out_as_in_the_whole_image(family):
+    """A partial encode lent the image's own tower K/V (``families.tower_kv``) attends as the whole image does:
+    its tokens' output equals the whole-image encode's (windowed blocks: whole windows), deepstack included; the
+    capture leaves the encode itself unchanged."""
+    model, processor = _enabled_tiny(family)
+    adapter = model._vismemo
+    pixels, grid = _image_inputs(processor, synthetic.page(7, SIZE))
+    encoder = _own(adapter.base, "get_image_features")
+    hw = token_grid(grid, adapter.merge)[1:]
+    changed = torch.zeros(hw[0] * hw[1], dtype=torch.bool)
+    changed[[1, hw[1] + 4, 5 * hw[1] + 2]] = True
+    tokens = encoder_tokens(changed, hw, halo=0, window=adapter.encoder_window)
+    with torch.no_grad():
+        plain = adapter.encode(encoder, pixels, torch.tensor([grid]))[0]
+        whole, kvs = adapter.encode_capturing(encoder, pixels, torch.tensor([grid]))
+        lent = adapter.encode_tokens(encoder, [(pixels, grid, tokens)], lent=kvs)[0]
+        alone = adapter.encode_tokens(encoder, [(pixels, grid, tokens)])[0]
+    assert torch.equal(whole[0][0], plain[0])
+    layers = len(adapter.base.visual.fullatt_block_indexes) if family == "qwen2_5_vl" else \
+        len(adapter.base.visual.blocks)
+    assert kvs[0].shape[:3] == (layers, 2, pixels.shape[0])
+    assert tokens.numel() < changed.numel()
+    torch.testing.assert_close(lent[0], plain[0][tokens], atol=1e-6, rtol=1e-5)
+    if plain[1] is not None:
+        torch.testing.assert_close(lent[1], plain[1][:, tokens], atol=1e-6, rtol=1e-5)
+    error = float((lent[0] - plain[0][tokens]).abs().max())
+    assert float((alone[0] - plain[0][tokens]).abs().max()) > 10 * error + 1e-6  # without the rest: another output
+
+
 @pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
 def test_encode_tokens_keeps_each_tokens_place(family):
     """With attention confined to windows (Qwen2.5-VL's windowed blocks) or no blocks at all (Qwen3-VL: the
@@ -140,8 +170,10 @@ def test_an_edit_is_found_by_its_pixels_and_encodes_what_changed(family):
     model, processor = _enabled_tiny(family)
     base, edit = synthetic.page(5, SIZE), synthetic.edited(5, row=3, value="7213", size=SIZE)
     store = stored(model, processor, base)
-    assert _event(model, processor, store, edit).encoded_tokens == event_tokens(processor, edit)  # by default: all
-    event = _event(model, processor, store, edit, reuse_encoder=True)
+    entry = store.peek(edit_key(model, processor, base), vismemo_hf.VisMemoCache().owner(model._vismemo.fingerprint))
+    assert entry.tower_kv is not None  # the default keeps the tower's K/V with the entry
+    assert _event(model, processor, store, edit, reuse_encoder=False).encoded_tokens == event_tokens(processor, edit)
+    event = _event(model, processor, store, edit)
     assert event.kind is HitKind.APPROXIMATE and event.found_by == "pixels"
     assert 0 < event.encoded_tokens < event.n_tokens / 2
     pixels, grid = _image_inputs(processor, edit)
@@ -150,8 +182,10 @@ def test_an_edit_is_found_by_its_pixels_and_encodes_what_changed(family):
     assert set(torch.nonzero(changed).flatten().tolist()) <= set(event.plan.recompute.tolist())  # always recomputed
     assert edit_key(model, processor, base) in store
     assert edit_key(model, processor, edit) not in store  # K/V partly from the alias's encoder output: not an entry
-    again = _event(model, processor, store, edit, reuse_encoder=True)
+    again = _event(model, processor, store, edit)
     assert again.found_by == "pixels" and again.alias == event.alias
+    bare = stored(model, processor, base, reuse_encoder=False)  # an entry without the tower's K/V: encoded in full
+    assert _event(model, processor, bare, edit).encoded_tokens == event_tokens(processor, edit)
 
 
 def event_tokens(processor, image):
@@ -172,9 +206,9 @@ def test_the_stage_is_every_policys_and_the_encoder_reuse_the_routings(qwen2):
     store = stored(model, processor, base)
     paper = _event(model, processor, store, edit, policy="vismemo", store_misses=False)
     assert paper.found_by == "pixels" and paper.encoded_tokens == paper.n_tokens  # §2 reads every encoder output
-    off = _event(model, processor, store, edit, store_misses=False)  # the default encodes the whole image
+    off = _event(model, processor, store, edit, store_misses=False, reuse_encoder=False)
     assert off.found_by == "pixels" and off.encoded_tokens == off.n_tokens
-    on = _event(model, processor, store, edit, reuse_encoder=True, store_misses=False)
+    on = _event(model, processor, store, edit, store_misses=False)
     assert on.found_by == "pixels" and on.encoded_tokens < on.n_tokens
     assert _event(model, processor, store, edit, policy="pixel-patch", store_misses=False).encoded_tokens == on.n_tokens
     without = _event(model, processor, store, edit, same_pixels=None, store_misses=False)
@@ -200,7 +234,7 @@ def test_a_faulty_pixel_index_is_a_lookup_without_it(qwen2, monkeypatch):
         raise OSError("index gone")
 
     monkeypatch.setattr(store, "pixel_candidates", broken)
-    event = _event(model, processor, store, edit, store_misses=False, reuse_encoder=True)
+    event = _event(model, processor, store, edit, store_misses=False)
     assert event.found_by != "pixels" and event.encoded_tokens == event.n_tokens
 
 
@@ -221,3 +255,20 @@ def test_namespaces_do_not_find_each_others_pixels(qwen2):
     store = stored(model, processor, base, namespace="alice")
     assert _event(model, processor, store, edit, namespace="bob", store_misses=False).kind is HitKind.MISS
     assert _event(model, processor, store, edit, namespace="alice", store_misses=False).found_by == "pixels"
+
+
+def test_the_towers_kv_comes_back_from_disk(qwen2, tmp_path):
+    """An entry written to the disk tier keeps its tower K/V: a later process (an empty pixel index) finds the
+    edit by its encoder output first, then by its pixels, and then encodes only what changed."""
+    model, processor = qwen2
+    base, edit = synthetic.page(8, SIZE), synthetic.edited(8, row=2, value="5150", size=SIZE)
+    memory = stored(model, processor, base)
+    stored(model, processor, base, store=vismemo_hf.VisMemoStore(device_bytes=0, disk_dir=str(tmp_path)))
+    disk = vismemo_hf.VisMemoStore(device_bytes=0, disk_dir=str(tmp_path))  # a new process: the files only
+    owner = vismemo_hf.VisMemoCache().owner(model._vismemo.fingerprint)
+    key = edit_key(model, processor, base)
+    torch.testing.assert_close(disk.peek(key, owner).tower_kv, memory.peek(key, owner).tower_kv)
+    first = _event(model, processor, disk, edit, store_misses=False)
+    assert first.found_by == "encoder" and first.encoded_tokens == first.n_tokens
+    then = _event(model, processor, disk, edit, store_misses=False)
+    assert then.found_by == "pixels" and 0 < then.encoded_tokens < then.n_tokens

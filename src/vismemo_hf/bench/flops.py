@@ -58,6 +58,31 @@ def encoder_flops(config, patches: int) -> float:
     return FAMILIES[config.model_type].model_encoder_flops(config, patches)
 
 
+def partial_encoder_flops(config, encoded: int, patches: int) -> float:
+    """FLOPs of a partial encode (an approximate hit found by its pixels): the tower on the ``encoded`` patches,
+    which attend to the lent K/V of the image's other ``patches - encoded`` as well (``families.tower_kv``)."""
+    from vismemo_hf.families import FAMILIES
+
+    if encoded <= 0:
+        return 0.0
+    if encoded >= patches:
+        return encoder_flops(config, patches)
+    lent = FAMILIES[config.model_type].lent_flops(config.vision_config, encoded, patches)
+    return encoder_flops(config, encoded) + lent
+
+
+def entry_bytes(config, visual_tokens: int, itemsize: int = 2) -> tuple[int, int]:
+    """(language-model K/V, tower K/V) bytes of one image's entry in a ``itemsize``-byte dtype: every decoder layer's
+    keys and values of its tokens, and the tower's own K/V that encoder reuse keeps (``Entry.tower_kv``)."""
+    from vismemo_hf.families import FAMILIES
+
+    t = config.text_config
+    head_dim = getattr(t, "head_dim", None) or t.hidden_size // t.num_attention_heads
+    llm = t.num_hidden_layers * 2 * t.num_key_value_heads * head_dim * visual_tokens
+    tower = FAMILIES[config.model_type].tower_kv_values(config.vision_config, patches_of(config, visual_tokens))
+    return llm * itemsize, tower * itemsize
+
+
 def patches_of(config, visual_tokens: int) -> int:
     """Patches of an image that gives ``visual_tokens`` tokens (the family's: a merger's 2x2, or one per token)."""
     from vismemo_hf.families import FAMILIES
@@ -80,10 +105,11 @@ def encoder_share(config, length: int, start: int, visual_tokens: int) -> float:
 
 
 def kind_floor(config, length: int, start: int, plan, encoded_patches: int) -> float:
-    """FLOPs a request of this kind runs: the encoder on ``encoded_patches`` (all of them for a miss or today's
-    approximate hit, none for an exact hit) and the plan's prefill."""
-    enc = encoder_flops(config, encoded_patches) if encoded_patches else 0.0
-    return enc + plan_flops(config, length, start, plan)
+    """FLOPs a request of this kind runs: the encoder on ``encoded_patches`` (all of them for a miss or an
+    approximate hit found by its encoder output, the changed ones for one found by its pixels, lent the others'
+    K/V: ``partial_encoder_flops``; none for an exact hit) and the plan's prefill."""
+    patches = patches_of(config, plan.n_tokens)
+    return partial_encoder_flops(config, encoded_patches, patches) + plan_flops(config, length, start, plan)
 
 
 def real_configs() -> dict:

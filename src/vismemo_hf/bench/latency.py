@@ -21,7 +21,16 @@ import torch
 from transformers import StoppingCriteriaList
 
 from vismemo_hf import VisMemoCache, VisMemoStore, enable
-from vismemo_hf.bench.flops import encoder_flops, encoder_share, kind_floor, patches_of, plan_flops, real_configs
+from vismemo_hf.bench.flops import (
+    encoder_flops,
+    encoder_share,
+    entry_bytes,
+    kind_floor,
+    partial_encoder_flops,
+    patches_of,
+    plan_flops,
+    real_configs,
+)
 from vismemo_hf.bench.report import command as report_command
 from vismemo_hf.bench.report import header, machine
 from vismemo_hf.eval import synthetic
@@ -156,6 +165,7 @@ def _records(config, miss_in, runs: dict, long: dict, family: str, new_tokens: i
     plain_floor = {g: kind_floor(c, ids.numel(), start, miss[0]["event"]["plan"], patches_of(c, n_visual))
                    for g, c in geometries.items()}
     shares = {g: encoder_share(c, ids.numel(), start, n_visual) for g, c in geometries.items()}
+    sizes = {g: entry_bytes(c, n_visual) for g, c in geometries.items()}  # bf16 entries
     med = lambda outs, key: statistics.median(o[key] for o in outs)  # noqa: E731
     plain = runs[("plain", "-")]
     plain_ttft, plain_step, plain_total = med(plain, "ttft_ms"), med(plain, "step_ms"), med(plain, "total_ms")
@@ -182,10 +192,11 @@ def _records(config, miss_in, runs: dict, long: dict, family: str, new_tokens: i
                                                   encoded and patches_of(c, encoded)) / plain_floor[g]
                                     for g, c in geometries.items()}
             record["encoder_share"] = shares
+            record["entry_bytes"] = sizes
             miss_encoder = statistics.median(o["event"]["timings"].get("encoder", 0.0) for o in miss)
             record["encoded_tokens"], record["found_by"] = encoded, first.get("found_by")
             record["encoder_work"] = {
-                "analytic": {g: (encoder_flops(c, patches_of(c, encoded)) if encoded else 0.0)
+                "analytic": {g: partial_encoder_flops(c, patches_of(c, encoded), patches_of(c, n_visual))
                              / encoder_flops(c, patches_of(c, n_visual)) for g, c in geometries.items()},
                 "measured": median["encoder"] / miss_encoder if miss_encoder > 0 else None}
             record.update({"prefill_ms": median["prefill"], "ratio_to_miss": median["prefill"] / miss_ms,
@@ -306,6 +317,14 @@ def _floors(records) -> list[str]:
                      f"{r.get('found_by') or '-'} | {r.get('encoded_tokens', '-')} | {work_text} | "
                      f"{r['ratio_to_plain']:.3f} | " + " | ".join(f"{r['ttft_floor'][n]:.3f}" for n in names) + " | "
                      + " | ".join(f"{r['encoder_share'][n]:.0%}" for n in names) + " |")
+    sized = {r["visual_tokens"]: r["entry_bytes"] for r in hits if "entry_bytes" in r}
+    if sized:
+        lines += ["", "Entry size per image in bf16 (`bench.flops.entry_bytes`): the language model's K/V / the "
+                  "tower's K/V that encoder reuse keeps (`Entry.tower_kv`), MiB.", "",
+                  "| visual tokens | " + " | ".join(names) + " |", "| --- | " + " | ".join("---" for _ in names) + " |"]
+        for tokens, per in sized.items():
+            lines.append(f"| {tokens} | " + " | ".join(f"{per[n][0] / 2**20:,.0f} / {per[n][1] / 2**20:,.0f}"
+                                                        for n in names) + " |")
     return lines
 
 

@@ -132,12 +132,18 @@ class VisionTower:
         pixels = torch.cat([p for p, _, _ in images])
         return self.encode(get_image_features, pixels, torch.tensor([g for _, g, _ in images], device=pixels.device))
 
-    def encode_tokens(self, get_image_features, items: list[tuple[torch.Tensor, tuple, torch.Tensor]]) \
+    def encode_capturing(self, get_image_features, pixel_values, grids):
+        """``encode``, and per image the tower's own K/V that a later ``encode_tokens`` of an edited copy lends
+        (``families.tower_kv``); None in their place when the family's tower cannot."""
+        return self.encode(get_image_features, pixel_values, grids), None
+
+    def encode_tokens(self, get_image_features, items: list[tuple[torch.Tensor, tuple, torch.Tensor]], lent=None) \
             -> list[tuple[torch.Tensor, torch.Tensor | None]] | None:
         """The encoder output of some tokens of some images, in one call: ``items`` holds (the image's pixel rows,
         its grid, the sorted tokens wanted); per image (embeds (k, d), extra features (levels, k, d) | None) of those
-        tokens, each at its own place in its image, attending to the others wanted of its image only (docs/METHOD.md
-        §1, encoder reuse). None: the family's tower cannot (``partial_encoder``)."""
+        tokens, each at its own place in its image, attending to the others wanted of its image only, and with
+        ``lent`` (per image, an alias's tower K/V from ``encode_capturing``) to the alias's other patches as well
+        (docs/METHOD.md §1, encoder reuse). None: the family's tower cannot (``partial_encoder``)."""
         return None
 
     def split_encoded(self, out) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
@@ -153,6 +159,17 @@ class VisionTower:
     def encoder_flops(cls, vision, patches: int) -> float:
         """Forward FLOPs of the family's vision tower (config ``vision``) on one image of ``patches`` patches."""
         raise NotImplementedError(f"{cls.__name__} does not price its vision tower")
+
+    @classmethod
+    def lent_flops(cls, vision, encoded: int, patches: int) -> float:
+        """What a partial encode of ``encoded`` of ``patches`` patches adds to ``encoder_flops(encoded)``: its
+        queries' attention to the lent K/V of the others (``families.tower_kv``); 0 for a tower that lends none."""
+        return 0.0
+
+    @classmethod
+    def tower_kv_values(cls, vision, patches: int) -> int:
+        """Values of an image's kept tower K/V (``Entry.tower_kv``); 0 for a tower that keeps none."""
+        return 0
 
     @classmethod
     def model_encoder_flops(cls, config, patches: int) -> float:

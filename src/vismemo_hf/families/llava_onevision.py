@@ -40,6 +40,7 @@ class LlavaOnevisionAdapter(QwenAdapter):
     vision_attribute: ClassVar[str] = "vision_tower"
     vision_out_key: ClassVar[str | None] = None
     approximate: ClassVar[bool] = False
+    partial_encoder: ClassVar[bool] = False  # no approximate hits: nothing encodes part of an image
     special_tokens: ClassVar[tuple[str, ...]] = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<image>", "<video>")
     chat_template: ClassVar[str] = LLAVA_TEMPLATE
 

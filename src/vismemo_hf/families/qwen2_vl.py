@@ -36,12 +36,15 @@ class QwenAdapter(ModelAdapter):
     chat_template: ClassVar[str] = QWEN2_TEMPLATE
     partial_encoder: ClassVar[bool] = True
 
-    def encode_tokens(self, get_image_features, items):
+    def encode_tokens(self, get_image_features, items, lent=None):
         """As ``ModelAdapter.encode_tokens``: the tokens' patch rows go through the tower as one sequence per image,
         with the positions (and the family's ``subset_inputs``) they have in the whole image, handed to the tower
         precomputed (``transformers.vision_utils``); the tower is told a grid of the subset's size only so that it
-        splits its output per image. Images of one frame only."""
+        splits its output per image. Images of one frame only. ``lent``: per image, an alias's tower K/V
+        (``families.tower_kv``), whose other patches the wanted ones attend to at every full-attention block."""
         from transformers.vision_utils import get_vision_position_ids
+
+        from vismemo_hf.families import tower_kv
 
         if not items or any(grid[0] != 1 for _, grid, _ in items):
             return None
@@ -57,8 +60,32 @@ class QwenAdapter(ModelAdapter):
         inputs = {"position_ids": torch.cat(positions).to(device),
                   "cu_seqlens": torch.tensor(lengths, dtype=torch.int32, device=device),
                   **self.subset_inputs(items, device)}
-        out = get_image_features(torch.cat(rows), torch.tensor(grids, device=device), return_dict=True, **inputs)
+        if lent is None:
+            out = get_image_features(torch.cat(rows), torch.tensor(grids, device=device), return_dict=True, **inputs)
+            return self.split_encoded(out)
+        kept = []
+        for (_, _, tokens), kv in zip(items, lent):
+            others = torch.ones(kv.shape[2] // unit, dtype=torch.bool)
+            others[tokens.to(torch.long).cpu()] = False
+            kept.append((kv, (torch.nonzero(others).flatten()[:, None] * unit + torch.arange(unit)).reshape(-1)))
+        with tower_kv.lend(self.base.visual, kept):
+            out = get_image_features(torch.cat(rows), torch.tensor(grids, device=device), return_dict=True, **inputs)
         return self.split_encoded(out)
+
+    def encode_capturing(self, get_image_features, pixel_values, grids):
+        """``encode``, and each image's tower K/V (``families.tower_kv.capture``) for later partial encodes; (outputs,
+        None) when the tower runs flash attention (whose fused kernel has no place to lend K/V to)."""
+        from vismemo_hf.families import tower_kv
+
+        if not tower_kv.can_capture(self.base.visual):
+            return self.encode(get_image_features, pixel_values, grids), None
+        with tower_kv.capture(self.base.visual, self.tower_order(grids)) as kvs:
+            out = self.encode(get_image_features, pixel_values, grids)
+        return out, kvs
+
+    def tower_order(self, grids) -> list[torch.Tensor | None]:
+        """Per image, the patch order its full-attention blocks see (None: its own)."""
+        return [None] * len(grids)
 
     def subset_inputs(self, items, device) -> dict:
         """What else the tower precomputes from the grid, for the tokens of ``items`` (``encode_tokens``)."""
@@ -71,6 +98,28 @@ class QwenAdapter(ModelAdapter):
         if shift == (0, 0):
             return keys
         return turn(keys, *self.turn((0, -shift[0], -shift[1])))
+
+    @staticmethod
+    def _lending(vision) -> tuple[int, int]:
+        """(full-attention blocks, their width)."""
+        width = getattr(vision, "embed_dim", None) or vision.hidden_size  # Qwen2-VL: embed_dim; hidden_size: out
+        full = getattr(vision, "fullatt_block_indexes", None)
+        return (len(full) if full is not None else vision.depth), width
+
+    @classmethod
+    def lent_flops(cls, vision, encoded: int, patches: int) -> float:
+        """Each full-attention block: the encoded patches' queries over the other patches' lent keys."""
+        if not cls.partial_encoder:
+            return 0.0
+        blocks, width = cls._lending(vision)
+        return blocks * 4 * encoded * (patches - encoded) * width
+
+    @classmethod
+    def tower_kv_values(cls, vision, patches: int) -> int:
+        if not cls.partial_encoder:
+            return 0
+        blocks, width = cls._lending(vision)
+        return blocks * 2 * patches * width
 
     @classmethod
     def merger_flops(cls, vision, patches: int, width: int, mergers: int = 1) -> float:
@@ -107,6 +156,16 @@ class Qwen2_5_VLAdapter(QwenAdapter):  # noqa: N801 (the transformers class name
     def encoder_window(self) -> int:
         vision = self.vision_config
         return vision.window_size // self.merge // vision.patch_size
+
+    def tower_order(self, grids) -> list[torch.Tensor | None]:
+        """The tower runs every block in window order (``get_vision_window_index``)."""
+        from transformers.vision_utils import get_vision_window_index
+
+        vision, unit, out = self.vision_config, self.merge**2, []
+        for grid in grids.tolist() if isinstance(grids, torch.Tensor) else grids:
+            index, _ = get_vision_window_index(torch.tensor([grid]), self.merge, vision.window_size, vision.patch_size)
+            out.append((index[:, None] * unit + torch.arange(unit)).reshape(-1))
+        return out
 
     def subset_inputs(self, items, device) -> dict:
         """The windows of the windowed blocks: each wanted token in the window it has in the whole image, the

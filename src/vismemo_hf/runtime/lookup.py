@@ -80,6 +80,9 @@ class ImageMatch:
     #: which stage found the alias: "key" (exact), "pixels" (pixel-first), "encoder" (coarse and fine stages),
     #: "thumbnail" (the aligned pixel stage); None: a miss
     found_by: str | None = None
+    #: (layers, 2, patches, width) the tower's own K/V of a whole-image encode (``families.tower_kv``), kept with the
+    #: entry so that an edited copy's partial encode can attend to it; None: not captured
+    tower_kv: torch.Tensor | None = None
 
     @property
     def n_tokens(self) -> int:
@@ -333,8 +336,9 @@ def lookup_request(adapter, cache, input_ids, pixel_values, grids, get_image_fea
     partial = _encode_changed(adapter, get_image_features, {i: firsts[i] for i in firsts if reusing},
                               {i: items[originals[i]] for i in firsts})
     rest = [i for i in todo if i not in partial]
-    encodings = {**_encode(adapter, get_image_features, rest, encoded, [items[originals[i]] for i in rest]),
-                 **{i: out[:2] for i, out in partial.items()}}
+    capturing = adapter.partial_encoder and cache.policy.reuses_encoder() and cache.store_misses
+    encodings = {**_encode(adapter, get_image_features, rest, encoded, [items[originals[i]] for i in rest], capturing),
+                 **{i: (*out[:2], None) for i, out in partial.items()}}
     encoder_ms = (time.perf_counter() - t0) * 1e3
     contexts = _contexts(input_ids, valid, spans, [keys[i] for i in source],
                          video_items(adapter.video_mask(input_ids, token_types), merge, videos),
@@ -347,14 +351,14 @@ def lookup_request(adapter, cache, input_ids, pixel_values, grids, get_image_fea
             match = _exact_match(row, start, entry, prefix, sketch)
             store_call("index", lambda e=entry: cache.store.note_pixels(e.key, e.patch_hashes), None)
         else:
-            embeds, deepstack = encodings[i]
+            embeds, deepstack, tower = encodings[i]
             feats = ImageFeatures(keys[i], grid_list[j], embeds,
                                   pixel_features=adapter.pixel_features(pixels[j], grid_list[j], hashes[i]))
             host_embeds = embeds.detach().float().cpu()
             match = ImageMatch(row, start, feats, embeds, deepstack, region_descriptors(host_embeds, grid_list[j], merge),
                                HitKind.MISS, prefix, encoder_ms=encoder_ms, context=sketch,
                                thumbnail=adapter.thumbnail_of(pixels[j], grid_list[j]), host_embeds=host_embeds,
-                               encoded_tokens=partial[i][2] if i in partial else None)
+                               encoded_tokens=partial[i][2] if i in partial else None, tower_kv=tower)
             match = _pixel_first_match(match, *firsts[i]) if i in firsts else \
                 _approximate(adapter, match, cache, get_image_features)
         stages = exact_ms + (pixel_ms if entry is None else 0.0)
@@ -422,14 +426,19 @@ def _pixel_alias(adapter, cache, owner: str, grid, hashes: torch.Tensor | None, 
 
 def _encode_changed(adapter, get_image_features, found: dict, items: dict) -> dict:
     """{image: (embeds, deepstack, tokens encoded)} of pixel-first hits (``found``: image -> ``_pixel_alias``'s
-    result): the tower runs, in one call, for each image's changed tokens and their context (``encoder_tokens``);
-    the changed tokens take its output, the others keep the alias's. {} when the family's tower cannot."""
+    result) whose alias kept its tower K/V: the tower runs, in one call, for each image's changed tokens (whole
+    windows of a windowed tower), which attend at every full-attention block to the alias's other patches
+    (``families.tower_kv``); the changed tokens take its output, the others keep the alias's. An alias without tower
+    K/V is encoded in full (a partial encode without the rest of the image as context is measured wrong:
+    ``results/quality/encoder-reuse.md``); {} when the family's tower cannot."""
+    found = {i: f for i, f in found.items() if f[0].tower_kv is not None}
     wanted = {}
     for i, (entry, changed, _) in found.items():
         if bool(changed.any()):
-            wanted[i] = encoder_tokens(changed, token_grid(entry.grid, adapter.merge)[1:], window=adapter.encoder_window)
-    fresh = adapter.encode_tokens(get_image_features, [(items[i][0], items[i][1], t) for i, t in wanted.items()]) \
-        if wanted else []
+            wanted[i] = encoder_tokens(changed, token_grid(entry.grid, adapter.merge)[1:], halo=0,
+                                       window=adapter.encoder_window)
+    fresh = adapter.encode_tokens(get_image_features, [(items[i][0], items[i][1], t) for i, t in wanted.items()],
+                                  lent=[found[i][0].tower_kv for i in wanted]) if wanted else []
     if fresh is None:
         return {}
     fresh = dict(zip(wanted, fresh))
@@ -461,15 +470,27 @@ def _pixel_first_match(match: ImageMatch, entry: Entry, changed: torch.Tensor, s
                    context_change=context_change(entry.context, match.context) if changed_prefix else None)
 
 
-def _encode(adapter, get_image_features, todo: list[int], encoded, items) -> dict:
-    """Encoder output (embeds, deepstack) of the images without an exact hit: from the tower's earlier run when
-    there was one, else one batch through it now."""
+def _encode(adapter, get_image_features, todo: list[int], encoded, items, capturing: bool = False) -> dict:
+    """Encoder output (embeds, deepstack, tower K/V or None) of the images without an exact hit: from the tower's
+    earlier run when there was one, else one batch through it now; ``capturing``: the tower's own K/V are kept for
+    the entries these images become (encoder reuse)."""
     if not todo:
         return {}
     if encoded is not None:
         per_image = adapter.split_encoded(encoded)
-        return {i: per_image[i] for i in todo}
-    return dict(zip(todo, adapter.encode_images(get_image_features, items)))
+        return {i: (*per_image[i], None) for i in todo}
+    if not capturing:
+        return {i: (*out, None) for i, out in zip(todo, adapter.encode_images(get_image_features, items))}
+    pixels = torch.cat([p for p, _, _ in items])
+    grids = torch.tensor([g for _, g, _ in items], device=pixels.device)
+    try:
+        per_image, towers = adapter.encode_capturing(get_image_features, pixels, grids) \
+            if all(g[0] == 1 for _, g, _ in items) else (adapter.encode(get_image_features, pixels, grids), None)
+    except (RuntimeError, NotImplementedError, KeyError, AttributeError) as err:  # never out of generate
+        logger.warning("vismemo: the tower's K/V could not be kept (%s); encoding without", err)
+        per_image, towers = adapter.encode(get_image_features, pixels, grids), None
+    towers = towers if towers is not None else [None] * len(per_image)
+    return {i: (*out, tower) for i, out, tower in zip(todo, per_image, towers)}
 
 
 def _contexts(input_ids, valid, spans, keys, videos: dict, sketch_key: bytes) -> list[tuple[str, torch.Tensor]]:

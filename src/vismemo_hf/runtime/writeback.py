@@ -71,6 +71,7 @@ def write_entries(adapter, cache, done: list[tuple], importance=lambda i: None) 
                          deepstack=match.deepstack.detach() if match.deepstack is not None else None,
                          descriptors=match.descriptors, entropy=feats.entropy, kv=kv, offset=offset,
                          patch_hashes=feats.patch_hashes, prefix=match.prefix, context=match.context,
-                         thumbnail=match.thumbnail() if match.thumbnail is not None else None), weights
+                         thumbnail=match.thumbnail() if match.thumbnail is not None else None,
+                         tower_kv=match.tower_kv.cpu() if match.tower_kv is not None else None), weights
 
         store_call("write", lambda b=build: cache.store.put_later(b), None)

@@ -44,6 +44,7 @@ _FIELDS = struct.Struct("<4sHBB" + "I" * 13 + "q32s64s16sQQ16s16s16s16s16s")  # 
 MAC_BYTES = 16
 SEALED = 32  # header flag: MACs in place of checksums
 CONTEXT = 64  # header flag: the context sketch (``Entry.context``) at the end of the metadata
+TOWER = 128  # header flag: the tower's K/V (``Entry.tower_kv``) after it: its (F, patches, width), then the values
 _HEADER_CRC = struct.Struct("<I")
 HEADER_SIZE = _FIELDS.size + _HEADER_CRC.size
 HASH_BYTES = 8
@@ -234,7 +235,7 @@ def parse_header(data: bytes, seal: Seal | None = None) -> BlobHeader:
         raise BlobError(f"layout version {version}, expected {LAYOUT_VERSION}")
     if dtype not in DTYPES:
         raise BlobError(f"unknown dtype code {dtype}")
-    if bin(flags & 12).count("1") > 1 or flags & ~127 or kv_count > n or (kv_count != n and not flags & 16):
+    if bin(flags & 12).count("1") > 1 or flags & ~255 or kv_count > n or (kv_count != n and not flags & 16):
         raise BlobError(f"unknown flags {flags:#x}")
     sealed = None
     if flags & SEALED:
@@ -271,6 +272,9 @@ def _meta_tensors(entry: Entry) -> list[torch.Tensor]:
         tensors.append(entry.kv_tokens.long())
     if entry.context is not None:
         tensors.append(entry.context.long())
+    if entry.tower_kv is not None:
+        layers, _, patches, width = entry.tower_kv.shape
+        tensors += [torch.tensor([layers, patches, width], dtype=torch.int64), entry.tower_kv.to(entry.kv.dtype)]
     return [t.detach().cpu().contiguous() for t in tensors]
 
 
@@ -301,6 +305,7 @@ def encode(entry: Entry, kv_format: str | None = None, seal: Seal | None = None)
     flags |= KV_FORMATS[kv_format][0] if kv_format is not None else 0
     flags |= 16 if entry.kv_tokens is not None else 0
     flags |= CONTEXT if entry.context is not None else 0
+    flags |= TOWER if entry.tower_kv is not None else 0
     levels = entry.deepstack.shape[0] if entry.deepstack is not None else 0
     body_start = HEADER_SIZE + blocks.numel()
     fields = _FIELDS.pack(
@@ -360,11 +365,19 @@ def decode_meta(header: BlobHeader, meta) -> Entry:
     patch_hashes = take(n, torch.int64, (n,)) if header.flags & 2 else None
     kv_tokens = take(header.kv_count, torch.int64, (header.kv_count,)) if header.flags & 16 else None
     context = take(CONTEXT_SIZE, torch.int64, (CONTEXT_SIZE,)).clone() if header.flags & CONTEXT else None
+    tower = None
+    if header.flags & TOWER:
+        if pos + 24 > buf.numel():
+            raise BlobError("metadata size does not match its header")
+        layers, patches, width = (int(x) for x in take(3, torch.int64, (3,)))
+        if min(layers, patches, width) <= 0 or pos + 2 * layers * patches * width * header.dtype.itemsize > buf.numel():
+            raise BlobError("tower K/V size does not match the metadata")
+        tower = take(2 * layers * patches * width, header.dtype, (layers, 2, patches, width))
     if pos != buf.numel():
         raise BlobError("metadata size does not match its header")
     return Entry(header.key, header.fingerprint, header.grid, embeds, deepstack, descriptors, entropy, None,
                  header.offset, patch_hashes, prefix=header.prefix, n_layers=header.n_layers, sketch=sketch,
-                 kv_tokens=kv_tokens, thumbnail=thumb if thumb.numel() else None, context=context)
+                 kv_tokens=kv_tokens, thumbnail=thumb if thumb.numel() else None, context=context, tower_kv=tower)
 
 
 def decode_lookup(header: BlobHeader, section) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:

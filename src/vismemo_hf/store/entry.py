@@ -44,6 +44,9 @@ class Entry:
     #: (``core.context.SIZE``,) int64 sketch of that context (``core.context.context_sketch``): how far a later
     #: request's context moved from it; None: not kept (a changed context then counts as unknown)
     context: torch.Tensor | None = None
+    #: (F full-attention tower blocks, 2 (K, V), patches, width) the vision tower's own rotated K/V of the image
+    #: (``families.tower_kv``), lent to an edited copy's partial encode; None: not kept
+    tower_kv: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if self.kv is not None:
@@ -59,7 +62,7 @@ class Entry:
     def nbytes(self) -> int:
         tensors = [self.embeds, self.descriptors, self.entropy, self.sketch]
         tensors += [t for t in (self.kv, self.deepstack, self.patch_hashes, self.kv_tokens, self.thumbnail,
-                                 self.context)
+                                 self.context, self.tower_kv)
                     if t is not None]
         return sum(t.numel() * t.element_size() for t in tensors)
 
@@ -97,3 +100,7 @@ class Entry:
             raise ValueError(f"entry {self.key[:12]}: the context sketch must be ({CONTEXT_SIZE},) int64")
         if self.deepstack is not None and self.deepstack.shape[1] != n:
             raise ValueError(f"entry {self.key[:12]}: deepstack token count disagrees")
+        if self.tower_kv is not None and (self.tower_kv.ndim != 4 or self.tower_kv.shape[1] != 2
+                                          or self.tower_kv.shape[2] % max(1, n) or not self.tower_kv.shape[2]):
+            raise ValueError(f"entry {self.key[:12]}: tower K/V must be (F, 2, patches, width), a whole number of "
+                             f"patches per token, got {tuple(self.tower_kv.shape)}")
