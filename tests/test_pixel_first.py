@@ -272,3 +272,28 @@ def test_the_towers_kv_comes_back_from_disk(qwen2, tmp_path):
     assert first.found_by == "encoder" and first.encoded_tokens == first.n_tokens
     then = _event(model, processor, disk, edit, store_misses=False)
     assert then.found_by == "pixels" and 0 < then.encoded_tokens < then.n_tokens
+
+
+@pytest.mark.parametrize("damage", ["nan", "shape", "raises"])
+def test_a_damaged_tower_kv_is_never_lent(qwen2, damage, monkeypatch):
+    """An entry whose tower K/V are not finite or not this tower's shape, or a partial encode that fails, gives an
+    approximate hit that encodes the whole image: the same answer as without encoder reuse, no error."""
+    model, processor = qwen2
+    base, edit = synthetic.page(9, SIZE), synthetic.edited(9, row=4, value="3141", size=SIZE)
+    store = stored(model, processor, base)
+    entry = store.peek(edit_key(model, processor, base), vismemo_hf.VisMemoCache().owner(model._vismemo.fingerprint))
+    if damage == "nan":
+        entry.tower_kv = torch.full_like(entry.tower_kv, float("nan"))
+    elif damage == "shape":
+        entry.tower_kv = entry.tower_kv[:, :, :-4]
+    else:
+        def broken(*args, **kwargs):
+            raise RuntimeError("tower broke")
+        monkeypatch.setattr(model._vismemo, "encode_tokens", broken)
+    event = _event(model, processor, store, edit, store_misses=False)
+    assert event.found_by == "pixels" and event.encoded_tokens == event.n_tokens
+    whole = vismemo_hf.VisMemoCache(store=store, store_misses=False, reuse_encoder=False)
+    expected = generate(model, build_inputs(processor, [edit]), whole, 4)
+    got = generate(model, build_inputs(processor, [edit]), vismemo_hf.VisMemoCache(store=store, store_misses=False), 4)
+    assert torch.equal(got[0], expected[0])
+    torch.testing.assert_close(got[1], expected[1])

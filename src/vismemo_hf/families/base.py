@@ -137,6 +137,10 @@ class VisionTower:
         (``families.tower_kv``); None in their place when the family's tower cannot."""
         return self.encode(get_image_features, pixel_values, grids), None
 
+    def lendable(self, tower: torch.Tensor | None, patches: int) -> bool:
+        """Whether an entry's tower K/V can be lent to a partial encode of an image of ``patches`` patches."""
+        return False
+
     def encode_tokens(self, get_image_features, items: list[tuple[torch.Tensor, tuple, torch.Tensor]], lent=None) \
             -> list[tuple[torch.Tensor, torch.Tensor | None]] | None:
         """The encoder output of some tokens of some images, in one call: ``items`` holds (the image's pixel rows,

@@ -87,6 +87,14 @@ class QwenAdapter(ModelAdapter):
         """Per image, the patch order its full-attention blocks see (None: its own)."""
         return [None] * len(grids)
 
+    def lendable(self, tower: torch.Tensor | None, patches: int) -> bool:
+        """Whether ``tower`` (an entry's tower K/V) fits this tower for an image of ``patches`` patches and is
+        finite: anything else (another model's, a damaged entry's) is never lent."""
+        from vismemo_hf.families import tower_kv
+
+        return tower is not None and tuple(tower.shape) == tower_kv.expected_shape(self.base.visual, patches) and \
+            bool(torch.isfinite(tower).all())
+
     def subset_inputs(self, items, device) -> dict:
         """What else the tower precomputes from the grid, for the tokens of ``items`` (``encode_tokens``)."""
         return {}

@@ -39,10 +39,19 @@ class _Run:
 
 
 _RUN: ContextVar[_Run | None] = ContextVar("vismemo_tower", default=None)
+#: what each tower configuration named before an encode here switched it (another thread's encode of the same model
+#: meanwhile runs its own implementation, untouched)
+_BEFORE: dict[int, str | None] = {}
 
 
 def _attention(module, query, key, value, attention_mask=None, **kwargs):
     run = _RUN.get()
+    if run is None or id(module) not in run.layers:
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+        from transformers.models.qwen2_vl.modeling_qwen2_vl import eager_attention_forward
+
+        inner = ALL_ATTENTION_FUNCTIONS.get_interface(_BEFORE.get(id(module.config)), eager_attention_forward)
+        return inner(module, query, key, value, attention_mask=attention_mask, **kwargs)
     layer = run.layers[id(module)]
     if layer in run.lent:
         call = run.calls.get(layer, 0)
@@ -88,12 +97,19 @@ def _running(visual, record=None, extra=None):
     inner = ALL_ATTENTION_FUNCTIONS.get_interface(before, eager_attention_forward)
     layers = {id(block.attn): i for i, block in enumerate(visual.blocks)}
     token = _RUN.set(_Run(layers, inner, set(full_layers(visual)), record, extra))
+    _BEFORE[id(config)] = before
     config._attn_implementation_internal = NAME
     try:
         yield
     finally:
         config._attn_implementation_internal = before
         _RUN.reset(token)
+
+
+def expected_shape(visual, patches: int) -> tuple[int, int, int, int]:
+    """The tower K/V ``capture`` gives for an image of ``patches`` patches: (full blocks, 2, patches, width)."""
+    attn = visual.blocks[0].attn
+    return len(full_layers(visual)), 2, patches, attn.qkv.out_features // 3
 
 
 @contextmanager

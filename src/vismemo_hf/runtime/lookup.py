@@ -333,8 +333,12 @@ def lookup_request(adapter, cache, input_ids, pixel_values, grids, get_image_fea
     pixel_ms = (time.perf_counter() - t0) * 1e3 / max(1, len(todo))  # the pixel-first stage, per image
     t0 = time.perf_counter()
     reusing = encoded is None and adapter.partial_encoder and cache.policy.reuses_encoder()
-    partial = _encode_changed(adapter, get_image_features, {i: firsts[i] for i in firsts if reusing},
-                              {i: items[originals[i]] for i in firsts})
+    try:
+        partial = _encode_changed(adapter, get_image_features, {i: firsts[i] for i in firsts if reusing},
+                                  {i: items[originals[i]] for i in firsts})
+    except (RuntimeError, ValueError, IndexError, KeyError, AttributeError) as err:  # never out of generate
+        logger.warning("vismemo: a partial encode failed (%s); encoding the whole images", err)
+        partial = {}
     rest = [i for i in todo if i not in partial]
     capturing = adapter.partial_encoder and cache.policy.reuses_encoder() and cache.store_misses
     encodings = {**_encode(adapter, get_image_features, rest, encoded, [items[originals[i]] for i in rest], capturing),
@@ -431,7 +435,7 @@ def _encode_changed(adapter, get_image_features, found: dict, items: dict) -> di
     (``families.tower_kv``); the changed tokens take its output, the others keep the alias's. An alias without tower
     K/V is encoded in full (a partial encode without the rest of the image as context is measured wrong:
     ``results/quality/encoder-reuse.md``); {} when the family's tower cannot."""
-    found = {i: f for i, f in found.items() if f[0].tower_kv is not None}
+    found = {i: f for i, f in found.items() if adapter.lendable(f[0].tower_kv, items[i][0].shape[0])}
     wanted = {}
     for i, (entry, changed, _) in found.items():
         if bool(changed.any()):

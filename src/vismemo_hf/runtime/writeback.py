@@ -67,11 +67,14 @@ def write_entries(adapter, cache, done: list[tuple], importance=lambda i: None) 
                 logger.warning("vismemo: image %s has non-finite K/V; not stored", match.features.key[:12])
                 return None
             feats = match.features
+            tower = match.tower_kv
+            if tower is not None and not bool(torch.isfinite(tower).all()):
+                tower = None  # an entry without it: its edits encode whole images
             return Entry(key=feats.key, fingerprint=fingerprint, grid=feats.grid, embeds=match.embeds.detach(),
                          deepstack=match.deepstack.detach() if match.deepstack is not None else None,
                          descriptors=match.descriptors, entropy=feats.entropy, kv=kv, offset=offset,
                          patch_hashes=feats.patch_hashes, prefix=match.prefix, context=match.context,
                          thumbnail=match.thumbnail() if match.thumbnail is not None else None,
-                         tower_kv=match.tower_kv.cpu() if match.tower_kv is not None else None), weights
+                         tower_kv=tower.cpu() if tower is not None else None), weights
 
         store_call("write", lambda b=build: cache.store.put_later(b), None)
