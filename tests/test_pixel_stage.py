@@ -251,3 +251,36 @@ def test_calibration_puts_tau_pixel_between_unrelated_and_near_pairs_and_tau_nea
     assert rates(rows, replace(t, tau_pixel=None, tau_near=None))["recall"] == pytest.approx(2 / 5)
     no_pixel_help = [row(True, 0.97, 0.99), row(True, 0.6, 0.5), row(False, 0.5, 0.9)]
     assert choose(no_pixel_help).tau_pixel is None and choose(no_pixel_help).tau_near is None
+    with_pixels = rows + [{**row(True, 0.1, 0.1, coarse=0.0), "pixel_first": True}]
+    assert rates(with_pixels, t)["recall"] == pytest.approx(5 / 6)  # found by the pixel-first stage before them
+    assert rates(with_pixels, replace(t, same_pixels=None))["recall"] == pytest.approx(4 / 6)
+
+
+def test_the_default_pixel_stage_is_derived_from_the_models_reference_images():
+    """Without calibration a model gets a pixel stage above its most similar unrelated reference thumbnails (at
+    least ``PIXEL_FLOOR``); calibrated or given values are kept; a reference without the score gives none."""
+    from vismemo_hf.core.thresholds import ADAPTIVE_TAU, NEAR_FLOOR, PIXEL_FLOOR, PIXEL_MARGIN, ModelReference
+
+    reference = ModelReference(torch.zeros(4), torch.zeros(4), unrelated_fine=0.9, unrelated_pixel=0.93)
+    resolved = LookupThresholds().for_model(reference)
+    assert not resolved.adaptive and resolved.tau_fine == pytest.approx(0.93) and resolved.tau == ADAPTIVE_TAU
+    assert LookupThresholds(tau=0.6).for_model(reference).tau == 0.6  # a tau given is kept
+    assert resolved.tau_pixel == pytest.approx(0.93 + PIXEL_MARGIN) and resolved.tau_near == NEAR_FLOOR
+    low = LookupThresholds().for_model(replace(reference, unrelated_pixel=0.5))
+    assert low.tau_pixel == PIXEL_FLOOR
+    assert LookupThresholds().for_model(replace(reference, unrelated_pixel=None)).tau_pixel is None
+    given = LookupThresholds(tau_pixel=0.97, tau_near=0.4).for_model(reference)
+    assert (given.tau_pixel, given.tau_near) == (0.97, 0.4)
+    calibrated = LookupThresholds(0.1, 0.9, adaptive=False)
+    assert calibrated.for_model(reference) is calibrated  # a calibrated preset: no pixel stage unless it has one
+
+
+def test_the_models_reference_measures_its_unrelated_thumbnails(qwen2):
+    from vismemo_hf.families import ModelAdapter
+    from vismemo_hf.runtime.reference import model_reference
+
+    model, _ = qwen2
+    adapter = ModelAdapter.for_model(model)
+    with torch.no_grad():
+        reference = model_reference(adapter, adapter.base.get_image_features)
+    assert reference.unrelated_pixel is not None and -1.0 <= reference.unrelated_pixel < 1.0

@@ -14,7 +14,7 @@ model and writes a preset (``configs/lookup/``) that ``VisMemoCache(thresholds=.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -24,6 +24,15 @@ from vismemo_hf.core.pixel_first import MIN_SAME
 
 #: how far above the model's most similar unrelated reference pair an adaptive ``tau_fine`` is kept
 UNRELATED_MARGIN = 0.03
+#: an adaptive pixel stage (no calibration): ``tau_pixel`` this far above the most similar unrelated reference
+#: thumbnails, never below ``PIXEL_FLOOR``; candidates from a fine score of ``NEAR_FLOOR`` up get it
+PIXEL_MARGIN = 0.03
+PIXEL_FLOOR = 0.92
+NEAR_FLOOR = 0.3
+#: the coarse threshold adaptive thresholds use at most: the coarse stage only ranks candidates for the fine and
+#: pixel stages, which decide; at 0.8 it turned away most moved and rescanned copies (``vismemo calibrate``'s
+#: defaults row on both readers' held-out pairs), and unrelated pages of one layout pass it anyway
+ADAPTIVE_TAU = 0.2
 
 
 @dataclass(frozen=True)
@@ -34,6 +43,9 @@ class ModelReference:
     descriptor_mean: torch.Tensor
     token_mean: torch.Tensor
     unrelated_fine: float
+    #: the highest aligned thumbnail similarity (``aligned_similarity``) of two unrelated reference images of the
+    #: same kind and grid; None: not measured (no adaptive pixel stage)
+    unrelated_pixel: float | None = None
 
 
 @dataclass(frozen=True)
@@ -55,6 +67,22 @@ class LookupThresholds:
     tau_pixel: float | None = None
     tau_near: float | None = None
     same_pixels: float | None = MIN_SAME
+
+    def for_model(self, reference: ModelReference) -> LookupThresholds:
+        """The thresholds as one model uses them (``adaptive`` resolved): the default ``tau`` as ``ADAPTIVE_TAU``,
+        ``tau_fine`` from ``fine_for`` and, when
+        no pixel stage was given, one derived as ``tau_fine`` is from the model's reference images (``tau_pixel``
+        ``PIXEL_MARGIN`` above their most similar unrelated thumbnails, at least ``PIXEL_FLOOR``; ``tau_near``
+        ``NEAR_FLOOR``): a moved, rescaled or re-encoded copy is found without calibration."""
+        if not self.adaptive:
+            return self
+        tau_pixel, tau_near = self.tau_pixel, self.tau_near
+        if tau_pixel is None and reference.unrelated_pixel is not None:
+            tau_pixel = round(min(0.99, max(PIXEL_FLOOR, reference.unrelated_pixel + PIXEL_MARGIN)), 4)
+            tau_near = NEAR_FLOOR
+        tau = ADAPTIVE_TAU if self.tau == LookupThresholds.tau else self.tau  # a tau given is kept
+        return replace(self, tau=tau, tau_fine=self.fine_for(reference), tau_pixel=tau_pixel, tau_near=tau_near,
+                       adaptive=False)
 
     def fine_for(self, reference: ModelReference) -> float:
         """The fine threshold for a model."""

@@ -4,7 +4,8 @@ Pairs are synthetic: document pages (``synthdoc``, five page styles, or with ``p
 ``docpage`` layouts of ``vismemo-docqa-base`` and the near-duplicate kinds of its streams) and text pages, forms
 of one template, screens, photos and textures (``thresholds.synthetic_image``). A near-duplicate is the same image
 with a small change (an edited value or key, swapped rows, a 1-3 px shift, JPEG, brightness,
-noise, a small pasted patch; on ``docpage`` pages one or several edited cells, a scroll, a crop, a popup, a
+noise, a small pasted patch, a row inverted, tinted or inserted; on ``docpage`` pages one or several edited
+cells, a scroll, a crop, a popup, a
 switched widget, a rescan, a shift); an unrelated image is another one of the same kind and size.
 Each pair is scored exactly as the lookup scores it: the smallest centred regional cosine
 (coarse), the mean centred token cosine at the best shift by up to one visual token (fine, full width and from
@@ -25,7 +26,7 @@ import random
 from dataclasses import replace
 
 import torch
-from PIL import Image, ImageDraw
+from PIL import Image, ImageDraw, ImageOps
 
 from vismemo_hf.core.features import (
     centred_sketches,
@@ -36,6 +37,7 @@ from vismemo_hf.core.features import (
     token_sketch,
 )
 from vismemo_hf.core.images import IMAGE_KINDS, synthetic_image
+from vismemo_hf.core.pixel_first import MIN_SAME, pixel_changes
 from vismemo_hf.core.thresholds import (
     LookupThresholds,
     aligned_similarity,
@@ -47,6 +49,47 @@ from vismemo_hf.eval import docpage, docstream, synthdoc
 from vismemo_hf.families import ModelAdapter
 from vismemo_hf.progress import progress as progress_bar
 from vismemo_hf.runtime.reference import encode_images, model_reference
+
+
+def _band(image: Image.Image, rng: random.Random) -> tuple[int, int, int, int]:
+    """A box about one table row high across most of the width, somewhere in the middle of the image."""
+    w, h = image.size
+    bh = max(8, h // 12)
+    y = rng.randrange(h // 8, max(h // 8 + 1, h - h // 8 - bh))
+    return w // 10, y, w - w // 10, y + bh
+
+
+def _invert(image: Image.Image, rng: random.Random) -> Image.Image:
+    """A row's colours inverted (a selected table header, a highlighted menu entry)."""
+    out, box = image.convert("RGB").copy(), _band(image, rng)
+    out.paste(ImageOps.invert(out.crop(box)), box[:2])
+    return out
+
+
+def _recolour(image: Image.Image, rng: random.Random) -> Image.Image:
+    """A row tinted (a highlighter, a hover colour)."""
+    out, box = image.convert("RGB").copy(), _band(image, rng)
+    region = out.crop(box)
+    tint = Image.new("RGB", region.size, tuple(rng.randrange(120, 256) for _ in range(3)))
+    out.paste(Image.blend(region, tint, 0.45), box[:2])
+    return out
+
+
+def _insert_row(image: Image.Image, filler: Image.Image, rng: random.Random) -> Image.Image:
+    """A row inserted: a band of another image pasted in, what was below it pushed down (the bottom cut off)."""
+    out = image.convert("RGB").copy()
+    w, h = out.size
+    bh = max(8, h // 12)
+    y = rng.randrange(h // 4, h // 2)
+    out.paste(image.convert("RGB").crop((0, y, w, h - bh)), (0, y + bh))
+    out.paste(filler.convert("RGB").resize((w, h)).crop((0, y, w, y + bh)), (0, y))
+    return out
+
+
+def _local(image: Image.Image, filler: Image.Image, rng: random.Random) -> dict[str, Image.Image]:
+    """The large local changes the pixel-first stage is for: an inverted row, a tinted row, an inserted row."""
+    return {"invert": _invert(image, rng), "recolour": _recolour(image, rng),
+            "insert row": _insert_row(image, filler, rng)}
 
 
 def _patch(image: Image.Image, rng: random.Random) -> Image.Image:
@@ -76,6 +119,8 @@ def docpage_pairs(seed: int, per_kind: int) -> list[tuple[Image.Image, Image.Ima
             near[kind] = (base, docstream.changed_page(rng, base, kind))
         out += [(docpage.render(a), docpage.render(b), True, f"docpage {kind}") for kind, (a, b) in near.items()]
         other = docpage.random_page(2**31 + seed * 1000 + 500 + i, layout=layout)
+        image = docpage.render(page)
+        out += [(image, b, True, f"docpage {kind}") for kind, b in _local(image, docpage.render(other), rng).items()]
         out.append((docpage.render(page), docpage.render(other), False, "docpage unrelated"))
     return out
 
@@ -98,6 +143,7 @@ def pairs(seed: int, per_kind: int, pages: str = "synthdoc") -> list[tuple[Image
         base = synthdoc.render(page)
         out += [(base, synthdoc.render(p), True, f"page {kind}") for kind, p in near.items()]
         other = synthdoc.random_form(seed * 1000 + 500 + i, style=style)
+        out += [(base, b, True, f"page {kind}") for kind, b in _local(base, synthdoc.render(other), rng).items()]
         out.append((base, synthdoc.render(other), False, "page unrelated"))
         for kind in IMAGE_KINDS:
             image = synthetic_image(kind, seed * 1000 + i)
@@ -109,9 +155,9 @@ def pairs(seed: int, per_kind: int, pages: str = "synthdoc") -> list[tuple[Image
     return out
 
 
-def thumbnails(adapter, images, bar=None) -> list[torch.Tensor]:
-    """The lookup's thumbnail of each image, from the model's own processor output (``bar``: a progress bar whose
-    postfix counts them)."""
+def thumbnails(adapter, images, bar=None) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+    """The lookup's thumbnail and token pixel hashes (``ModelAdapter.patch_hashes``) of each image, from the model's
+    own processor output (``bar``: a progress bar whose postfix counts them)."""
     processor = adapter.image_processor()
     out = []
     for i, image in enumerate(images):
@@ -119,14 +165,16 @@ def thumbnails(adapter, images, bar=None) -> list[torch.Tensor]:
             bar.set_postfix_str(f"thumbnails {i}/{len(images)}")
         inputs = processor(images=[image.convert("RGB")], return_tensors="pt")
         grid = tuple(int(x) for x in inputs["image_grid_thw"][0])
-        out.append(thumbnail(inputs["pixel_values"], grid, **adapter.entropy_kwargs()))
+        out.append((thumbnail(inputs["pixel_values"], grid, **adapter.entropy_kwargs()),
+                    adapter.patch_hashes(inputs["pixel_values"], grid)))
     return out
 
 
 def score_pairs(adapter, get_image_features, pair_list, reference, desc: str = "pairs") -> list[dict]:
     """Per pair: coarse (smallest centred regional cosine), fine (``fine_score``), fine_sketch (the same from
-    token sketches) and pixel (``aligned_similarity`` of their thumbnails). A bar (``desc``) counts the pairs
-    scored; its postfix names the step before (encoding the images in one batch, their thumbnails)."""
+    token sketches), pixel (``aligned_similarity`` of their thumbnails) and pixel_first (the second image shows
+    the first one edited, ``core.pixel_first.pixel_changes``: the pixel-first stage finds it). A bar (``desc``)
+    counts the pairs scored; its postfix names the step before (encoding the images in one batch, their thumbnails)."""
     descriptor_mean, token_mean = reference.descriptor_mean, reference.token_mean
     images = [im for a, b, _, _ in pair_list for im in (a, b)]
     bar = progress_bar(total=len(pair_list), desc=desc, unit="pair")
@@ -148,7 +196,9 @@ def score_pairs(adapter, get_image_features, pair_list, reference, desc: str = "
             "fine": fine_score(ea, eb, ga, adapter.merge, token_mean)[0],
             "fine_sketch": best_shift(centred_sketches(token_sketch(ea), token_mean),
                                       centred_sketches(token_sketch(eb), token_mean), hw)[0],
-            "pixel": aligned_similarity(thumbs[2 * i], thumbs[2 * i + 1], thumb_per_token(hw))[0],
+            "pixel": aligned_similarity(thumbs[2 * i][0], thumbs[2 * i + 1][0], thumb_per_token(hw))[0],
+            "pixel_first": thumbs[2 * i][1] is not None and thumbs[2 * i + 1][1] is not None
+            and pixel_changes(thumbs[2 * i + 1][1], thumbs[2 * i][1], MIN_SAME) is not None,
             "coarse_raw": float(torch.nn.functional.cosine_similarity(da, db, dim=-1).min()),
             "fine_raw": float(torch.nn.functional.cosine_similarity(ea, eb, dim=-1).mean()),
         })
@@ -188,6 +238,8 @@ def rates(rows: list[dict], thresholds: LookupThresholds, key: str = "fine", coa
     """Recall (near-duplicates found), false-positive rate (unrelated aliased), per source and per-kind recall,
     under ``thresholds`` (its ``tau_fine`` as given)."""
     def passes(r):
+        if thresholds.same_pixels is not None and r.get("pixel_first") and key != "fine_raw":
+            return True  # the pixel-first stage, before the encoder-based ones
         return r[coarse] > thresholds.tau and _fine_passes(r, thresholds, key)
 
     def of(subset):
@@ -223,11 +275,12 @@ def calibrate(model, per_kind: int = 10, seed: int = 1, heldout_seed: int = 2, p
         "tau_near": chosen.tau_near,
         "calibration": rates(rows, chosen), "heldout": rates(heldout, chosen),
         "heldout_from_sketches": rates(heldout, chosen, key="fine_sketch"),
-        "heldout_without_pixel_stage": rates(heldout, replace(chosen, tau_pixel=None, tau_near=None)),
+        "heldout_without_pixel_stage": rates(heldout, replace(chosen, tau_pixel=None, tau_near=None, same_pixels=None)),
         "sketch_agreement": sum(sketch_agree) / len(sketch_agree),
         "max_unrelated_fine": max(r["fine"] for r in rows if not r["near"]),
         "max_unrelated_pixel": max(r["pixel"] for r in rows if not r["near"]),
-        "defaults": rates(heldout, replace(defaults, tau_fine=defaults.fine_for(reference), adaptive=False)),
+        "defaults": rates(heldout, defaults.for_model(reference)),
+        "default_pixel_stage": defaults.for_model(reference).tau_pixel,
         "uncentred_rule": rates(heldout, LookupThresholds(0.8, 0.8, adaptive=False), key="fine_raw",
                                 coarse="coarse_raw"),
         "rows": rows, "heldout_rows": heldout,

@@ -461,7 +461,8 @@ def near_duplicates(images: dict, model, processor, thresholds=None) -> dict:
     thresholds = thresholds or LookupThresholds()
     with torch.no_grad():
         reference = model_reference(adapter, adapter.base.get_image_features)
-    tau_fine = thresholds.fine_for(reference)
+    thresholds = thresholds.for_model(reference)
+    tau_fine = thresholds.tau_fine
     seen, out = [], {}
     for page_id, image in progress_bar(images.items(), desc="build-stream: near-duplicates", unit="page"):
         inputs = processor.image_processor(images=[image.convert("RGB")], return_tensors="pt")

@@ -548,6 +548,7 @@ def _approximate(adapter, match: ImageMatch, cache, get_image_features) -> Image
     reference = store_call("index", lambda: _reference(adapter, cache.store, get_image_features, owner), None)
     if reference is None:
         return match
+    thresholds = thresholds.for_model(reference)
     feats = match.features
     found = store_call("index", lambda: cache.store.candidates(owner, feats.grid, match.descriptors, thresholds.tau,
                                                                cache.top_k), [])
@@ -567,7 +568,7 @@ def _approximate(adapter, match: ImageMatch, cache, get_image_features) -> Image
             continue  # the projected index let it through; the exact coarse rule does not
         scored.append((*best_shift(mine, centred_sketches(other, reference.token_mean), hw), key, thumb))
     match = replace(match, lookup_bytes=read)
-    chosen = _fine_stage(scored, thresholds, thresholds.fine_for(reference), match.thumbnail, hw)
+    chosen = _fine_stage(scored, thresholds, thresholds.tau_fine, match.thumbnail, hw)
     if chosen is None:
         return match
     best, best_score, moved_by, pixel, zoom, thumb = chosen

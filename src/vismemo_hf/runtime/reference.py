@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from vismemo_hf.core.features import region_descriptors
+from vismemo_hf.core.features import region_descriptors, thumb_per_token, token_grid
 from vismemo_hf.core.images import IMAGE_KINDS, reference_images
-from vismemo_hf.core.thresholds import ModelReference, fine_score
+from vismemo_hf.core.thresholds import ModelReference, aligned_similarity, fine_score
 
 
 def encode_images(adapter, get_image_features, images) -> list[tuple[torch.Tensor, tuple[int, int, int]]]:
@@ -22,13 +22,31 @@ def encode_images(adapter, get_image_features, images) -> list[tuple[torch.Tenso
     return [(e.float().cpu(), g) for (e, _), g in zip(encoded, grids)]
 
 
+def thumbnails(adapter, images) -> list[torch.Tensor | None]:
+    """The lookup's thumbnail of each image (``ModelAdapter.thumbnail_of``), from the model's own processor output."""
+    processor = adapter.image_processor()
+    out = []
+    for image in images:
+        inputs = processor(images=[image.convert("RGB")], return_tensors="pt")
+        grid = tuple(int(x) for x in inputs["image_grid_thw"][0])
+        made = adapter.thumbnail_of(inputs["pixel_values"], grid)
+        out.append(made() if made is not None else None)
+    return out
+
+
 def model_reference(adapter, get_image_features) -> ModelReference:
     """Encode the reference images with the model's tower: their mean region descriptor and mean L2-normalised
-    token centre the lookup; pairs of the same kind give the unrelated-pair fine score."""
-    encoded = encode_images(adapter, get_image_features, reference_images())
+    token centre the lookup; pairs of the same kind give the unrelated-pair fine score and, from their thumbnails,
+    the unrelated-pair pixel score (``aligned_similarity``) an adaptive pixel stage keeps above."""
+    images = reference_images()
+    encoded = encode_images(adapter, get_image_features, images)
     descriptors = torch.stack([region_descriptors(e, g, adapter.merge) for e, g in encoded])
     token_mean = torch.cat([F.normalize(e, dim=-1) for e, _ in encoded]).mean(0)
+    pairs = [(i, j) for i in range(len(encoded)) for j in range(i + 1, len(encoded))
+             if i % len(IMAGE_KINDS) == j % len(IMAGE_KINDS) and encoded[i][1] == encoded[j][1]]
     unrelated = [fine_score(encoded[i][0], encoded[j][0], encoded[i][1], adapter.merge, token_mean)[0]
-                 for i in range(len(encoded)) for j in range(i + 1, len(encoded))
-                 if i % len(IMAGE_KINDS) == j % len(IMAGE_KINDS) and encoded[i][1] == encoded[j][1]]
-    return ModelReference(descriptors.mean((0, 1)), token_mean, max(unrelated))
+                 for i, j in pairs]
+    thumbs = thumbnails(adapter, images)
+    pixel = [aligned_similarity(thumbs[i], thumbs[j], thumb_per_token(token_grid(encoded[i][1], adapter.merge)[1:]))[0]
+             for i, j in pairs if thumbs[i] is not None and thumbs[j] is not None]
+    return ModelReference(descriptors.mean((0, 1)), token_mean, max(unrelated), max(pixel) if pixel else None)
