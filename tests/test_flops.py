@@ -81,3 +81,48 @@ def test_the_stand_ins_build_and_answer(name, family, layers):
     inputs = processor(text=[text], images=[Image.new("RGB", (112, 112), (9, 9, 9))], return_tensors="pt")
     with torch.no_grad():
         assert model(**inputs).logits.isfinite().all()
+
+
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
+def test_a_lent_partial_encode_costs_what_the_floor_counts_and_keeps_what_the_entry_size_counts(family):
+    """``partial_encoder_flops`` (the encoded patches through the tower, their queries over the lent K/V of the
+    others) against torch's count of the partial encode, and ``tower_kv_values`` against the captured tower K/V."""
+    from PIL import Image
+
+    from vismemo_hf import enable
+    from vismemo_hf.bench.flops import partial_encoder_flops
+    from vismemo_hf.core.pixel_first import encoder_tokens
+    from vismemo_hf.families import FAMILIES
+    from vismemo_hf.runtime.hooks import _own
+    from vismemo_hf.testing import tiny_model
+
+    model, processor = tiny_model(family)
+    model.set_attn_implementation("eager")
+    enable(model)
+    adapter = model._vismemo
+    side = 2 * model.config.vision_config.patch_size * 8
+    inputs = processor.image_processor(images=[Image.new("RGB", (side, side), (200, 30, 90))], return_tensors="pt")
+    pixels, grid = inputs["pixel_values"], tuple(int(x) for x in inputs["image_grid_thw"][0])
+    encoder = _own(adapter.base, "get_image_features")
+    changed = torch.zeros(grid[1] * grid[2] // adapter.merge**2, dtype=torch.bool)
+    changed[[3, 9]] = True
+    tokens = encoder_tokens(changed, (grid[1] // adapter.merge, grid[2] // adapter.merge), halo=0,
+                            window=adapter.encoder_window)
+    with torch.no_grad():
+        _, kvs = adapter.encode_capturing(encoder, pixels, torch.tensor([grid]))
+        with FlopCounterMode(display=False) as counter:
+            adapter.encode_tokens(encoder, [(pixels, grid, tokens)], lent=kvs)
+    unit = adapter.merge**2
+    counted = counter.get_total_flops()
+    analytic = partial_encoder_flops(model.config, tokens.numel() * unit, pixels.shape[0])
+    assert tokens.numel() < changed.numel() and abs(analytic - counted) / counted < 0.15, (analytic, counted)
+    assert kvs[0].numel() == FAMILIES[family].tower_kv_values(model.config.vision_config, pixels.shape[0])
+
+
+def test_entry_sizes_at_the_real_geometries():
+    from vismemo_hf.bench.flops import entry_bytes, real_configs
+
+    sizes = {name: entry_bytes(config, 4096) for name, config in real_configs().items()}
+    assert sizes["qwen3-vl-8b"] == (36 * 2 * 8 * 128 * 4096 * 2, 27 * 2 * 4096 * 4 * 1152 * 2)
+    assert sizes["qwen2.5-vl-7b"][1] == 4 * 2 * 4096 * 4 * 1280 * 2  # its 4 full-attention blocks only
+    assert sizes["glm-4.6v-flash"][1] == 0 and sizes["llava-onevision-7b"][1] == 0  # no encoder reuse there

@@ -297,3 +297,22 @@ def test_a_damaged_tower_kv_is_never_lent(qwen2, damage, monkeypatch):
     got = generate(model, build_inputs(processor, [edit]), vismemo_hf.VisMemoCache(store=store, store_misses=False), 4)
     assert torch.equal(got[0], expected[0])
     torch.testing.assert_close(got[1], expected[1])
+
+
+def test_calibrations_local_changes_and_what_the_pixel_first_stage_makes_of_them(qwen2):
+    """``vismemo calibrate``'s inverted and tinted rows change one band of tokens (the pixel-first stage finds
+    them); an inserted row moves everything below it (it does not: those tokens are not where they were)."""
+    import random
+
+    from vismemo_hf.eval.calibrate import _insert_row, _invert, _recolour
+
+    model, processor = qwen2
+    adapter = model._vismemo
+    page, other = synthetic.page(11, SIZE), synthetic.page(12, SIZE)
+    mine = adapter.patch_hashes(*_image_inputs(processor, page))
+    for change in (_invert(page, random.Random(0)), _recolour(page, random.Random(1))):
+        changed = pixel_changes(adapter.patch_hashes(*_image_inputs(processor, change)), mine)
+        assert changed is not None and 0 < int(changed.sum()) <= changed.numel() // 4
+    inserted = _insert_row(page, other, random.Random(2))
+    assert inserted.size == page.size
+    assert pixel_changes(adapter.patch_hashes(*_image_inputs(processor, inserted)), mine) is None
