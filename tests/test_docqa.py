@@ -185,7 +185,7 @@ def test_calibration_pairs_on_docpage_pages_hold_every_near_duplicate_kind_of_it
     pairs = docpage_pairs(3, 2)
     kinds = {what for _, _, near, what in pairs if near}
     assert kinds == {f"docpage {k}" for k in ("edit cell", "edit cells", "scroll", "crop", "popup", "widget",
-                                              "rescan", "shift")}
+                                              "rescan", "shift", "invert", "recolour", "insert row")}
     assert all(a.size == b.size for a, b, _, _ in pairs) and sum(not near for *_, near, _ in pairs) == 2
     assert all(a.tobytes() != b.tobytes() for a, b, _, _ in pairs)
     out = tmp_path / "preset.yaml"

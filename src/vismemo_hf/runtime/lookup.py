@@ -332,17 +332,8 @@ def lookup_request(adapter, cache, input_ids, pixel_values, grids, get_image_fea
                                                                hashes[i], keys[i])) is not None}
     pixel_ms = (time.perf_counter() - t0) * 1e3 / max(1, len(todo))  # the pixel-first stage, per image
     t0 = time.perf_counter()
-    reusing = encoded is None and adapter.partial_encoder and cache.policy.reuses_encoder()
-    try:
-        partial = _encode_changed(adapter, get_image_features, {i: firsts[i] for i in firsts if reusing},
-                                  {i: items[originals[i]] for i in firsts})
-    except (RuntimeError, ValueError, IndexError, KeyError, AttributeError) as err:  # never out of generate
-        logger.warning("vismemo: a partial encode failed (%s); encoding the whole images", err)
-        partial = {}
-    rest = [i for i in todo if i not in partial]
-    capturing = adapter.partial_encoder and cache.policy.reuses_encoder() and cache.store_misses
-    encodings = {**_encode(adapter, get_image_features, rest, encoded, [items[originals[i]] for i in rest], capturing),
-                 **{i: (*out[:2], None) for i, out in partial.items()}}
+    partial, encodings = _encode_request(adapter, cache, get_image_features, firsts, todo,
+                                         {i: items[originals[i]] for i in todo}, encoded)
     encoder_ms = (time.perf_counter() - t0) * 1e3
     contexts = _contexts(input_ids, valid, spans, [keys[i] for i in source],
                          video_items(adapter.video_mask(input_ids, token_types), merge, videos),
@@ -426,6 +417,26 @@ def _pixel_alias(adapter, cache, owner: str, grid, hashes: torch.Tensor | None, 
         if changed is not None:
             return entry, changed, 1.0 - float(changed.float().mean())
     return None
+
+
+def _encode_request(adapter, cache, get_image_features, firsts: dict, todo: list[int], items: dict, encoded) \
+        -> tuple[dict, dict]:
+    """(partial, encodings) of the images without an exact hit (``items``: image -> its (pixels, grid, extra)):
+    ``_encode_changed`` for those found by their pixels when the policy reuses the encoder (a failure there
+    encodes them whole), one batch through the tower for the rest, keeping the tower's K/V when entries are
+    written (``_encode``)."""
+    reusing = encoded is None and adapter.partial_encoder and cache.policy.reuses_encoder()
+    try:
+        partial = _encode_changed(adapter, get_image_features, {i: firsts[i] for i in firsts if reusing},
+                                  {i: items[i] for i in firsts})
+    except (RuntimeError, ValueError, IndexError, KeyError, AttributeError) as err:  # never out of generate
+        logger.warning("vismemo: a partial encode failed (%s); encoding the whole images", err)
+        partial = {}
+    rest = [i for i in todo if i not in partial]
+    capturing = adapter.partial_encoder and cache.policy.reuses_encoder() and cache.store_misses
+    encodings = {**_encode(adapter, get_image_features, rest, encoded, [items[i] for i in rest], capturing),
+                 **{i: (*out[:2], None) for i, out in partial.items()}}
+    return partial, encodings
 
 
 def _encode_changed(adapter, get_image_features, found: dict, items: dict) -> dict:
