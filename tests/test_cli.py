@@ -137,3 +137,13 @@ def test_every_command_defines_the_arguments_its_code_reads():
         assert read <= dests, (" ".join(path), sorted(read - dests))
         checked += 1
     assert checked >= 8
+
+
+def test_every_row_of_table1_names_a_policy_the_report_accepts():
+    """``vismemo report quality --policies all`` checks its names before a model loads: every row of Table 1,
+    ``NAME@store-options`` ones by their NAME, must pass that check."""
+    from vismemo_hf.bench.table1 import HELDOUT_POLICIES, POLICIES
+    from vismemo_hf.policies import get_policy
+
+    for name in POLICIES + HELDOUT_POLICIES:
+        get_policy(name.partition("@")[0])

@@ -316,3 +316,21 @@ def test_calibrations_local_changes_and_what_the_pixel_first_stage_makes_of_them
     inserted = _insert_row(page, other, random.Random(2))
     assert inserted.size == page.size
     assert pixel_changes(adapter.patch_hashes(*_image_inputs(processor, inserted)), mine) is None
+
+
+def test_after_another_long_text_the_edit_encodes_its_whole_image(qwen2):
+    """A pixel-first alias lends its encoder output only under the context it was computed after, or a small change
+    of it: after a longer text the context check computes the image in full, from its own whole-image encode."""
+    model, processor = qwen2
+    base, edit = synthetic.page(13, SIZE), synthetic.edited(13, row=2, value="2718", size=SIZE)
+    store = stored(model, processor, base)
+
+    def event(prefix):
+        cache = vismemo_hf.VisMemoCache(store=store, store_misses=False)
+        generate(model, build_inputs(processor, [edit], prefix=prefix), cache, 2)
+        return cache.events[0]
+
+    same = event("")
+    assert same.found_by == "pixels" and same.encoded_tokens < same.n_tokens
+    longer = event("Here is the scanned form from the second office, please read it carefully: ")
+    assert longer.found_by == "pixels" and longer.encoded_tokens == longer.n_tokens

@@ -147,8 +147,8 @@ def main(args) -> int:
 
     policies = POLICIES if args.policies == "all" else [DEFAULT_POLICY if p == "default" else p
                                                          for p in args.policies.split(",")]
-    for policy in policies:  # an unknown name fails before anything runs
-        get_policy(policy)
+    for policy in policies:  # an unknown name fails before anything runs (``NAME@store-options`` by its NAME)
+        get_policy(policy.partition("@")[0])
     torch.manual_seed(0)
     model, processor = load_model(args.model)
     enable(model)

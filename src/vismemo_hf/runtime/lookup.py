@@ -331,13 +331,14 @@ def lookup_request(adapter, cache, input_ids, pixel_values, grids, get_image_fea
     firsts = {i: found for i in todo if (found := _pixel_alias(adapter, cache, owner, grid_list[originals[i]],
                                                                hashes[i], keys[i])) is not None}
     pixel_ms = (time.perf_counter() - t0) * 1e3 / max(1, len(todo))  # the pixel-first stage, per image
-    t0 = time.perf_counter()
-    partial, encodings = _encode_request(adapter, cache, get_image_features, firsts, todo,
-                                         {i: items[originals[i]] for i in todo}, encoded)
-    encoder_ms = (time.perf_counter() - t0) * 1e3
     contexts = _contexts(input_ids, valid, spans, [keys[i] for i in source],
                          video_items(adapter.video_mask(input_ids, token_types), merge, videos),
                          owner.encode() + getattr(cache.store, "context_key", b""))
+    t0 = time.perf_counter()
+    lendable = {i: f for i, f in firsts.items() if _same_context(cache, f[0], *contexts[originals[i]])}
+    partial, encodings = _encode_request(adapter, cache, get_image_features, lendable, todo,
+                                         {i: items[originals[i]] for i in todo}, encoded)
+    encoder_ms = (time.perf_counter() - t0) * 1e3
     images = []
     for j, i in enumerate(source):
         t0 = time.perf_counter()
@@ -417,6 +418,17 @@ def _pixel_alias(adapter, cache, owner: str, grid, hashes: torch.Tensor | None, 
         if changed is not None:
             return entry, changed, 1.0 - float(changed.float().mean())
     return None
+
+
+def _same_context(cache, entry: Entry, prefix: str, sketch) -> bool:
+    """Whether a pixel-first alias may lend its encoder output: what precedes the image is what preceded it, or a
+    change small enough that the context check routes it (``prefix_small_change``). After a larger or unknown
+    change the check computes the image in full, which must then be its own whole-image encode (measured:
+    ``results/quality/context.md``, where partial encodes under such fallbacks disagreed with plain transformers)."""
+    if entry.prefix == prefix:
+        return True
+    change = context_change(entry.context, sketch)
+    return change is not None and change <= getattr(cache.policy, "prefix_small_change", 0)
 
 
 def _encode_request(adapter, cache, get_image_features, firsts: dict, todo: list[int], items: dict, encoded) \
