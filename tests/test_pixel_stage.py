@@ -257,19 +257,21 @@ def test_calibration_puts_tau_pixel_between_unrelated_and_near_pairs_and_tau_nea
 
 
 def test_the_default_pixel_stage_is_derived_from_the_models_reference_images():
-    """Without calibration a model gets a pixel stage above its most similar unrelated reference thumbnails (at
-    least ``PIXEL_FLOOR``); calibrated or given values are kept; a reference without the score gives none."""
+    """With ``derive_pixel`` a model without calibration gets a pixel stage above its most similar unrelated
+    reference thumbnails (at least ``PIXEL_FLOOR``); calibrated or given values are kept; a reference without the
+    score gives none; the defaults have none."""
     from vismemo_hf.core.thresholds import ADAPTIVE_TAU, NEAR_FLOOR, PIXEL_FLOOR, PIXEL_MARGIN, ModelReference
 
     reference = ModelReference(torch.zeros(4), torch.zeros(4), unrelated_fine=0.9, unrelated_pixel=0.93)
-    resolved = LookupThresholds().for_model(reference)
+    assert LookupThresholds().for_model(reference).tau_pixel is None  # the defaults: no pixel stage
+    resolved = LookupThresholds(derive_pixel=True).for_model(reference)
     assert not resolved.adaptive and resolved.tau_fine == pytest.approx(0.93) and resolved.tau == ADAPTIVE_TAU
     assert LookupThresholds(tau=0.6).for_model(reference).tau == 0.6  # a tau given is kept
     assert resolved.tau_pixel == pytest.approx(0.93 + PIXEL_MARGIN) and resolved.tau_near == NEAR_FLOOR
-    low = LookupThresholds().for_model(replace(reference, unrelated_pixel=0.5))
+    low = LookupThresholds(derive_pixel=True).for_model(replace(reference, unrelated_pixel=0.5))
     assert low.tau_pixel == PIXEL_FLOOR
-    assert LookupThresholds().for_model(replace(reference, unrelated_pixel=None)).tau_pixel is None
-    given = LookupThresholds(tau_pixel=0.97, tau_near=0.4).for_model(reference)
+    assert LookupThresholds(derive_pixel=True).for_model(replace(reference, unrelated_pixel=None)).tau_pixel is None
+    given = LookupThresholds(tau_pixel=0.97, tau_near=0.4, derive_pixel=True).for_model(reference)
     assert (given.tau_pixel, given.tau_near) == (0.97, 0.4)
     calibrated = LookupThresholds(0.1, 0.9, adaptive=False)
     assert calibrated.for_model(reference) is calibrated  # a calibrated preset: no pixel stage unless it has one

@@ -67,17 +67,21 @@ class LookupThresholds:
     tau_pixel: float | None = None
     tau_near: float | None = None
     same_pixels: float | None = MIN_SAME
+    #: adaptive thresholds without a pixel stage derive one from the model's reference images (``for_model``); off
+    #: by default: on the tiny reader it found pages with an inserted row, whose reuse changed answers in the
+    #: context report's insert-row class
+    derive_pixel: bool = False
 
     def for_model(self, reference: ModelReference) -> LookupThresholds:
         """The thresholds as one model uses them (``adaptive`` resolved): the default ``tau`` as ``ADAPTIVE_TAU``,
-        ``tau_fine`` from ``fine_for`` and, when
-        no pixel stage was given, one derived as ``tau_fine`` is from the model's reference images (``tau_pixel``
+        ``tau_fine`` from ``fine_for`` and, with ``derive_pixel`` and
+        no pixel stage given, one derived as ``tau_fine`` is from the model's reference images (``tau_pixel``
         ``PIXEL_MARGIN`` above their most similar unrelated thumbnails, at least ``PIXEL_FLOOR``; ``tau_near``
         ``NEAR_FLOOR``): a moved, rescaled or re-encoded copy is found without calibration."""
         if not self.adaptive:
             return self
         tau_pixel, tau_near = self.tau_pixel, self.tau_near
-        if tau_pixel is None and reference.unrelated_pixel is not None:
+        if self.derive_pixel and tau_pixel is None and reference.unrelated_pixel is not None:
             tau_pixel = round(min(0.99, max(PIXEL_FLOOR, reference.unrelated_pixel + PIXEL_MARGIN)), 4)
             tau_near = NEAR_FLOOR
         tau = ADAPTIVE_TAU if self.tau == LookupThresholds.tau else self.tau  # a tau given is kept
