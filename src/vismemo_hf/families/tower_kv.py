@@ -60,8 +60,8 @@ def _attention(module, query, key, value, attention_mask=None, **kwargs):
             run.record.setdefault(layer, []).append((key, value))
         if run.extra is not None:
             more_k, more_v = run.extra[layer][call]
-            key = torch.cat([key, more_k.to(key.dtype)], dim=2)
-            value = torch.cat([value, more_v.to(value.dtype)], dim=2)
+            key = torch.cat([key, more_k.to(key.device, key.dtype)], dim=2)  # a stored entry's: on the host
+            value = torch.cat([value, more_v.to(value.device, value.dtype)], dim=2)
     return run.inner(module, query, key, value, attention_mask=attention_mask, **kwargs)
 
 
