@@ -423,8 +423,8 @@ def _pixel_alias(adapter, cache, owner: str, grid, hashes: torch.Tensor | None, 
 def _same_context(cache, entry: Entry, prefix: str, sketch) -> bool:
     """Whether a pixel-first alias may lend its encoder output: what precedes the image is what preceded it, or a
     change small enough that the context check routes it (``prefix_small_change``). After a larger or unknown
-    change the check computes the image in full, which must then be its own whole-image encode (measured:
-    ``results/quality/context.md``, where partial encodes under such fallbacks disagreed with plain transformers)."""
+    change the check computes the image in full, which must then be its own whole-image encode (a run of the
+    context report without this rule disagreed with plain transformers after longer texts)."""
     if entry.prefix == prefix:
         return True
     change = context_change(entry.context, sketch)
