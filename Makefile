@@ -3,14 +3,17 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 # torch/torchvision pinned to releases that install together (torchvision is needed by the Qwen-VL processors)
 TORCH_SPEC ?= torch==2.14.1 torchvision==0.29.1
+# transformers pinned to the release whose own tests `make compat` runs (../shared/compat/transformers-tests is taken
+# from 5.24.0: its tests/*.py import helpers that 5.25 removed); the library itself accepts transformers>=5.17,<6
+TRANSFORMERS_SPEC ?= transformers==5.24.0
 
 .PHONY: demo test clean compat
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml Makefile
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q $(TORCH_SPEC)
-	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q -e '.[test]' $(TRANSFORMERS_SPEC)
 	touch $@
 
 demo: $(VENV)/.installed

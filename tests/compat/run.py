@@ -41,18 +41,24 @@ def run_family(tree: Path, family: str, mode: str, timeout: int) -> dict:
     run = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True)
     counts = {"passed": 0, "failed": 0, "skipped": 0}
     failed = []
+    reasons = {}
     if not report.is_file():  # pytest could not even collect: every test of the family counts as failed
         return {**counts, "failed": 1, "failures": [f"<collection: exit {run.returncode}> {run.stdout[-300:]}"]}
     for case in ET.parse(report).getroot().iter("testcase"):
         name = case.get("name")
-        if case.find("failure") is not None or case.find("error") is not None:
+        bad = case.find("failure") if case.find("failure") is not None else case.find("error")
+        if bad is not None:
             counts["failed"] += 1
             failed.append(name)
+            if not case.get("classname"):  # the module itself did not import: say why (a version drift, say)
+                lines = [ln for ln in (bad.text or bad.get("message") or "").splitlines() if ln.strip()]
+                reasons[name] = lines[-1].strip() if lines else "collection error"
+
         elif case.find("skipped") is not None:
             counts["skipped"] += 1
         else:
             counts["passed"] += 1
-    return {**counts, "failures": sorted(failed)}
+    return {**counts, "failures": sorted(failed), "reasons": reasons}
 
 
 def main(argv=None) -> int:
@@ -84,7 +90,8 @@ def main(argv=None) -> int:
                   f"skipped {r['skipped']:4d}", flush=True)
             for name in r["failures"]:
                 print(f"    {'allowed' if name in ALLOWED else 'FAILED '} {name}" +
-                      (f" ({ALLOWED[name]})" if name in ALLOWED else ""), flush=True)
+                      (f" ({ALLOWED[name]})" if name in ALLOWED else "") +
+                      (f": {r['reasons'][name]}" if name in r.get("reasons", {}) else ""), flush=True)
             r["unexpected"] = unexpected
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
