@@ -68,6 +68,38 @@ def test_bad_options_are_rejected():
         vismemo_hf.VisMemoStore(device_bytes=-1)
 
 
+@pytest.mark.parametrize(("options", "error"), [
+    ({"warmup_layers": 1.5}, TypeError), ({"policy": "cacheblend", "warmup_layers": 1.5}, TypeError),
+    ({"prefix_check_layer": 1.5, "prefix_routing": "check"}, TypeError), ({"prefix_watch_tokens": 2.0}, TypeError),
+    ({"warmup_layers": True}, TypeError), ({"recompute_ratio": "0.3"}, TypeError),
+    ({"recompute_ratio": float("nan")}, ValueError), ({"top_k": 2.5}, TypeError), ({"compress": 0.5}, TypeError),
+    ({"compress": "x"}, TypeError), ({"thresholds": 123}, TypeError), ({"policy": None}, TypeError),
+    ({"policy": 123}, TypeError), ({"store_misses": "yes"}, TypeError)])
+def test_options_of_the_wrong_type_are_an_error_when_the_cache_is_built(options, error):
+    """Not a failure inside generate (a layer count of 1.5 indexes nothing), and never a stored entry taken for
+    corrupt because a read was asked with it."""
+    with pytest.raises(error, match=next(iter(options)) if error is TypeError else None):
+        vismemo_hf.VisMemoCache(store=vismemo_hf.VisMemoStore(), **options)
+
+
+def test_a_read_that_fails_for_its_arguments_keeps_the_entry(caplog):
+    """A read failing for a reason that is not the stored bytes is a miss; the entry is not removed as corrupt."""
+    from test_store import _entry
+
+    store = vismemo_hf.VisMemoStore(device_bytes=None, host_bytes=0)
+    assert store.put(_entry("kept"))
+    with pytest.raises(TypeError):
+        store.get_tokens("kept", "fp", torch.tensor([0]), 1.5)
+    tier = store.tiers[0]
+    real = tier.tokens
+    tier.tokens = lambda *a: (_ for _ in ()).throw(TypeError("a bug, not the blob"))
+    assert store.get_tokens("kept", "fp", torch.tensor([0]), 1) is None
+    assert "entry kept" in caplog.text
+    tier.tokens = real
+    assert "kept" in store and store.stats()["corrupt"] == 0
+    assert store.get_tokens("kept", "fp", torch.tensor([0]), 1) is not None
+
+
 def test_a_routing_deeper_than_the_model_degrades_to_a_full_prefill(qwen2, pages):
     model, processor = qwen2
     store = stored(model, processor, pages["base"])

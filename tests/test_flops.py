@@ -56,10 +56,13 @@ def test_the_real_geometries_give_their_published_encoder_costs_and_shares():
     assert encoder_share(ov, 4126, 15, 4096) < 0.1
 
 
-@pytest.mark.parametrize("real_name", ["qwen3-vl-8b", "qwen2.5-vl-7b", "glm-4.6v-flash", "llava-onevision-7b"])
+@pytest.mark.parametrize(("real_name", "stand_in_name"), [
+    ("qwen3-vl-8b", "qwen3-vl-8b-narrow"), ("qwen2.5-vl-7b", "qwen2.5-vl-7b-narrow"),
+    ("glm-4.6v-flash", "glm-4.6v-flash-narrow"), ("llava-onevision-7b", "llava-onevision-7b-narrow"),
+    ("qwen3-vl-8b", "qwen3-vl-8b-hd128")])
 @pytest.mark.parametrize("tokens", [1024, 4096])
-def test_the_narrow_stand_ins_keep_the_real_encoder_share(real_name, tokens):
-    real, stand_in = preset_config(real_name), preset_config(f"{real_name}-narrow")
+def test_the_stand_ins_keep_the_real_encoder_share(real_name, stand_in_name, tokens):
+    real, stand_in = preset_config(real_name), preset_config(stand_in_name)
     length, start = tokens + 30, 15
     assert abs(encoder_share(stand_in, length, start, tokens) - encoder_share(real, length, start, tokens)) < 0.05
     enc, llm = miss_flops(stand_in, length, start, tokens)
@@ -126,3 +129,13 @@ def test_entry_sizes_at_the_real_geometries():
     assert sizes["qwen3-vl-8b"] == (36 * 2 * 8 * 128 * 4096 * 2, 27 * 2 * 4096 * 4 * 1152 * 2)
     assert sizes["qwen2.5-vl-7b"][1] == 4 * 2 * 4096 * 4 * 1280 * 2  # its 4 full-attention blocks only
     assert sizes["glm-4.6v-flash"][1] == 0 and sizes["llava-onevision-7b"][1] == 0  # no encoder reuse there
+
+
+def test_the_head_faithful_stand_in_keeps_the_real_head_geometry():
+    """Issue S's floors are measured where attention runs the real head dimension's kernels."""
+    real, stand_in = preset_config("qwen3-vl-8b").text_config, preset_config("qwen3-vl-8b-hd128").text_config
+    assert stand_in.head_dim == real.head_dim == 128
+    assert stand_in.num_hidden_layers == real.num_hidden_layers
+    assert (stand_in.num_attention_heads // stand_in.num_key_value_heads ==
+            real.num_attention_heads // real.num_key_value_heads)
+    assert stand_in.intermediate_size / stand_in.hidden_size == pytest.approx(real.intermediate_size / real.hidden_size)

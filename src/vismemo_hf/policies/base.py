@@ -63,6 +63,40 @@ def get_policy(policy: str | RoutingPolicy, **options: object) -> RoutingPolicy:
     return cls(**options)
 
 
+def _fits(value: object, annotation: str) -> bool:
+    """Whether ``value`` is of the annotated type (the annotations the policies use: int, float, bool, str, None,
+    list[float], and unions of them). An unknown annotation accepts anything."""
+    for part in (p.strip() for p in annotation.split("|")):
+        if part == "None" and value is None:
+            return True
+        if part == "bool" and isinstance(value, bool):
+            return True
+        if part == "int" and isinstance(value, int) and not isinstance(value, bool):
+            return True
+        if part == "float" and isinstance(value, (int, float)) and not isinstance(value, bool):
+            return True
+        if part == "str" and isinstance(value, str):
+            return True
+        if part == "list[float]" and isinstance(value, (list, tuple)) and all(_fits(v, "float") for v in value):
+            return True
+        if part not in ("None", "bool", "int", "float", "str", "list[float]"):
+            return True
+    return False
+
+
+def check_field_types(policy) -> None:
+    """A policy option of the wrong type (``warmup_layers=1.5``, ``recompute_ratio="0.3"``) is a ``TypeError`` when
+    the policy is built, never a failure inside ``generate`` (a layer count of 1.5 indexes nothing)."""
+    for f in fields(policy):
+        value = getattr(policy, f.name)
+        if isinstance(value, float) and math.isnan(value):
+            raise ValueError(f"policy {policy.name!r}: {f.name} must be a number, got nan")
+        annotation = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
+        if not _fits(value, annotation):
+            wanted = annotation.replace("list[float]", "a list of floats")
+            raise TypeError(f"policy {policy.name!r}: {f.name} must be {wanted}, got {value!r}")
+
+
 @dataclass(frozen=True)
 class SignalNeeds:
     """The warmup signals a routing reads (``WarmupSignals``): the runner collects these and nothing else."""
@@ -127,6 +161,7 @@ class RoutingPolicy:
     missing: str = "mask"
 
     def __post_init__(self) -> None:
+        check_field_types(self)
         if not 0.0 <= self.recompute_ratio <= 1.0 or not 0.0 <= self.reuse_ratio <= 1.0:
             raise ValueError("recompute_ratio and reuse_ratio must lie in [0, 1]")
         if self.warmup_layers < 0:

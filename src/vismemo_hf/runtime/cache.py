@@ -9,6 +9,7 @@ where a full prefill would have attended them.
 
 from __future__ import annotations
 
+import os
 from dataclasses import replace
 
 import torch
@@ -268,11 +269,16 @@ class VisMemoCache(DynamicCache):
                             f"{type(store).__name__}; for a preset build it once: VisMemoStore.from_config({store!r})")
         self.store = store if store is not None else default_store()
         self.namespace = checked_namespace(namespace) if namespace is not None else self.store.namespace
+        if not isinstance(policy, (str, os.PathLike, RoutingPolicy)):
+            raise TypeError(f"policy must be a policy name, a preset name or path, or a RoutingPolicy, got {policy!r}")
+        policy = os.fspath(policy) if isinstance(policy, os.PathLike) else policy
         shared = {"warmup_layers": warmup_layers, "recompute_ratio": recompute_ratio, "reuse_ratio": reuse_ratio}
         given = {k: v for k, v in shared.items() if not isinstance(v, _Unset)}
         self.policy = get_policy(policy, **given, **policy_options)
-        if isinstance(thresholds, str):
-            thresholds = LookupThresholds.load(thresholds)
+        if isinstance(thresholds, (str, os.PathLike)):
+            thresholds = LookupThresholds.load(os.fspath(thresholds))
+        if thresholds is not None and not isinstance(thresholds, LookupThresholds):
+            raise TypeError(f"thresholds must be a lookup preset's name or path or LookupThresholds, got {thresholds!r}")
         check_thresholds(thresholds, model)
         self.thresholds = thresholds
         self._overrides = {k: float(v) for k, v in (("tau", tau), ("tau_fine", tau_fine)) if v is not None}
@@ -281,8 +287,15 @@ class VisMemoCache(DynamicCache):
         if not isinstance(same_pixels, _Unset):
             self._overrides["same_pixels"] = same_pixels
         replace(LookupThresholds(), **self._overrides)  # a bad tau is an error here, not at the first lookup
+        if not isinstance(top_k, int) or isinstance(top_k, bool):
+            raise TypeError(f"top_k must be an int, got {top_k!r}")
         if top_k < 0:
             raise ValueError("top_k must be >= 0")
+        if not isinstance(store_misses, bool):
+            raise TypeError(f"store_misses must be True or False, got {store_misses!r}")
+        if compress is not None and not isinstance(compress, VLCacheCompression):
+            raise TypeError(f"compress must be None or a VLCacheCompression (e.g. VLCacheCompression(0.5)), got "
+                            f"{compress!r}")
         self.top_k = top_k
         self.store_misses = store_misses
         self.compress = compress

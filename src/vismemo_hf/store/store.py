@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import operator
 import os
 import re
 from collections.abc import Callable, Iterable, Mapping
@@ -47,6 +48,9 @@ if TYPE_CHECKING:
 Bytes = int | float | str | None
 
 logger = logging.getLogger(__name__)
+#: errors a read raises for its arguments or the library's own code rather than for the stored bytes (whose checks
+#: raise ``BlobError``, their I/O ``OSError``): such a read is a miss and the entry is not removed as corrupt
+_NOT_THE_BLOB = (TypeError, AttributeError, NameError, AssertionError, IndexError)
 
 _OPTIONS = {"device_bytes", "host_bytes", "disk_dir", "disk_bytes", "device", "protect", "victim_share", "priors",
             "write_through", "remote_url", "remote_options", "kv_format", "keep_ratio", "thresholds", "secret",
@@ -320,6 +324,10 @@ class VisMemoStore(Roles):
             return None, None
         except TierUnavailable:  # the server, not the entry: keep it for when the server is back
             return None, None
+        except _NOT_THE_BLOB as err:  # the read's own arguments or code, not the bytes: a miss, the entry kept
+            logger.warning("vismemo: %s read of %s failed (%s: %s); entry kept", tier.name, key[:12],
+                           type(err).__name__, err)
+            return None, None
         except Exception as err:  # noqa: BLE001 - corrupt, truncated, foreign, unreadable
             self.placement.corrupt(tier, key, err)
             return None, None
@@ -359,6 +367,7 @@ class VisMemoStore(Roles):
     def get_tokens(self, key: str, fingerprint: str, tokens: torch.Tensor, first_layer: int) -> torch.Tensor | None:
         """K/V rows ``tokens`` at layers >= ``first_layer``: (|tokens|, L - first_layer, 2, H, D). Sparse, never
         promotes. Rows are token indices, except in a compressed entry (``ImageFeatures.stored_rows``)."""
+        first_layer = operator.index(first_layer)  # a TypeError for the caller, before any tier is asked
         self._drain()
         with self._lock:
             out, tier = self._read(key, fingerprint, "tokens", tokens.to(torch.long).cpu(), first_layer)
