@@ -382,3 +382,52 @@ def test_two_processes_write_on_after_their_shared_index_is_overwritten_in_place
         assert fresh.tier_of(key) == "disk" and fresh.get(key, "fp") is not None
     for store in (a, b, fresh):
         store.close()
+
+
+@pytest.mark.parametrize("damage", ["delete", "empty", "directory"])
+def test_blob_files_gone_behind_the_index_are_dropped_at_open_and_free_the_budget(tmp_path, caplog, damage):
+    """A cleaner deleting old files, a user freeing space: rows whose file is gone, emptied or replaced hold nothing,
+    so they are logged and removed (not counted as another program's keys), and their bytes no longer count against
+    the directory's budget: the entries stored after them all fit."""
+    entries = [_entry(f"e{i}", n=64, layers=4, seed=i) for i in range(6)]
+    size = len(VisMemoStore(device_bytes=0, host_bytes=0).placement.encode(entries[0]))
+    options = {"device_bytes": 0, "host_bytes": 0, "disk_dir": tmp_path, "disk_bytes": int(3.5 * size)}
+    store = VisMemoStore(**options)
+    for entry in entries[:3]:
+        assert store.put(entry)
+    store.close()
+    files = [p for p in tmp_path.rglob("*.val")]
+    assert len(files) == 3
+    for path in files:
+        path.unlink()
+        if damage == "empty":
+            path.write_bytes(b"")
+        elif damage == "directory":
+            path.mkdir()
+    with caplog.at_level(logging.WARNING):
+        store = VisMemoStore(**options)
+    disk = store.stats()["tiers"]["disk"]
+    assert disk["foreign"] == 0 and disk["entries"] == 0 and store.stats()["corrupt"] == 3
+    assert caplog.text.count("unusable (BlobError") == 3
+    for entry in entries[3:]:
+        assert store.put(entry)
+    store.flush()
+    assert all(store.tier_of(e.key) == "disk" for e in entries[3:])  # nothing evicted for the rows that held nothing
+    assert store.stats()["tiers"]["disk"]["directory_bytes"] <= options["disk_bytes"]
+    store.close()
+
+
+def test_another_programs_values_in_the_directory_are_left_alone(tmp_path):
+    import diskcache
+
+    other = diskcache.Cache(str(tmp_path))
+    other.set("small", b"inline bytes")
+    other.set("large", b"x" * 100_000)
+    other.set(("tuple", 1), {"pickled": True})
+    other.close()
+    store = VisMemoStore(device_bytes=0, host_bytes=0, disk_dir=tmp_path, disk_bytes=None)
+    assert store.stats()["tiers"]["disk"]["foreign"] == 3 and store.stats()["corrupt"] == 0
+    store.close()
+    other = diskcache.Cache(str(tmp_path))
+    assert other.get("small") == b"inline bytes" and other.get("large") == b"x" * 100_000
+    other.close()

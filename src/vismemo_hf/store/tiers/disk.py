@@ -197,15 +197,31 @@ class DiskTier(TierBase):
         except Exception:  # noqa: BLE001 - a read-only directory's index
             return None
 
-    def _is_blob(self, key) -> bool:
-        """Whether ``key`` holds a vismemo blob (by its magic); other programs' keys and values are not ours."""
+    def _kind_of(self, key) -> str | blob.BlobError:
+        """``"blob"`` (a vismemo blob, by its magic), ``"foreign"`` (another program's key or value: left alone), or
+        the ``BlobError`` of a value whose file the index names but that cannot be read whole: deleted, emptied or
+        replaced behind the index (a temporary-file cleaner, a user freeing space). Such a row holds nothing yet
+        counts against the directory's budget, so it goes the way of a corrupt blob (logged, its row removed)."""
         if not isinstance(key, str):
-            return False
+            return "foreign"
         try:
-            with self._open(key) as handle:
-                return handle.read(len(blob.MAGIC)) == blob.MAGIC
-        except Exception:  # noqa: BLE001 - a pickled or unreadable value: not a blob of ours
-            return False
+            handle = self._open(key)
+        except KeyError:  # the index lists it, but its file could not be opened (diskcache then answers None)
+            return blob.BlobError("the index names it but its file is missing or unreadable")
+        except Exception:  # noqa: BLE001 - a pickled or inline value of another program
+            return "foreign"
+        if not hasattr(handle, "read"):  # an inline value (bytes) of another program
+            return "foreign"
+        with handle:
+            try:
+                head = handle.read(len(blob.MAGIC))
+            except OSError as err:
+                return blob.BlobError(f"its file cannot be read ({err})")
+        if head == blob.MAGIC:
+            return "blob"
+        if len(head) < len(blob.MAGIC) and isinstance(getattr(handle, "name", None), str):
+            return blob.BlobError(f"its file holds {len(head)} bytes, fewer than a blob's header")
+        return "foreign"
 
     def news(self, unusable: Callable[[str, Exception], None]) -> Iterable[News]:
         """At the first call, every blob of the directory, oldest write first, counted as held (a restart rebuilds its
@@ -217,7 +233,11 @@ class DiskTier(TierBase):
         self._told, self.foreign = True, 0
         found = []
         for key in list(self.cache.iterkeys()):
-            if not self._is_blob(key):
+            kind = self._kind_of(key)
+            if isinstance(kind, Exception):
+                unusable(key, kind)
+                continue
+            if kind == "foreign":
                 self.foreign += 1
                 continue
             try:
@@ -303,8 +323,9 @@ class DiskTier(TierBase):
 
     def _oldest_blobs(self, skip: str):
         """The directory's blobs, least recently stored first: diskcache's iteration order, the order its keys were
-        inserted (``_store`` inserts a rewritten key anew). Read lazily, a batch at a time, as ``_fit`` deletes."""
-        return (key for key in self.cache if key != skip and self._is_blob(key))
+        inserted (``_store`` inserts a rewritten key anew), with the rows whose file is gone (``_kind_of``). Read
+        lazily, a batch at a time, as ``_fit`` deletes."""
+        return (key for key in self.cache if key != skip and self._kind_of(key) != "foreign")
 
     def write_async(self, key: str, data: bytes) -> None:
         """Count the blob as held now and write it on the writer thread. A write that lands after its entry was
