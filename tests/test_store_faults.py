@@ -116,10 +116,13 @@ def test_a_directory_full_at_open_is_written_again_once_it_has_room(tmp_path, mo
     store = VisMemoStore(device_bytes=0, host_bytes=0, disk_dir=tmp_path, disk_bytes=None)
     assert store.stats()["tiers"]["disk"]["read_only"] and store.tier_of("before") == "disk"
     entry = _entry("after", seed=3)
+    store.put(entry)  # asks for the reopen, on the writer thread: this put does not wait for it
+    assert store.stats()["writes_read_only"] == 1
+    store.flush()
+    assert len(calls) == 2 and not store.stats()["tiers"]["disk"]["read_only"]
     assert store.put(entry)
     store.flush()
-    assert store.tier_of("after") == "disk" and store.stats()["writes_read_only"] == 0
-    assert not store.stats()["tiers"]["disk"]["read_only"]
+    assert store.tier_of("after") == "disk" and store.stats()["writes_read_only"] == 1
     store.close()
     reopened = VisMemoStore(device_bytes=0, host_bytes=0, disk_dir=tmp_path, disk_bytes=None)
     assert torch.equal(reopened.get("after", "fp").kv, entry.kv) and reopened.tier_of("before") == "disk"
@@ -431,3 +434,35 @@ def test_another_programs_values_in_the_directory_are_left_alone(tmp_path):
     other = diskcache.Cache(str(tmp_path))
     assert other.get("small") == b"inline bytes" and other.get("large") == b"x" * 100_000
     other.close()
+
+
+def test_an_index_another_program_holds_locked_makes_the_store_read_only_without_a_long_wait(tmp_path):
+    """diskcache waits 60 s for a lock by default: the store (and every reopen try) would stall a request that long.
+    The index's busy timeout is ``INDEX_TIMEOUT_S``; the tier serves read-only, and its reopen tries run on the writer
+    thread, never in a request."""
+    import time
+
+    from vismemo_hf.store.tiers import directory as directory_mod
+
+    first = VisMemoStore(device_bytes=0, host_bytes=0, disk_dir=tmp_path, disk_bytes=None)
+    entry = _entry("before")
+    first.put(entry)
+    first.close()
+    holder = sqlite3.connect(tmp_path / "cache.db", timeout=0, isolation_level=None)
+    holder.execute("BEGIN EXCLUSIVE")
+    try:
+        t0 = time.monotonic()
+        store = VisMemoStore(device_bytes=0, host_bytes=0, disk_dir=tmp_path, disk_bytes=None)
+        opened = time.monotonic() - t0
+        assert opened < 4 * directory_mod.INDEX_TIMEOUT_S + 5
+        t0 = time.monotonic()
+        store.put(_entry("during", seed=2))
+        assert time.monotonic() - t0 < 1.0  # a put does not wait for the index's lock
+    finally:
+        holder.execute("ROLLBACK")
+        holder.close()
+    store.flush()
+    store.close()
+    reopened = VisMemoStore(device_bytes=0, host_bytes=0, disk_dir=tmp_path, disk_bytes=None)
+    assert torch.equal(reopened.get("before", "fp").kv, entry.kv)
+    reopened.close()

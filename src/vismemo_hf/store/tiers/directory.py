@@ -183,10 +183,33 @@ def damaged(err: BaseException) -> bool:
     return name.startswith(("SQLITE_NOTADB", "SQLITE_CORRUPT"))
 
 
+#: seconds an SQLite call on the index waits for another connection's lock before it fails (diskcache's default is
+#: 60): an index another program holds locked makes the store read-only, or a write fail (a miss later), within
+#: this time instead of stalling a request for a minute. The project's own writers take the directory's lock first,
+#: so they never wait on each other here.
+INDEX_TIMEOUT_S = 2.0
+
+
+def _lock_free(directory: str) -> None:
+    """An ``OperationalError`` ("database is locked") when another connection holds the index's write lock for
+    longer than ``INDEX_TIMEOUT_S``: diskcache's own open retries its first writes for 60 s whatever its timeout."""
+    path = os.path.join(directory, DBNAME)
+    if not os.path.isfile(path):
+        return
+    db = sqlite3.connect(path, timeout=INDEX_TIMEOUT_S, isolation_level=None)
+    try:
+        db.execute("BEGIN IMMEDIATE")
+        db.execute("ROLLBACK")
+    finally:
+        db.close()
+
+
 def open_index(directory: str, thorough: bool = False) -> diskcache.Cache:
     """diskcache's index of ``directory``, every key of it read once (``thorough``: every page checked by SQLite's
     ``quick_check``): a damaged index shows now, at open, not in the middle of serving."""
-    cache = diskcache.Cache(directory, disk=SafeDisk, size_limit=2**62, eviction_policy="none", disk_min_file_size=0)
+    _lock_free(directory)
+    cache = diskcache.Cache(directory, timeout=INDEX_TIMEOUT_S, disk=SafeDisk, size_limit=2**62,
+                            eviction_policy="none", disk_min_file_size=0)
     try:
         for _ in cache.iterkeys():
             pass

@@ -79,6 +79,7 @@ class DiskTier(TierBase):
         self._index_id: tuple | None = None  # (device, inode) of the index file this process has open
         self._reopen_lock = threading.Lock()
         self._in_write: str | None = None  # the key the writer thread is writing
+        self._reopening = None  # the writer thread's try to open the index writable again
         try:
             os.makedirs(self.directory, exist_ok=True)
             self.cache = self._open_writable()
@@ -112,16 +113,21 @@ class DiskTier(TierBase):
     @property
     def read_only(self) -> bool:
         """Whether this process stores nothing here. A directory that was not writable for a passing reason (a full
-        disk at open) is opened writable again, one try per ``REOPEN_S``, when a write asks."""
+        disk at open, an index another program held locked) is opened writable again, one try per ``REOPEN_S``,
+        when a write asks: on the writer thread, so that no request waits for the try."""
         if self._read_only and self._reopen_at is not None and time.monotonic() >= self._reopen_at:
-            try:
-                cache = self._open_writable()
-            except Exception as err:  # noqa: BLE001 - still not writable
-                self._reopen_at = time.monotonic() + REOPEN_S if passing(err) else None
-            else:
-                self.cache, self._read_only, self._reopen_at = cache, False, None
-                logger.warning("vismemo: disk tier %s is writable again", self.directory)
+            self._reopen_at = time.monotonic() + REOPEN_S  # one try at a time
+            self._reopening = self._writer.submit(self._try_writable)
         return self._read_only
+
+    def _try_writable(self) -> None:
+        try:
+            cache = self._open_writable()
+        except Exception as err:  # noqa: BLE001 - still not writable
+            self._reopen_at = time.monotonic() + REOPEN_S if passing(err) else None
+        else:
+            self.cache, self._read_only, self._reopen_at = cache, False, None
+            logger.warning("vismemo: disk tier %s is writable again", self.directory)
 
     def stats(self) -> dict:
         return {"bytes": self.bytes, "budget": self.budget, "entries": len(self.lru), "foreign": self.foreign,
@@ -355,6 +361,9 @@ class DiskTier(TierBase):
         pending, self._pending = self._pending, {}
         for future in pending.values():
             future.result()
+        reopening, self._reopening = self._reopening, None
+        if reopening is not None:
+            reopening.result()
 
     def take_failures(self) -> list[str]:
         return _drain(self._failed)
