@@ -329,3 +329,29 @@ def test_a_write_the_cluster_cannot_route_is_a_fault_of_the_link_not_a_refusal(s
     store.flush()
     assert store.stats()["tiers"]["remote"]["writes_skipped"] == 1
     assert store.tier_of("second") is not None  # stored locally all the same
+
+
+@pytest.mark.parametrize("which", ["index", "published"])
+def test_a_shard_key_of_another_type_costs_that_shard_only(server, caplog, which):
+    """Another program's value under the prefix (a string at one shard's index or stream key) made every sync fail:
+    the whole tier went down and up again at every retry and published nothing. Now that shard is skipped (logged
+    once) and every other shard serves."""
+    client = server.client()
+    client.set(f"vismemo:{which}:3", b"another program's value")
+    a = _store(server.url, shards=8, retry_s=0.1)
+    entries = [_entry(f"k{i}", n=5, layers=4, seed=i) for i in range(12)]
+    for entry in entries:
+        a.put(entry)
+    a.flush()
+    b = _store(server.url, shards=8, retry_s=0.1)
+    shard3 = {e.key for e in entries if b.remote._shard(e.key) == 3}
+    assert len(shard3) < len(entries)
+    for entry in entries:
+        b.candidates("fp", (1, 4, 5), entry.descriptors, 0.5, 3)  # syncs, as lookups do
+    stats = b.stats()["tiers"]["remote"]
+    assert stats["connected"] and stats["errors"] == 0 and stats["bad_shards"] == 1
+    assert a.stats()["tiers"]["remote"]["writes"] >= len(entries) - len(shard3)
+    for entry in entries:
+        if entry.key not in shard3:
+            assert b.tier_of(entry.key) == "remote" and torch.equal(b.get(entry.key, "fp").kv, entry.kv)
+    assert caplog.text.count("shard 3's keys hold values of another type") <= 2  # once per store

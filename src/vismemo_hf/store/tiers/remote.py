@@ -268,15 +268,18 @@ class RemoteTier(TierBase):
         self.shards, self.read_threads = int(shards), int(read_threads)
         self._reload: set[int] = set(range(self.shards))  # shards whose index is read whole on the next sync
         self.link = RedisLink(url, timeout_s, retry_s, cluster, self._secrets,
-                              on_back=lambda: self._reload.update(range(self.shards)))
+                              on_back=self._back)
         self.url = self.link.url  # the URL with credentials lives only in the client
         self.budget = None  # capacity is the server's (maxmemory)
         self.lru: OrderedDict[str, int] = OrderedDict()  # every key the index knows, with its blob size
         self.fingerprints: dict[str, str] = {}  # key -> model fingerprint its record was published with
         self.bytes = 0
         self.counters = {"writes": 0, "write_failures": 0, "writes_refused": 0, "writes_skipped": 0,
-                         "bytes_written": 0, "bytes_read": 0, "range_reads": 0, "records_forged": 0}
+                         "bytes_written": 0, "bytes_read": 0, "range_reads": 0, "records_forged": 0, "bad_shards": 0}
         self._stream_ids = ["0-0"] * self.shards
+        #: shards whose index or stream key holds a value of another type (a key another program set under the
+        #: prefix): skipped until the link comes back, the other shards served (``_bad_shard``)
+        self._bad_shards: set[int] = set()
         self._next_refresh = 0.0
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vismemo-remote")
         self._readers = ThreadPoolExecutor(max_workers=self.read_threads, thread_name_prefix="vismemo-remote-read")
@@ -335,6 +338,13 @@ class RemoteTier(TierBase):
                 continue
             try:
                 out.extend(self._load_shard(shard))
+            except self._redis.ResponseError as err:
+                if self.link.unroutable(err):
+                    self.link.fault("index", err, self._index_key(shard))
+                    if not self.link.is_cluster:
+                        return out
+                else:  # this shard's data, not the server: the other shards serve on
+                    self._bad_shard(shard, err)
             except Exception as err:  # noqa: BLE001
                 self.link.fault("index", err, self._index_key(shard))
                 if not self.link.is_cluster:
@@ -352,7 +362,8 @@ class RemoteTier(TierBase):
             return []
         self._next_refresh = time.monotonic() + self.refresh_s
         out = []
-        groups = [[s] for s in range(self.shards)] if self.link.is_cluster else [list(range(self.shards))]
+        good = [s for s in range(self.shards) if s not in self._bad_shards]
+        groups = [[s] for s in good] if self.link.is_cluster else [good] if good else []
         for shards in groups:
             if not self.link.up(self._stream_key(shards[0])):
                 continue
@@ -366,11 +377,43 @@ class RemoteTier(TierBase):
                         for msg_id, fields in messages:
                             self._stream_ids[shard] = msg_id.decode() if isinstance(msg_id, bytes) else str(msg_id)
                             out.extend(self._parse(fields.get(b"k", b""), fields.get(b"r", b"")))
+            except self._redis.ResponseError as err:
+                if self.link.unroutable(err):
+                    self.link.fault("refresh", err, self._stream_key(shards[0]))
+                    if not self.link.is_cluster:
+                        return out
+                else:  # a stream key of another type: find which, skip it, and read the others next time
+                    for shard in shards:
+                        try:
+                            self.client.xinfo_stream(self._stream_key(shard))
+                        except self._redis.ResponseError as shard_err:
+                            if "WRONGTYPE" in str(shard_err):
+                                self._bad_shard(shard, shard_err)
+                    self._next_refresh = 0.0
             except Exception as err:  # noqa: BLE001
                 self.link.fault("refresh", err, self._stream_key(shards[0]))
                 if not self.link.is_cluster:
                     return out
         return out
+
+    def _back(self) -> None:
+        """The link is back (a reconnect): every shard's index is read whole again, skipped shards too."""
+        self._reload.update(range(self.shards))
+        if hasattr(self, "_bad_shards"):  # not yet while the link first connects, in the constructor
+            self._bad_shards.clear()
+
+    def _bad_shard(self, shard: int, err: Exception) -> None:
+        """A shard whose index or stream key another program took (a value of another type under the prefix): its
+        entries are not seen here until the link comes back; the other shards serve on. Logged once per shard."""
+        self._reload.discard(shard)
+        with self._state:
+            first = shard not in self._bad_shards
+            self._bad_shards.add(shard)
+            self.counters["bad_shards"] = len(self._bad_shards)
+        if first:
+            logger.warning("vismemo: remote tier %s: shard %d's keys hold values of another type (%s: %s); "
+                           "skipping that shard, the others serve on", self.url, shard, type(err).__name__,
+                           self.link.scrub(err))
 
     def _parse(self, key: bytes, record: bytes):
         try:
