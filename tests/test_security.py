@@ -118,15 +118,25 @@ def test_every_block_of_a_sparse_read_is_authenticated(tmp_path):
 
 
 def test_sealed_and_unsealed_stores_do_not_read_each_other(tmp_path):
+    """Neither serves the other's blobs, and neither deletes them: one process started without the secret (or with
+    another) must not empty a shared directory, nor the other way round."""
     sealed = _disk(tmp_path / "a", secret=SECRET)
-    sealed.put(_entry("k", n=4, layers=2))
+    entry = _entry("k", n=4, layers=2)
+    sealed.put(entry)
     sealed.close()
     plain = _disk(tmp_path / "a")  # no secret: cannot check the MACs, serves nothing of it
-    assert plain.get("k", "fp") is None and plain.stats()["corrupt"] == 1
+    assert plain.get("k", "fp") is None and plain.stats()["forged"] == 1 and "k" not in plain
     plain.put(_entry("u", n=4, layers=2))
     plain.close()
     reader = _disk(tmp_path / "a", secret=SECRET)
-    assert reader.get("u", "fp") is None and reader.stats()["forged"] == 1
+    assert reader.get("u", "fp") is None and reader.stats()["forged"] >= 1
+    assert torch.equal(reader.get("k", "fp").kv, entry.kv)  # its own blob, left in place by the other store
+    reader.close()
+    other = _disk(tmp_path / "a", secret="another secret of 16+ bytes")
+    assert other.get("k", "fp") is None and other.get("u", "fp") is None
+    other.close()
+    assert _disk(tmp_path / "a").get("u", "fp") is not None
+    assert _disk(tmp_path / "a", secret=SECRET).get("k", "fp") is not None
 
 
 def test_the_secret_comes_from_the_environment(tmp_path, monkeypatch):

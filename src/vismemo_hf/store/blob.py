@@ -88,6 +88,12 @@ class ForgedBlob(BlobError):
     """A blob whose MAC a store with a secret cannot verify: written without the secret, or altered since."""
 
 
+class ForeignSeal(ForgedBlob):
+    """A blob whose header this store cannot verify: sealed under another secret, sealed while this store has none,
+    or unsealed while it has one. Another trust domain's blob in a shared tier is not this store's to judge: it is
+    refused (a miss) and left where it lies (``Placement.corrupt``)."""
+
+
 class Seal:
     """A store secret (``VisMemoStore(secret=...)``): seals the blobs this store writes and verifies the blobs it
     reads. Only keys derived from the secret are kept (its value never reaches a log, a repr or an error)."""
@@ -240,12 +246,12 @@ def parse_header(data: bytes, seal: Seal | None = None) -> BlobHeader:
     sealed = None
     if flags & SEALED:
         if seal is None:
-            raise BlobError("a sealed blob: this store has no secret to verify it")
+            raise ForeignSeal("a sealed blob: this store has no secret to verify it")
         if not hmac.compare_digest(seal.header_mac(raw[: _FIELDS.size - MAC_BYTES] + bytes(MAC_BYTES)), mac):
-            raise ForgedBlob("header MAC mismatch")
+            raise ForeignSeal("header MAC mismatch (another secret's blob, or altered)")
         sealed = seal.for_blob(salt)
     elif seal is not None:
-        raise ForgedBlob("a blob without a MAC in a store with a secret")
+        raise ForeignSeal("a blob without a MAC in a store with a secret")
     try:
         fingerprint, key = fp.decode("ascii").rstrip("\0"), key.decode("ascii").rstrip("\0")
     except UnicodeDecodeError as err:

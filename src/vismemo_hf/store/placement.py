@@ -174,7 +174,16 @@ class Placement:
             self.eviction.forget(key)
 
     def corrupt(self, tier: Tier, key: str, err: Exception) -> None:
-        """A blob that failed its checks (corrupt, foreign, or ``forged``: no valid MAC): removed, counted."""
+        """A blob that failed its checks (corrupt, foreign, or ``forged``: no valid MAC): removed, counted. In a
+        shared tier a blob whose header this store cannot verify (``blob.ForeignSeal``: another secret's, or none)
+        is refused and left in place: one process started with another secret must not empty a shared directory."""
+        if tier.shared and isinstance(err, blob.ForeignSeal):
+            logger.warning("vismemo: %s blob %s refused (%s: %s); left in place", tier.name, key[:12],
+                           type(err).__name__, err)
+            self.stats["forged"] += 1
+            tier.leave(key)
+            self.forget_if_gone(key)
+            return
         logger.warning("vismemo: %s blob %s unusable (%s: %s); removed", tier.name, key[:12], type(err).__name__, err)
         self.stats["forged" if isinstance(err, blob.ForgedBlob) else "corrupt"] += 1
         tier.discard(key)

@@ -57,9 +57,11 @@ class Tier(Protocol):
     Hooks (``TierBase``: no-ops): ``write_async`` (a ``COPY`` tier's background write) and ``publish`` (a
     ``PUBLISH`` tier's), ``pending`` (a write of the key is queued), ``flush`` (wait for them), ``take_failures``
     / ``take_lost`` (keys whose background write failed / that the tier lost, to forget), ``forget`` (stop counting a
-    key, its bytes left as they are), ``news`` (catalog records of what it holds that the store has not been told:
-    at the first call what it held when opened, later what others published since), ``counts`` (store-wide
-    counters it adds to ``stats()``), ``add_stats`` (its part in the stats of the tiers of its name), ``close``.
+    key, its bytes left as they are), ``leave`` (stop counting a key whose blob another trust domain sealed, its
+    bytes and any record of it left as they are), ``news`` (catalog records of what it holds that the store has
+    not been told: at the first call what it held when opened, later what others published since), ``counts``
+    (store-wide counters it adds to ``stats()``), ``add_stats`` (its part in the stats of the tiers of its name),
+    ``close``.
     """
 
     name: str
@@ -88,6 +90,7 @@ class Tier(Protocol):
     def available(self) -> bool: ...
     def missing(self, key: str) -> None: ...
     def forget(self, key: str) -> None: ...
+    def leave(self, key: str) -> None: ...
     def write_async(self, key: str, data: bytes) -> None: ...
     def publish(self, key: str, encode: Callable[[], bytes], descriptors: torch.Tensor) -> None: ...
     def pending(self, key: str) -> bool: ...
@@ -144,6 +147,10 @@ class TierBase:
     def forget(self, key: str) -> None:
         """Stop counting ``key``, its bytes left as they are (a tier whose bytes are its own: discard them)."""
         self.discard(key)
+
+    def leave(self, key: str) -> None:
+        """Stop counting ``key``, leaving its bytes and records to whoever sealed them (a shared tier)."""
+        self.forget(key)
 
     def write_async(self, key: str, data: bytes) -> None:
         self.put(key, data)

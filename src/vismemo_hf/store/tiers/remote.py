@@ -531,6 +531,10 @@ class RemoteTier(TierBase):
         self._untrack(key)
         self._delete(key, blob_too=False)
 
+    def leave(self, key: str) -> None:
+        """Stop counting ``key`` here; its blob and index record are another trust domain's."""
+        self._untrack(key)
+
     def missing(self, key: str) -> None:
         """A read found the blob gone (evicted by maxmemory, deleted by another process): its record goes too."""
         if key in self.lru:
