@@ -466,3 +466,37 @@ def test_an_index_another_program_holds_locked_makes_the_store_read_only_without
     reopened = VisMemoStore(device_bytes=0, host_bytes=0, disk_dir=tmp_path, disk_bytes=None)
     assert torch.equal(reopened.get("before", "fp").kv, entry.kv)
     reopened.close()
+
+
+def test_a_file_named_like_the_quarantine_folder_does_not_keep_a_damaged_index_in_place(tmp_path, caplog):
+    (tmp_path / QUARANTINE).write_bytes(b"a file of someone else's")
+    (tmp_path / "cache.db").write_bytes(b"\x00garbage" * 512)
+    store = VisMemoStore(device_bytes=0, host_bytes=0, disk_dir=tmp_path, disk_bytes=None)
+    assert store.disk is not None and not store.disk.read_only and store.stats()["quarantined"] == 1
+    (moved,) = tmp_path.glob(f"{QUARANTINE}-*/*/cache.db")
+    assert moved.read_bytes() == b"\x00garbage" * 512
+    assert (tmp_path / QUARANTINE).read_bytes() == b"a file of someone else's"
+    assert store.put(_entry("a"))
+    store.close()
+
+
+def test_an_index_neither_writable_nor_readable_is_logged_with_its_first_cause(tmp_path, monkeypatch, caplog):
+    """The read-only fallback failing too used to replace the cause in the log with its own error."""
+    from vismemo_hf.store.tiers import disk as disk_tier
+
+    first = VisMemoStore(device_bytes=0, host_bytes=0, disk_dir=tmp_path, disk_bytes=None)
+    first.put(_entry("a"))
+    first.close()
+
+    def io_error(self, thorough=False):
+        raise sqlite3.OperationalError("disk I/O error")
+
+    def unreadable(directory):
+        raise sqlite3.OperationalError("no such table: Cache")
+
+    monkeypatch.setattr(disk_tier.DiskTier, "_open_writable", io_error)
+    monkeypatch.setattr(disk_tier, "ReadOnlyDirectory", unreadable)
+    with caplog.at_level(logging.WARNING):
+        store = VisMemoStore(device_bytes=0, host_bytes=0, disk_dir=tmp_path, disk_bytes=None)
+    assert store.disk is None and "unusable (OperationalError: disk I/O error)" in caplog.text
+    assert "no such table" not in caplog.text

@@ -290,6 +290,8 @@ def quarantine(directory: str) -> str:
     directory: the bytes stay for whoever wants to look at them (nothing is deleted), and the blobs of the old index
     are not left behind unnamed, uncounted, among those of the new one. Returns that folder."""
     folder = os.path.join(directory, QUARANTINE)
+    if os.path.lexists(folder) and not os.path.isdir(folder):  # something else took the name: a folder of its own
+        folder = tempfile.mkdtemp(prefix=f"{QUARANTINE}-", dir=directory)
     os.makedirs(folder, exist_ok=True)
     target = tempfile.mkdtemp(prefix=time.strftime("%Y%m%d-%H%M%S-"), dir=folder)
     for name in sorted(os.listdir(directory)):

@@ -86,7 +86,10 @@ class DiskTier(TierBase):
         except Exception as err:  # noqa: BLE001 - not writable here: serve what it holds if it holds anything
             if damaged(err) or not os.path.isfile(os.path.join(self.directory, DBNAME)):
                 raise
-            self.cache, self._read_only = ReadOnlyDirectory(self.directory), True
+            try:
+                self.cache, self._read_only = ReadOnlyDirectory(self.directory), True
+            except Exception:  # noqa: BLE001 - not readable either: the first failure is the cause to report
+                raise err from None
             if passing(err):
                 self._reopen_at = time.monotonic() + REOPEN_S
             logger.warning("vismemo: disk tier %s is read-only here (%s: %s): serving its entries, storing nothing "
@@ -152,7 +155,11 @@ class DiskTier(TierBase):
                 except sqlite3.DatabaseError as err:
                     if not damaged(err):
                         raise
-                    self._quarantine(err)
+                    try:
+                        self._quarantine(err)
+                    except OSError as move:  # both are the cause: the damage, and why it stays where it is
+                        raise OSError(move.errno, f"its index is damaged ({type(err).__name__}: {err}) and could "
+                                                  f"not be moved aside ({move})") from err
                     cache = open_index(self.directory)
         self._index_id = file_id(self.directory)
         return cache
