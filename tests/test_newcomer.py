@@ -108,6 +108,19 @@ def test_missing_extra_is_named(empty_dir, monkeypatch, capsys):
     assert rc == 2 and "\n" not in err and "pip install 'vismemo-hf[eval]'" in err and "matplotlib" in err
 
 
+@pytest.mark.parametrize("argv", [["report", "pareto"], ["bench", "soak"], ["bench", "latency"], ["report", "quality"],
+                                  ["build-stream", "synthdoc"], ["bench", "store", "--remote", "redis://127.0.0.1:1/0"]])
+def test_a_missing_extra_is_named_before_any_work(empty_dir, monkeypatch, capsys, argv):
+    """Not after a whole sweep (report pareto wrote its JSON, then failed on the plot)."""
+    for module in ("matplotlib", "matplotlib.pyplot", "redis", "datasets"):
+        monkeypatch.setitem(sys.modules, module, None)
+    out = empty_dir / "out"
+    assert main([*argv, "--out", str(out)] if argv[0] != "build-stream" else argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "is not installed; it comes with pip install 'vismemo-hf[" in err
+    assert not out.exists() and not any(empty_dir.iterdir())
+
+
 def test_thresholds_of_another_model_are_refused_when_the_cache_is_built(qwen2, tmp_path):
     from vismemo_hf.families import model_fingerprint
 

@@ -101,6 +101,21 @@ def test_quiet_turns_the_other_libraries_bars_off_and_back_on():
     assert logging.getLogger("vismemo_hf.runtime.watch").getEffectiveLevel() >= logging.WARNING  # runtime notes stay off
 
 
+def test_vismemo_quiet_in_the_environment_does_what_quiet_does(tmp_path, capsys, monkeypatch):
+    """Other libraries' bars too (transformers' "Loading weights" bar stayed on with VISMEMO_QUIET=1 alone)."""
+    import huggingface_hub.utils
+    from transformers.utils import logging as hf_logging
+
+    monkeypatch.setenv("VISMEMO_QUIET", "1")
+    try:
+        assert main(["bench", "lookup", "--sizes", "100", "--dim", "16", "--queries", "5", "--recall-queries", "5",
+                     "--out", str(tmp_path)]) == 0
+        assert capsys.readouterr().err == ""
+        assert not hf_logging.is_progress_bar_enabled() and huggingface_hub.utils.are_progress_bars_disabled()
+    finally:
+        progress.configure(quiet=False)
+
+
 def test_a_log_line_during_a_bar_is_written_above_it():
     import io
 

@@ -1,4 +1,5 @@
-"""vismemo-hf: approximate visual KV-cache reuse for Qwen-VL models in transformers.
+"""vismemo-hf: approximate visual KV-cache reuse for vision-language models (Qwen-VL, GLM-4V, LLaVA-OneVision)
+in transformers.
 
     import vismemo_hf
     vismemo_hf.enable(model)

@@ -146,7 +146,8 @@ def calibrate(args) -> int:
     out = Path(args.out) if args.out else presets.write_path("lookup", name)
     out.parent.mkdir(parents=True, exist_ok=True)
     command = (f"vismemo calibrate --model {args.model}" + (f" --family {args.family}" if args.family else "")
-               + f" --pages {args.pages} --pairs-per-kind {args.pairs_per_kind} --seed {args.seed}")
+               + f" --pages {args.pages} --pairs-per-kind {args.pairs_per_kind} --seed {args.seed}"
+               + (f" --name {args.name}" if args.name else ""))
     summary = {k: report[k] for k in ("calibration", "heldout", "heldout_from_sketches", "heldout_without_pixel_stage",
                                       "defaults", "defaults_derived_pixel", "uncentred_rule")}
     pixel = {k: report[k] for k in ("tau_pixel", "tau_near") if report[k] is not None}
@@ -201,6 +202,28 @@ def calibrate(args) -> int:
     return 0
 
 
+def positive(text: str) -> int:
+    """A count of at least 1 (argparse type): 0 or a negative count is a one-line usage error."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"an integer expected, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"at least 1 expected, got {value}")
+    return value
+
+
+def nonnegative(text: str) -> int:
+    """A count that may be 0 (argparse type)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"an integer expected, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"at least 0 expected, got {value}")
+    return value
+
+
 def _int_list(text: str) -> list[int]:
     try:
         return [int(x) for x in text.split(",")]
@@ -236,13 +259,30 @@ def _device_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", help="torch device")
 
 
+#: optional modules a command imports only after some of its work (plots, the Redis client): checked before it
+#: starts, so that a missing extra is one line at once rather than after a sweep (``main``)
+NEEDS = {"latency": ("matplotlib",), "trace": ("matplotlib",), "soak": ("matplotlib", "redis"),
+         "table1": ("matplotlib",), "pareto": ("matplotlib",)}
+
+
 def _bench(name: str):
     def run(args) -> int:
         import importlib
 
         return importlib.import_module(f"vismemo_hf.bench.{name}").main(args)
 
+    run.needs = NEEDS.get(name, ())
     return run
+
+
+def _needs(args) -> list[str]:
+    """The optional modules this run of a command imports."""
+    needs = list(getattr(args.func, "needs", ()))
+    if args.command == "build-stream":
+        needs.append("datasets")
+    if getattr(args, "remote", None):
+        needs.append("redis")
+    return needs
 
 
 def train_docqa(args) -> int:
@@ -335,20 +375,20 @@ def _real_pages(args):
 
 
 # -- the parser: one builder per command, shared option groups ----------------------------------------------
-def _model_options(p, default="vismemo-docqa-tiny", family_choices=True) -> None:
+def _model_options(p, default="vismemo-docqa-tiny") -> None:
     p.add_argument("--model", default=default,
                    help="vismemo-docqa-tiny / vismemo-docqa-base (packaged readers), a checkpoint folder, a cached hub "
                         "id, or a model preset (random weights; vismemo presets models)")
-    p.add_argument("--family", default=None, choices=FAMILY_NAMES if family_choices else None,
+    p.add_argument("--family", default=None, choices=FAMILY_NAMES,
                    help="family of family-agnostic presets such as tiny (default qwen2_vl)")
 
 
 def _geometry_options(p) -> None:
-    p.add_argument("--tokens", type=int, default=1024, help="visual tokens per entry")
-    p.add_argument("--layers", type=int, default=36, help="decoder layers")
-    p.add_argument("--kv-heads", type=int, default=8, help="K/V heads per layer")
-    p.add_argument("--head-dim", type=int, default=128, help="head width")
-    p.add_argument("--embed-dim", type=int, default=4096, help="encoder output width")
+    p.add_argument("--tokens", type=positive, default=1024, help="visual tokens per entry")
+    p.add_argument("--layers", type=positive, default=36, help="decoder layers")
+    p.add_argument("--kv-heads", type=positive, default=8, help="K/V heads per layer")
+    p.add_argument("--head-dim", type=positive, default=128, help="head width")
+    p.add_argument("--embed-dim", type=positive, default=4096, help="encoder output width")
 
 
 def _out_option(p, default: str, what: str = "reports") -> None:
@@ -359,7 +399,7 @@ def _add_demo(sub) -> None:
     p = sub.add_parser("demo", help="five document requests through the packaged reading model (no downloads, no GPU)")
     _model_options(p)
     p.add_argument("--policy", default=DEFAULT_POLICY, help="routing policy name, preset or YAML path")
-    p.add_argument("--new-tokens", type=int, default=6, help="tokens generated per request")
+    p.add_argument("--new-tokens", type=positive, default=6, help="tokens generated per request")
     p.add_argument("--json", action="store_true", help="print the table as JSON")
     p.set_defaults(func=demo)
 
@@ -380,8 +420,8 @@ def _add_presets(sub) -> None:
 
 def _add_profile(sub, argv) -> None:
     p = sub.add_parser("profile-vlcache", help="compute VL-Cache's per-layer sensitivity profile on calibration pairs")
-    _model_options(p, default="tiny", family_choices=False)
-    p.add_argument("--pairs", type=int, default=4, help="calibration image pairs")
+    _model_options(p, default="tiny")
+    p.add_argument("--pairs", type=positive, default=4, help="calibration image pairs")
     p.add_argument("--seed", type=int, default=0, help="pair and weight seed")
     p.add_argument("--name", default=None, help="profile name (default MODEL-FAMILY)")
     p.add_argument("--out", default=None, help="output YAML (default ./configs/vlcache/NAME.yaml)")
@@ -394,7 +434,7 @@ def _add_calibrate(sub) -> None:
     p.add_argument("--seed", type=int, default=0, help="weight seed of random-weight presets")
     p.add_argument("--pages", default="auto", choices=("auto", "synthdoc", "docpage"),
                    help="document pairs (auto: docpage pages too for vismemo-docqa-base and its checkpoints)")
-    p.add_argument("--pairs-per-kind", type=int, default=10, help="image pairs per kind of change")
+    p.add_argument("--pairs-per-kind", type=positive, default=10, help="image pairs per kind of change")
     p.add_argument("--name", default=None, help="preset name (default: the model's)")
     p.add_argument("--out", default=None, help="output YAML (default ./configs/lookup/NAME.yaml)")
     p.add_argument("--report-dir", default="results/lookup", help="folder for the calibration report")
@@ -406,10 +446,11 @@ def _add_train(sub) -> None:
     p.add_argument("--reader", choices=["tiny", "base"], default="tiny",
                    help="tiny: 4 layers on one-glyph-per-token forms; base: 8 layers on 256-token realistic pages")
     p.add_argument("--minutes", type=float, default=55.0, help="wall-clock budget of this run")
-    p.add_argument("--max-steps", type=int, default=20000, help="stop at this step (counted over resumed runs for base)")
-    p.add_argument("--batch-size", type=int, default=None, help="default: 32 (tiny), 16 (base)")
-    p.add_argument("--threads", type=int, default=2, help="torch CPU threads")
-    p.add_argument("--total-steps", type=int, default=None,
+    p.add_argument("--max-steps", type=positive, default=20000,
+                   help="stop at this step (counted over resumed runs for base)")
+    p.add_argument("--batch-size", type=positive, default=None, help="default: 32 (tiny), 16 (base)")
+    p.add_argument("--threads", type=positive, default=2, help="torch CPU threads")
+    p.add_argument("--total-steps", type=positive, default=None,
                    help="base: length of the cosine schedule (kept in the checkpoint; default 12000 for a new run)")
     p.add_argument("--lr", type=float, default=None, help="peak learning rate; default: 2e-3 (tiny), 1.5e-3 (base)")
     p.add_argument("--resume", default=None,
@@ -424,9 +465,9 @@ def _add_build_stream(sub) -> None:
     p.add_argument("task", choices=["synthdoc", "docvqa", "infovqa"], help="which task's data to write")
     p.add_argument("--source", default=None, help="docvqa/infovqa: parquet glob or cached HF dataset name")
     p.add_argument("--split", default="validation", help="docvqa/infovqa: dataset split")
-    p.add_argument("--pages", type=int, default=100, help="docvqa/infovqa: pages to use")
+    p.add_argument("--pages", type=positive, default=100, help="docvqa/infovqa: pages to use")
     p.add_argument("--seeds", type=INTS, default="0", help="synthdoc: stream seeds, comma separated")
-    p.add_argument("--bases", type=int, default=20, help="synthdoc: new pages per stream")
+    p.add_argument("--bases", type=positive, default=20, help="synthdoc: new pages per stream")
     p.add_argument("--seed", type=int, default=0, help="docvqa/infovqa: seed of the near-duplicate copies")
     p.add_argument("--near-model", default=None,
                    help="docvqa/infovqa: a model (checkpoint, preset or vismemo-docqa-tiny) whose lookup descriptors "
@@ -442,18 +483,18 @@ def _add_bench(sub) -> None:
     p.add_argument("--preset", default="medium", help="model preset (random weights)")
     p.add_argument("--family", default="qwen2_vl", choices=FAMILY_NAMES, help="model family")
     p.add_argument("--ratios", type=NUMBERS, default="0.1,0.25,0.5,1.0", help="kept shares of the visual tokens")
-    p.add_argument("--new-tokens", type=int, default=24, help="decoded tokens per request")
-    p.add_argument("--repeats", type=int, default=3, help="timed rounds")
-    p.add_argument("--width", type=int, default=448, help="image width, px")
-    p.add_argument("--height", type=int, default=336, help="image height, px")
+    p.add_argument("--new-tokens", type=positive, default=24, help="decoded tokens per request")
+    p.add_argument("--repeats", type=positive, default=3, help="timed rounds")
+    p.add_argument("--width", type=positive, default=448, help="image width, px")
+    p.add_argument("--height", type=positive, default=336, help="image height, px")
     _out_option(p, "results/compression")
     p.set_defaults(func=_bench("compression"))
     p = bench_sub.add_parser("store", help="sparse vs full I/O, disk throughput, exact-priority vs plain LRU")
     _geometry_options(p)
     p.add_argument("--beta", type=float, default=0.1, help="share of tokens a sparse read fetches")
-    p.add_argument("--warmup", type=int, default=3, help="warmup layers a sparse read skips")
-    p.add_argument("--repeats", type=int, default=5, help="timed rounds")
-    p.add_argument("--trace-requests", type=int, default=4000, help="requests of the eviction trace")
+    p.add_argument("--warmup", type=nonnegative, default=3, help="warmup layers a sparse read skips")
+    p.add_argument("--repeats", type=positive, default=5, help="timed rounds")
+    p.add_argument("--trace-requests", type=positive, default=4000, help="requests of the eviction trace")
     p.add_argument("--capacities", type=INTS, default="25,50,100,200", help="store capacities (entries) of the trace")
     p.add_argument("--seed", type=int, default=0, help="trace seed")
     p.add_argument("--remote", action="append", default=None, metavar="URL",
@@ -467,9 +508,9 @@ def _add_bench(sub) -> None:
     p.add_argument("--lengths", type=INTS, default="256,512,1024,2048,4096", help="visual tokens per image")
     p.add_argument("--policies", default="attend-deviate,vismemo,cacheblend",
                    help="policies of the approximate hits (none: no approximate hits, for families without them)")
-    p.add_argument("--repeats", type=int, default=3, help="timed rounds")
-    p.add_argument("--new-tokens", type=int, default=32, help="tokens of every timed generate")
-    p.add_argument("--long-tokens", type=int, default=256, help="tokens of one longer generate per kind (0: none)")
+    p.add_argument("--repeats", type=positive, default=3, help="timed rounds")
+    p.add_argument("--new-tokens", type=positive, default=32, help="tokens of every timed generate")
+    p.add_argument("--long-tokens", type=nonnegative, default=256, help="tokens of one longer generate per kind (0: none)")
     _device_options(p)
     _out_option(p, "results/perf")
     p.set_defaults(func=_bench("latency"))
@@ -481,30 +522,30 @@ def _add_bench(sub) -> None:
     p.add_argument("--lengths", type=INTS, default="64,256,1024",
                    help="visual tokens per image (host syncs counted at the first)")
     p.add_argument("--policies", default=DEFAULT_POLICY, help="policies of the approximate hits")
-    p.add_argument("--repeats", type=int, default=5, help="timed prefills per kind and size")
-    p.add_argument("--sites", type=int, default=8, help="code sites listed per kind")
+    p.add_argument("--repeats", type=positive, default=5, help="timed prefills per kind and size")
+    p.add_argument("--sites", type=positive, default=8, help="code sites listed per kind")
     _device_options(p)
     _out_option(p, "results/perf/overhead")
     p.set_defaults(func=_bench("overhead"))
     p = bench_sub.add_parser("lookup", help="coarse-lookup latency, memory and recall vs number of cached entries")
     p.add_argument("--sizes", type=NUMBERS, default="1000,10000,100000", help="entry counts (1e5 style accepted)")
-    p.add_argument("--dim", type=int, default=4096, help="descriptor width")
-    p.add_argument("--queries", type=int, default=200, help="timed queries per size")
-    p.add_argument("--recall-queries", type=int, default=100, help="queries checked against the exact rule")
+    p.add_argument("--dim", type=positive, default=4096, help="descriptor width")
+    p.add_argument("--queries", type=positive, default=200, help="timed queries per size")
+    p.add_argument("--recall-queries", type=positive, default=100, help="queries checked against the exact rule")
     p.add_argument("--tau", type=float, default=0.8, help="coarse threshold")
-    p.add_argument("--top-k", type=int, default=5, help="candidates per query")
-    p.add_argument("--groups", type=int, default=4, help="model fingerprints sharing the index")
+    p.add_argument("--top-k", type=positive, default=5, help="candidates per query")
+    p.add_argument("--groups", type=positive, default=4, help="model fingerprints sharing the index")
     _out_option(p, "results/perf")
     p.set_defaults(func=_bench("lookup"))
     p = bench_sub.add_parser("capacity", help="entries per GiB and hit rate at a byte budget per stored K/V format")
     _geometry_options(p)
     p.add_argument("--budget-gib", type=float, default=8.0, help="store budget, GiB")
-    p.add_argument("--requests", type=int, default=3000, help="requests of the trace")
+    p.add_argument("--requests", type=positive, default=3000, help="requests of the trace")
     p.add_argument("--seed", type=int, default=0, help="trace seed")
     _out_option(p, "results/store")
     p.set_defaults(func=_bench("capacity"))
     p = bench_sub.add_parser("trace", help="synthetic trace through the tiered store at several capacities")
-    p.add_argument("--requests", type=int, default=3000, help="requests of the trace")
+    p.add_argument("--requests", type=positive, default=3000, help="requests of the trace")
     p.add_argument("--capacities", type=INTS, default="20,50,100,200,400", help="store capacities (entries)")
     p.add_argument("--seed", type=int, default=0, help="trace seed")
     _out_option(p, "results/perf")
@@ -516,29 +557,30 @@ def _add_soak(bench_sub) -> None:
     p = bench_sub.add_parser("soak", help="processes sharing a disk directory and a local Redis Cluster under injected "
                                           "faults (worker SIGKILLs, node kills, ENOSPC, maxmemory, damaged blobs "
                                           "and index), every answer checked against plain transformers")
-    p.add_argument("--processes", type=int, default=4, help="serving processes")
-    p.add_argument("--requests", type=int, default=2000, help="requests of the stream, all processes together")
+    p.add_argument("--processes", type=positive, default=4, help="serving processes")
+    p.add_argument("--requests", type=positive, default=2000, help="requests of the stream, all processes together")
     p.add_argument("--seed", type=int, default=0, help="stream and fault-schedule seed")
-    p.add_argument("--kills", type=int, default=20, help="workers SIGKILLed in the middle of a disk write")
-    p.add_argument("--node-kills", type=int, default=5, help="cluster nodes killed and restarted")
-    p.add_argument("--disk-full", type=int, default=2, help="disk-full (ENOSPC) periods")
-    p.add_argument("--redis-full", type=int, default=2, help="Redis maxmemory periods")
-    p.add_argument("--blob-faults", type=int, default=3, help="blobs truncated, and as many overwritten")
-    p.add_argument("--db-faults", type=int, default=1, help="cache.db overwritten in place, and as many replaced")
+    p.add_argument("--kills", type=nonnegative, default=20, help="workers SIGKILLed in the middle of a disk write")
+    p.add_argument("--node-kills", type=nonnegative, default=5, help="cluster nodes killed and restarted")
+    p.add_argument("--disk-full", type=nonnegative, default=2, help="disk-full (ENOSPC) periods")
+    p.add_argument("--redis-full", type=nonnegative, default=2, help="Redis maxmemory periods")
+    p.add_argument("--blob-faults", type=nonnegative, default=3, help="blobs truncated, and as many overwritten")
+    p.add_argument("--db-faults", type=nonnegative, default=1, help="cache.db overwritten in place, and as many replaced")
     p.add_argument("--preset", default="tiny", help="model preset (random weights, the same in every process)")
     p.add_argument("--family", default="qwen2_vl", choices=FAMILY_NAMES, help="family of the preset")
-    p.add_argument("--max-new-tokens", type=int, default=3, help="tokens generated per request")
-    p.add_argument("--device-kib", type=int, default=256, help="device-tier budget per process, KiB")
-    p.add_argument("--host-kib", type=int, default=512, help="host-tier budget per process, KiB")
-    p.add_argument("--disk-mib", type=int, default=192, help="the shared directory's budget, MiB")
-    p.add_argument("--tmpfs-mib", type=int, default=320, help="size of the tmpfs the directory is mounted on, MiB")
+    p.add_argument("--max-new-tokens", type=positive, default=3, help="tokens generated per request")
+    p.add_argument("--device-kib", type=positive, default=256, help="device-tier budget per process, KiB")
+    p.add_argument("--host-kib", type=positive, default=512, help="host-tier budget per process, KiB")
+    p.add_argument("--disk-mib", type=positive, default=192, help="the shared directory's budget, MiB")
+    p.add_argument("--tmpfs-mib", type=positive, default=320, help="size of the tmpfs the directory is mounted on, MiB")
     p.add_argument("--node-down-s", type=float, default=3.0, help="seconds a killed node stays down")
     p.add_argument("--fault-s", type=float, default=3.0, help="seconds a disk-full or maxmemory period lasts")
     p.add_argument("--grace-s", type=float, default=3.0, help="seconds after a fault its misses are attributed to it")
     p.add_argument("--arm-timeout", type=float, default=20.0, help="seconds to wait for an armed worker's write")
     p.add_argument("--baseline-alongside", action="store_true",
                    help="run the single-process baseline while the soak runs (short runs; TTFTs then share the CPU)")
-    p.add_argument("--pace-ms", type=int, default=0, help="pause of every worker after each request, ms (short runs)")
+    p.add_argument("--pace-ms", type=nonnegative, default=0,
+                   help="pause of every worker after each request, ms (short runs)")
     p.add_argument("--keep", action="store_true", help="keep the temporary folder (results, logs, directory)")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
     _out_option(p, "results/soak")
@@ -552,9 +594,9 @@ def _add_report(sub) -> None:
     p.add_argument("--model", default="vismemo-docqa-tiny", help="packaged model name, preset or checkpoint folder")
     p.add_argument("--pages", default="auto", choices=("auto", "synthdoc", "docpage"),
                    help="the streams' pages (auto: docpage for vismemo-docqa-base and its checkpoints)")
-    p.add_argument("--streams", type=int, default=2, help="request streams (the first N of the default seeds)")
+    p.add_argument("--streams", type=positive, default=2, help="request streams (the first N of the default seeds)")
     p.add_argument("--seeds", type=INTS, default=None, help="explicit stream seeds, comma-separated (instead of --streams)")
-    p.add_argument("--bases", type=int, default=20, help="new pages per stream (each with 4 follow-ups)")
+    p.add_argument("--bases", type=positive, default=20, help="new pages per stream (each with 4 follow-ups)")
     p.add_argument("--policies", default="all",
                    help="comma-separated policy names (`default` names the library's default routing), or all")
     p.add_argument("--no-sweeps", action="store_true", help="skip the recompute and reuse ratio sweeps")
@@ -562,9 +604,9 @@ def _add_report(sub) -> None:
                    help="lookup thresholds preset or path (vismemo calibrate) for every cache; default: the defaults")
     p.add_argument("--sweep-rho", type=NUMBERS, default="0.1,0.2,0.3,0.5,0.8", help="recompute ratios of the sweep")
     p.add_argument("--sweep-beta", type=NUMBERS, default="0,0.05,0.1,0.2,0.4", help="reuse ratios of the sweep")
-    p.add_argument("--max-new-tokens", type=int, default=6, help="tokens generated per answer")
-    p.add_argument("--heldout", type=int, default=40, help="held-out pages per page type for the reader's own accuracy")
-    p.add_argument("--heldout-bases", type=int, default=15,
+    p.add_argument("--max-new-tokens", type=positive, default=6, help="tokens generated per answer")
+    p.add_argument("--heldout", type=positive, default=40, help="held-out pages per page type for the reader's own accuracy")
+    p.add_argument("--heldout-bases", type=positive, default=15,
                    help="new pages per held-out stream (seeds that informed no design choice); 0 skips them")
     _out_option(p, "results/quality")
     p.set_defaults(func=_bench("table1"))
@@ -572,16 +614,16 @@ def _add_report(sub) -> None:
     p.add_argument("--models", default="vismemo-docqa-tiny", help="comma-separated readers (names or folders)")
     p.add_argument("--pages", default="auto", choices=["auto", "synthdoc", "docpage"],
                    help="the streams' pages (auto: docpage for vismemo-docqa-base and its checkpoints)")
-    p.add_argument("--seeds", type=_int_list, default=[7000], help="stream seeds, comma-separated")
-    p.add_argument("--bases", type=int, default=12, help="new pages per stream (each with 4 follow-ups)")
+    p.add_argument("--seeds", type=_int_list, default=[7000], help="stream seeds, comma-separated (default: 7000)")
+    p.add_argument("--bases", type=positive, default=12, help="new pages per stream (each with 4 follow-ups)")
     p.add_argument("--policies", default="all", help="comma-separated policies of bench/pareto.py SWEEPS, or all")
-    p.add_argument("--max-new-tokens", type=int, default=6, help="tokens generated per answer")
+    p.add_argument("--max-new-tokens", type=positive, default=6, help="tokens generated per answer")
     p.add_argument("--floor-preset", default="qwen3-vl-8b-narrow", help="model preset of the FLOP floor")
-    p.add_argument("--floor-tokens", type=int, default=4096, help="visual tokens of the FLOP floor (0: none)")
+    p.add_argument("--floor-tokens", type=nonnegative, default=4096, help="visual tokens of the FLOP floor (0: none)")
     _out_option(p, "results/quality")
     p.set_defaults(func=_bench("pareto"))
     p = report_sub.add_parser("prefix", help="exact hits after another text before the image vs a full prefill")
-    p.add_argument("--pages", type=int, default=20, help="pages per family")
+    p.add_argument("--pages", type=positive, default=20, help="pages per family")
     p.add_argument("--lengths", type=INTS, default="0,10,50,100,200,400", help="token counts of the changed text")
     p.add_argument("--seed", type=int, default=4000, help="page seed")
     p.add_argument("--base-model", default="vismemo-docqa-base",
@@ -591,16 +633,16 @@ def _add_report(sub) -> None:
     p = report_sub.add_parser("context", help="reuse after another text or page before the image, and small changes, "
                                               "vs a full prefill")
     p.add_argument("--readers", default="vismemo-docqa-base,vismemo-docqa-tiny", help="comma-separated readers")
-    p.add_argument("--pairs", type=int, default=20, help="pages per class (three questions each)")
+    p.add_argument("--pairs", type=positive, default=20, help="pages per class (three questions each)")
     p.add_argument("--seed", type=int, default=9000, help="case seed (pages, texts, edits)")
     p.add_argument("--policies", default="all", help="comma-separated of default, cacheblend, vismemo; or all")
     p.add_argument("--classes", default="all", help="comma-separated classes of eval/context.py CLASSES, or all")
-    p.add_argument("--front-pairs", type=int, default=0,
+    p.add_argument("--front-pairs", type=nonnegative, default=0,
                    help="pages per class of the context check's front (its options swept on the seed after --seed; "
                         "0: none)")
     p.add_argument("--front-from", default=None,
                    help="the front of an earlier run's context.json instead of measuring it (same options)")
-    p.add_argument("--max-new-tokens", type=int, default=6, help="tokens generated per answer")
+    p.add_argument("--max-new-tokens", type=positive, default=6, help="tokens generated per answer")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
     _out_option(p, "results/quality")
     p.set_defaults(func=_bench("context"))
@@ -652,7 +694,8 @@ def _format(p: argparse.ArgumentParser, name: str = "") -> None:
                 _format(sub, sub_name)
 
 
-DESCRIPTION = """Approximate visual KV-cache reuse for Qwen-VL models in transformers.
+DESCRIPTION = """Approximate visual KV-cache reuse for vision-language models (Qwen-VL, GLM-4V, LLaVA-OneVision)
+in transformers.
 
   vismemo demo                 five document requests through the packaged reader (no downloads, no GPU)
   vismemo COMMAND --help       what a command does, its options and defaults, what it writes and where"""
@@ -698,9 +741,16 @@ def main(argv=None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     from vismemo_hf import progress
 
-    progress.configure(quiet=args.quiet_all or getattr(args, "quiet", False))  # report context --quiet too
+    # report context --quiet too; VISMEMO_QUIET=1 does all that --quiet does (other libraries' bars included)
+    progress.configure(quiet=args.quiet_all or getattr(args, "quiet", False) or progress.quiet_by_environment())
     warnings.filterwarnings("ignore", category=FutureWarning)  # transformers' deprecation notices
     name = " ".join(x for x in (args.command, getattr(args, "bench", None), getattr(args, "report", None)) if x)
+    import importlib.util
+
+    for module in _needs(args):
+        if importlib.util.find_spec(module) is None:
+            print(f"vismemo {name}: error: {missing_extra(ModuleNotFoundError(name=module))}", file=sys.stderr)
+            return 2
     try:
         return args.func(args)
     except USER_ERRORS as err:

@@ -30,11 +30,16 @@ def set_enabled(on: bool | None) -> None:
     _enabled = on
 
 
+def quiet_by_environment() -> bool:
+    """Whether ``VISMEMO_QUIET`` asks for no bars (1, true, yes, on)."""
+    return os.environ.get("VISMEMO_QUIET", "").strip().lower() in ("1", "true", "yes", "on")
+
+
 def enabled() -> bool:
     """Whether progress bars show: ``set_enabled``'s setting, else not ``VISMEMO_QUIET`` (1, true, yes)."""
     if _enabled is not None:
         return _enabled
-    return os.environ.get("VISMEMO_QUIET", "").strip().lower() not in ("1", "true", "yes", "on")
+    return not quiet_by_environment()
 
 
 def progress(iterable=None, total=None, desc: str | None = None, unit: str = "it", leave: bool = False,

@@ -61,9 +61,18 @@ def preset_config(name: str, family: str | None = None, tokenizer=None, **text_o
     (``num_hidden_layers=1``, ...). A preset's ``vision_config`` holds one block per family (or one tower for
     its own family); its ``text_config`` may hold per-family blocks of fields that differ (``glm4v: {...}``).
     """
-    from vismemo_hf.presets import load_preset
+    from vismemo_hf.presets import find, load_preset
 
     preset = load_preset(name)
+    try:
+        return _config(name, preset, family, tokenizer, text_overrides)
+    except KeyError as err:  # the file is what to fix: name it and what it lacks
+        raise ValueError(f"model preset {find('models', name)} lacks {err.args[0]!r}") from err
+    except (TypeError, AttributeError) as err:
+        raise ValueError(f"model preset {find('models', name)} is malformed ({type(err).__name__}: {err})") from err
+
+
+def _config(name: str, preset: dict, family: str | None, tokenizer, text_overrides: dict):
     family = family or preset.get("family")
     if family not in FAMILIES:
         raise ValueError(f"preset {name!r} needs a family, one of {', '.join(FAMILIES)}")
@@ -102,6 +111,12 @@ def build_model(preset: str, family: str | None = None, seed: int = 0, dtype=tor
     config = preset_config(preset, family, tokenizer=tokenizer, **text_overrides)
     config._attn_implementation = "sdpa"
     torch.manual_seed(seed)
-    with torch.device(device):
-        model = AutoModelForImageTextToText.from_config(config, dtype=dtype)
+    try:
+        with torch.device(device):
+            model = AutoModelForImageTextToText.from_config(config, dtype=dtype)
+    except (TypeError, ValueError) as err:  # a geometry no model can have ("hidden_size: big", a zero width)
+        from vismemo_hf.presets import find
+
+        raise ValueError(f"model preset {find('models', preset)} gives no model ({type(err).__name__}: {err})") \
+            from err
     return model.eval()

@@ -32,11 +32,15 @@ def available_policies() -> list[str]:
 
 def _preset(name: str) -> dict | None:
     """A policy preset (a YAML path, or the stem of a file in configs/policies/), or None."""
-    from vismemo_hf.presets import load
+    from vismemo_hf.presets import find, read
 
-    data = load("policies", name, missing_ok=True)
-    if data is not None and "policy" not in data:
-        raise ValueError(f"policy preset {name!r} needs a `policy:` name")
+    path = find("policies", name, missing_ok=not str(name).endswith((".yaml", ".yml")))  # a missing file: say so
+    if path is None:
+        return None
+    data = read(path, "policy preset")
+    if "policy" not in data:
+        raise ValueError(f"policy preset {path} needs a `policy:` name")
+    data["_path"] = path
     return data
 
 
@@ -54,8 +58,11 @@ def get_policy(policy: str | RoutingPolicy, **options: object) -> RoutingPolicy:
 
             raise ValueError(f"unknown policy {policy!r}; policies: {', '.join(available_policies())}; "
                              f"presets: {', '.join(available('policies'))}")
-        name = preset.pop("policy")
-        return get_policy(name, **{**preset, **options})
+        name, path = preset.pop("policy"), preset.pop("_path")
+        try:
+            return get_policy(name, **{**preset, **options})
+        except (TypeError, ValueError) as err:  # the file is what to fix: name it
+            raise ValueError(f"policy preset {path}: {err}") from err
     known = {f.name for f in fields(cls)}
     unknown = sorted(set(options) - known)
     if unknown:

@@ -20,9 +20,17 @@ from vismemo_hf.policies.base import RoutingPolicy, approximate_plan, register_p
 
 def load_profile(profile: str) -> list[float]:
     """Per-layer sensitivities from a YAML path or the name of a file in configs/vlcache/."""
-    from vismemo_hf.presets import load
+    from vismemo_hf.presets import find, load
 
-    return [float(x) for x in load("vlcache", profile)["sensitivity"]]
+    data = load("vlcache", profile)
+    try:
+        values = [float(x) for x in data["sensitivity"]]
+    except (KeyError, TypeError, ValueError) as err:
+        raise ValueError(f"VL-Cache profile {find('vlcache', profile)} needs `sensitivity:`, a list of numbers "
+                         f"({type(err).__name__}: {err})") from None
+    if not values:
+        raise ValueError(f"VL-Cache profile {find('vlcache', profile)} has no sensitivities")
+    return values
 
 
 def layer_ratios(sensitivity: list[float], mean_ratio: float) -> list[float]:
@@ -51,11 +59,17 @@ class VLCachePolicy(RoutingPolicy):
     profile: str | None = None
     layer_recompute_ratios: list[float] | None = None
 
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        #: the profile's sensitivities, read when the policy is built: an unknown or malformed profile is an error
+        #: here, not at the first approximate hit
+        self._sensitivity = None if self.profile is None else load_profile(self.profile)
+
     def ratios(self) -> list[float] | None:
         if self.layer_recompute_ratios is not None:
             return list(self.layer_recompute_ratios)
-        if self.profile is not None:
-            return layer_ratios(load_profile(self.profile), self.recompute_ratio)
+        if self._sensitivity is not None:
+            return layer_ratios(self._sensitivity, self.recompute_ratio)
         return None
 
     def prefetch_tokens(self, image: ImageFeatures, alias: ImageFeatures) -> torch.Tensor:

@@ -65,6 +65,59 @@ def _sweep_at_open(tier) -> int:
         return 0
 
 
+def open_or_quarantine(directory: str, lock, quarantine_index, thorough: bool = False) -> diskcache.Cache:
+    """The directory's index; a damaged one is quarantined (``quarantine_index(error)``) and an empty one made in its
+    place. That happens under the directory's ``lock`` and after a second try, so that of several processes opening
+    the same damaged directory the first moves it aside and the others open the index it made. ``thorough``: every
+    page of the index checked too (after damage was seen: a file overwritten in place may still open through its
+    journal)."""
+    try:
+        return open_index(directory, thorough)
+    except sqlite3.DatabaseError as err:
+        if not damaged(err):
+            raise
+    with lock():
+        try:
+            return open_index(directory, thorough=True)
+        except sqlite3.DatabaseError as err:
+            if not damaged(err):
+                raise
+            try:
+                quarantine_index(err)
+            except OSError as move:  # both are the cause: the damage, and why it stays where it is
+                raise OSError(move.errno, f"its index is damaged ({type(err).__name__}: {err}) and could not be "
+                                          f"moved aside ({move})") from err
+            return open_index(directory)
+
+
+def value_kind(open_value, key) -> str | blob.BlobError:
+    """``"blob"`` (a vismemo blob, by its magic), ``"foreign"`` (another program's key or value: left alone), or the
+    ``BlobError`` of a value whose file the index names but that cannot be read whole: deleted, emptied or replaced
+    behind the index (a temporary-file cleaner, a user freeing space). Such a row holds nothing yet counts against
+    the directory's budget, so it goes the way of a corrupt blob (logged, its row removed). ``open_value(key)``: the
+    tier's read handle of a key (``KeyError`` when the index answers none)."""
+    if not isinstance(key, str):
+        return "foreign"
+    try:
+        handle = open_value(key)
+    except KeyError:  # the index lists it, but its file could not be opened (diskcache then answers None)
+        return blob.BlobError("the index names it but its file is missing or unreadable")
+    except Exception:  # noqa: BLE001 - a pickled or inline value of another program
+        return "foreign"
+    if not hasattr(handle, "read"):  # an inline value (bytes) of another program
+        return "foreign"
+    with handle:
+        try:
+            head = handle.read(len(blob.MAGIC))
+        except OSError as err:
+            return blob.BlobError(f"its file cannot be read ({err})")
+    if head == blob.MAGIC:
+        return "blob"
+    if len(head) < len(blob.MAGIC) and isinstance(getattr(handle, "name", None), str):
+        return blob.BlobError(f"its file holds {len(head)} bytes, fewer than a blob's header")
+    return "foreign"
+
+
 class DiskTier(TierBase):
     name = "disk"
     holds = BYTES
@@ -140,27 +193,8 @@ class DiskTier(TierBase):
 
     # -- opening ------------------------------------------------------------------------------------
     def _open_writable(self, thorough: bool = False) -> diskcache.Cache:
-        """The directory's index; a damaged one is quarantined and an empty one made in its place. That happens
-        under the directory's lock and after a second try, so that of several processes opening the same damaged
-        directory the first moves it aside and the others open the index it made. ``thorough``: every page of the
-        index checked too (after damage was seen: a file overwritten in place may still open through its journal)."""
-        try:
-            cache = open_index(self.directory, thorough)
-        except sqlite3.DatabaseError as err:
-            if not damaged(err):
-                raise
-            with self._directory_lock():
-                try:
-                    cache = open_index(self.directory, thorough=True)
-                except sqlite3.DatabaseError as err:
-                    if not damaged(err):
-                        raise
-                    try:
-                        self._quarantine(err)
-                    except OSError as move:  # both are the cause: the damage, and why it stays where it is
-                        raise OSError(move.errno, f"its index is damaged ({type(err).__name__}: {err}) and could "
-                                                  f"not be moved aside ({move})") from err
-                    cache = open_index(self.directory)
+        """The directory's index (``open_or_quarantine``), noting which file it is."""
+        cache = open_or_quarantine(self.directory, self._directory_lock, self._quarantine, thorough)
         self._index_id = file_id(self.directory)
         return cache
 
@@ -210,32 +244,6 @@ class DiskTier(TierBase):
         except Exception:  # noqa: BLE001 - a read-only directory's index
             return None
 
-    def _kind_of(self, key) -> str | blob.BlobError:
-        """``"blob"`` (a vismemo blob, by its magic), ``"foreign"`` (another program's key or value: left alone), or
-        the ``BlobError`` of a value whose file the index names but that cannot be read whole: deleted, emptied or
-        replaced behind the index (a temporary-file cleaner, a user freeing space). Such a row holds nothing yet
-        counts against the directory's budget, so it goes the way of a corrupt blob (logged, its row removed)."""
-        if not isinstance(key, str):
-            return "foreign"
-        try:
-            handle = self._open(key)
-        except KeyError:  # the index lists it, but its file could not be opened (diskcache then answers None)
-            return blob.BlobError("the index names it but its file is missing or unreadable")
-        except Exception:  # noqa: BLE001 - a pickled or inline value of another program
-            return "foreign"
-        if not hasattr(handle, "read"):  # an inline value (bytes) of another program
-            return "foreign"
-        with handle:
-            try:
-                head = handle.read(len(blob.MAGIC))
-            except OSError as err:
-                return blob.BlobError(f"its file cannot be read ({err})")
-        if head == blob.MAGIC:
-            return "blob"
-        if len(head) < len(blob.MAGIC) and isinstance(getattr(handle, "name", None), str):
-            return blob.BlobError(f"its file holds {len(head)} bytes, fewer than a blob's header")
-        return "foreign"
-
     def news(self, unusable: Callable[[str, Exception], None]) -> Iterable[News]:
         """At the first call, every blob of the directory, oldest write first, counted as held (a restart rebuilds its
         index and recency order from these); none later (other processes' writes are seen at the next open). Keys
@@ -246,7 +254,7 @@ class DiskTier(TierBase):
         self._told, self.foreign = True, 0
         found = []
         for key in list(self.cache.iterkeys()):
-            kind = self._kind_of(key)
+            kind = value_kind(self._open, key)
             if isinstance(kind, Exception):
                 unusable(key, kind)
                 continue
@@ -336,9 +344,9 @@ class DiskTier(TierBase):
 
     def _oldest_blobs(self, skip: str):
         """The directory's blobs, least recently stored first: diskcache's iteration order, the order its keys were
-        inserted (``_store`` inserts a rewritten key anew), with the rows whose file is gone (``_kind_of``). Read
+        inserted (``_store`` inserts a rewritten key anew), with the rows whose file is gone (``value_kind``). Read
         lazily, a batch at a time, as ``_fit`` deletes."""
-        return (key for key in self.cache if key != skip and self._kind_of(key) != "foreign")
+        return (key for key in self.cache if key != skip and value_kind(self._open, key) != "foreign")
 
     def write_async(self, key: str, data: bytes) -> None:
         """Count the blob as held now and write it on the writer thread. A write that lands after its entry was

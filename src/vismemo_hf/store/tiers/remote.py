@@ -241,7 +241,44 @@ class RedisLink:
             pass
 
 
-class RemoteTier(TierBase):
+class _ShardGuard:
+    """What a remote tier does with a shard whose index or stream key another program took (a value of another type
+    under the prefix): that shard is skipped until the link comes back, the other shards serve on; any other failed
+    index call is a fault of the link (of its node, on a cluster)."""
+
+    def _index_failed(self, what: str, err: Exception, shards: list[int]) -> bool:
+        """After a failed index call on ``shards``; True: stop reading (the link is down, on one server)."""
+        if isinstance(err, self._redis.ResponseError) and str(err).startswith("WRONGTYPE"):
+            for shard in shards:  # which of them: each key's type answers
+                keys = (self._index_key(shard), self._stream_key(shard))
+                if len(shards) == 1 or any(self.client.type(k) not in (b"none", b"hash", b"stream", "none", "hash",
+                                                                        "stream") for k in keys):
+                    self._bad_shard(shard, err)
+            self._next_refresh = 0.0  # the other shards, next time
+            return False
+        self.link.fault(what, err, self._index_key(shards[0]))
+        return not self.link.is_cluster
+
+    def _back(self) -> None:
+        """The link is back (a reconnect): every shard's index is read whole again, skipped shards too."""
+        self._reload.update(range(self.shards))
+        if hasattr(self, "_bad_shards"):  # not yet while the link first connects, in the constructor
+            self._bad_shards.clear()
+
+    def _bad_shard(self, shard: int, err: Exception) -> None:
+        """Skip ``shard`` until the link comes back (logged once per shard)."""
+        self._reload.discard(shard)
+        with self._state:
+            first = shard not in self._bad_shards
+            self._bad_shards.add(shard)
+            self.counters["bad_shards"] = len(self._bad_shards)
+        if first:
+            logger.warning("vismemo: remote tier %s: shard %d's keys hold values of another type (%s: %s); "
+                           "skipping that shard, the others serve on", self.url, shard, type(err).__name__,
+                           self.link.scrub(err))
+
+
+class RemoteTier(_ShardGuard, TierBase):
     """Blobs in a Redis server or cluster shared by every process that points at it: every put is published to it,
     and a full read of a key no tier knows asks it (another process may have published it since the last sync)."""
 
@@ -277,9 +314,7 @@ class RemoteTier(TierBase):
         self.counters = {"writes": 0, "write_failures": 0, "writes_refused": 0, "writes_skipped": 0,
                          "bytes_written": 0, "bytes_read": 0, "range_reads": 0, "records_forged": 0, "bad_shards": 0}
         self._stream_ids = ["0-0"] * self.shards
-        #: shards whose index or stream key holds a value of another type (a key another program set under the
-        #: prefix): skipped until the link comes back, the other shards served (``_bad_shard``)
-        self._bad_shards: set[int] = set()
+        self._bad_shards: set[int] = set()  # shards skipped until the link comes back (``_ShardGuard``)
         self._next_refresh = 0.0
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vismemo-remote")
         self._readers = ThreadPoolExecutor(max_workers=self.read_threads, thread_name_prefix="vismemo-remote-read")
@@ -338,16 +373,8 @@ class RemoteTier(TierBase):
                 continue
             try:
                 out.extend(self._load_shard(shard))
-            except self._redis.ResponseError as err:
-                if self.link.unroutable(err):
-                    self.link.fault("index", err, self._index_key(shard))
-                    if not self.link.is_cluster:
-                        return out
-                else:  # this shard's data, not the server: the other shards serve on
-                    self._bad_shard(shard, err)
             except Exception as err:  # noqa: BLE001
-                self.link.fault("index", err, self._index_key(shard))
-                if not self.link.is_cluster:
+                if self._index_failed("index", err, [shard]):
                     return out
         self._next_refresh = time.monotonic() + self.refresh_s
         return out
@@ -377,43 +404,10 @@ class RemoteTier(TierBase):
                         for msg_id, fields in messages:
                             self._stream_ids[shard] = msg_id.decode() if isinstance(msg_id, bytes) else str(msg_id)
                             out.extend(self._parse(fields.get(b"k", b""), fields.get(b"r", b"")))
-            except self._redis.ResponseError as err:
-                if self.link.unroutable(err):
-                    self.link.fault("refresh", err, self._stream_key(shards[0]))
-                    if not self.link.is_cluster:
-                        return out
-                else:  # a stream key of another type: find which, skip it, and read the others next time
-                    for shard in shards:
-                        try:
-                            self.client.xinfo_stream(self._stream_key(shard))
-                        except self._redis.ResponseError as shard_err:
-                            if "WRONGTYPE" in str(shard_err):
-                                self._bad_shard(shard, shard_err)
-                    self._next_refresh = 0.0
             except Exception as err:  # noqa: BLE001
-                self.link.fault("refresh", err, self._stream_key(shards[0]))
-                if not self.link.is_cluster:
+                if self._index_failed("refresh", err, shards):
                     return out
         return out
-
-    def _back(self) -> None:
-        """The link is back (a reconnect): every shard's index is read whole again, skipped shards too."""
-        self._reload.update(range(self.shards))
-        if hasattr(self, "_bad_shards"):  # not yet while the link first connects, in the constructor
-            self._bad_shards.clear()
-
-    def _bad_shard(self, shard: int, err: Exception) -> None:
-        """A shard whose index or stream key another program took (a value of another type under the prefix): its
-        entries are not seen here until the link comes back; the other shards serve on. Logged once per shard."""
-        self._reload.discard(shard)
-        with self._state:
-            first = shard not in self._bad_shards
-            self._bad_shards.add(shard)
-            self.counters["bad_shards"] = len(self._bad_shards)
-        if first:
-            logger.warning("vismemo: remote tier %s: shard %d's keys hold values of another type (%s: %s); "
-                           "skipping that shard, the others serve on", self.url, shard, type(err).__name__,
-                           self.link.scrub(err))
 
     def _parse(self, key: bytes, record: bytes):
         try:
