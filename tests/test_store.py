@@ -3,6 +3,7 @@
 import time
 from pathlib import Path
 
+import pytest
 import torch
 from transformers import DynamicCache
 
@@ -219,3 +220,28 @@ def test_processes_sharing_a_directory_keep_one_budget(tmp_path):
     reader = VisMemoStore(device_bytes=0, host_bytes=0, disk_dir=str(tmp_path), disk_bytes=budget)
     assert len(reader) == held // size and reader.stats()["tiers"]["disk"]["directory_bytes"] == held
     assert reader.stats()["corrupt"] == 0
+
+
+def test_entries_are_built_and_written_below_the_serving_threads_priority(tmp_path):
+    """A miss's entry is built and written while its answer decodes: on a host with few cores those threads run at
+    a lower priority (a higher nice value) than the thread serving the request."""
+    import os
+    import threading
+
+    if not hasattr(os, "getpriority") or not hasattr(threading, "get_native_id"):
+        pytest.skip("no per-thread priorities here")
+    store = VisMemoStore(device_bytes=0, host_bytes=0, disk_dir=tmp_path, disk_bytes=None)
+    seen = {}
+
+    def build():
+        seen["builder"] = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+        return None
+
+    store.put_later(build)
+    store.flush()
+    seen["writer"] = store.disk._writer.submit(
+        lambda: os.getpriority(os.PRIO_PROCESS, threading.get_native_id())).result()
+    main = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    assert seen["builder"] > main or main == 19
+    assert seen["writer"] > main or main == 19
+    store.close()

@@ -25,7 +25,6 @@ import operator
 import os
 import re
 from collections.abc import Callable, Iterable, Mapping
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -35,6 +34,7 @@ import torch
 from vismemo_hf.core.features import checked_namespace
 from vismemo_hf.presets import find, load
 from vismemo_hf.store import blob
+from vismemo_hf.store.background import background_pool
 from vismemo_hf.store.catalog import Catalog
 from vismemo_hf.store.entry import Entry
 from vismemo_hf.store.eviction import ExactPriorityLRU
@@ -269,7 +269,7 @@ class VisMemoStore(Roles):
         """Build an entry with ``build()`` (-> (entry, importance) or None) and ``put`` it on the store's writer
         thread, off the request's critical path. Every later read of the store waits for it first."""
         if self._builder is None:
-            self._builder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vismemo-put")
+            self._builder = background_pool("vismemo-put")
 
         def run():
             built = store_call("build", build, None)

@@ -14,7 +14,6 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import suppress
 
 import diskcache
@@ -22,6 +21,7 @@ import torch
 from diskcache.core import DBNAME
 
 from vismemo_hf.store import blob
+from vismemo_hf.store.background import background_pool
 from vismemo_hf.store.entry import Entry
 from vismemo_hf.store.ranges import BlobReader
 from vismemo_hf.store.tiers.base import BYTES, COPY, News, TierBase
@@ -151,7 +151,7 @@ class DiskTier(TierBase):
         self.swept = 0 if self._read_only else _sweep_at_open(self)
         self.lru: OrderedDict[str, int] = OrderedDict()  # key -> blob size
         self.reader = BlobReader(self, seal)
-        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vismemo-disk")
+        self._writer = background_pool("vismemo-disk")
         self._closed = False
         self._pending: dict[str, object] = {}  # key -> its queued write
         self._failed: list[str] = []  # appended by the writer thread (list.append is atomic)
