@@ -202,26 +202,23 @@ def calibrate(args) -> int:
     return 0
 
 
-def positive(text: str) -> int:
-    """A count of at least 1 (argparse type): 0 or a negative count is a one-line usage error."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"an integer expected, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"at least 1 expected, got {value}")
-    return value
+def _at_least(least: int):
+    """An argparse type: an integer of at least ``least`` (a smaller one is a one-line usage error)."""
+
+    def check(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"an integer expected, got {text!r}") from None
+        if value < least:
+            raise argparse.ArgumentTypeError(f"at least {least} expected, got {value}")
+        return value
+
+    return check
 
 
-def nonnegative(text: str) -> int:
-    """A count that may be 0 (argparse type)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"an integer expected, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"at least 0 expected, got {value}")
-    return value
+#: a count of at least 1, and one that may be 0
+positive, nonnegative = _at_least(1), _at_least(0)
 
 
 def _int_list(text: str) -> list[int]:
@@ -531,7 +528,7 @@ def _add_bench(sub) -> None:
     p.add_argument("--sizes", type=NUMBERS, default="1000,10000,100000", help="entry counts (1e5 style accepted)")
     p.add_argument("--dim", type=positive, default=4096, help="descriptor width")
     p.add_argument("--queries", type=positive, default=200, help="timed queries per size")
-    p.add_argument("--recall-queries", type=positive, default=100, help="queries checked against the exact rule")
+    p.add_argument("--recall-queries", type=nonnegative, default=100, help="queries checked against the exact rule")
     p.add_argument("--tau", type=float, default=0.8, help="coarse threshold")
     p.add_argument("--top-k", type=positive, default=5, help="candidates per query")
     p.add_argument("--groups", type=positive, default=4, help="model fingerprints sharing the index")
@@ -569,8 +566,8 @@ def _add_soak(bench_sub) -> None:
     p.add_argument("--preset", default="tiny", help="model preset (random weights, the same in every process)")
     p.add_argument("--family", default="qwen2_vl", choices=FAMILY_NAMES, help="family of the preset")
     p.add_argument("--max-new-tokens", type=positive, default=3, help="tokens generated per request")
-    p.add_argument("--device-kib", type=positive, default=256, help="device-tier budget per process, KiB")
-    p.add_argument("--host-kib", type=positive, default=512, help="host-tier budget per process, KiB")
+    p.add_argument("--device-kib", type=nonnegative, default=256, help="device-tier budget per process, KiB")
+    p.add_argument("--host-kib", type=nonnegative, default=512, help="host-tier budget per process, KiB")
     p.add_argument("--disk-mib", type=positive, default=192, help="the shared directory's budget, MiB")
     p.add_argument("--tmpfs-mib", type=positive, default=320, help="size of the tmpfs the directory is mounted on, MiB")
     p.add_argument("--node-down-s", type=float, default=3.0, help="seconds a killed node stays down")
@@ -605,8 +602,9 @@ def _add_report(sub) -> None:
     p.add_argument("--sweep-rho", type=NUMBERS, default="0.1,0.2,0.3,0.5,0.8", help="recompute ratios of the sweep")
     p.add_argument("--sweep-beta", type=NUMBERS, default="0,0.05,0.1,0.2,0.4", help="reuse ratios of the sweep")
     p.add_argument("--max-new-tokens", type=positive, default=6, help="tokens generated per answer")
-    p.add_argument("--heldout", type=positive, default=40, help="held-out pages per page type for the reader's own accuracy")
-    p.add_argument("--heldout-bases", type=positive, default=15,
+    p.add_argument("--heldout", type=nonnegative, default=40,
+                   help="held-out pages per page type for the reader's own accuracy")
+    p.add_argument("--heldout-bases", type=nonnegative, default=15,
                    help="new pages per held-out stream (seeds that informed no design choice); 0 skips them")
     _out_option(p, "results/quality")
     p.set_defaults(func=_bench("table1"))
