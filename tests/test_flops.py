@@ -139,3 +139,18 @@ def test_the_head_faithful_stand_in_keeps_the_real_head_geometry():
     assert (stand_in.num_attention_heads // stand_in.num_key_value_heads ==
             real.num_attention_heads // real.num_key_value_heads)
     assert stand_in.intermediate_size / stand_in.hidden_size == pytest.approx(real.intermediate_size / real.hidden_size)
+
+
+def test_the_benchmarks_pages_give_about_the_visual_lengths_asked_for_in_every_family(family):
+    """``bench latency`` sizes its pages by the family (``ModelAdapter.bench_image_size``): merged patch grids, or
+    LLaVA-OneVision's tiles (whose processor must keep its tile size: a free size broke it)."""
+    from vismemo_hf.bench.latency import any_size, page_pair, request_inputs
+    from vismemo_hf.testing import tiny_model
+
+    model, processor = tiny_model(family)
+    any_size(processor, model)
+    for asked in (64, 144):
+        page, edited = page_pair(asked, model)
+        assert page.size == edited.size
+        got = int((request_inputs(processor, page)["input_ids"] == model.config.image_token_id).sum())
+        assert asked / 2 <= got <= 2 * asked, (asked, got)

@@ -29,7 +29,7 @@ def test_the_counter_sees_value_reads_and_value_sized_outputs_only():
 def _counts(family: str, layers: int, policies: list[str]) -> dict:
     args = SimpleNamespace(preset="tiny", family=family, dtype="float32", device="cpu")
     plain, model, processor = overhead._models(args, layers)
-    base_img, edited_img = overhead.page_pair(64, model.config.vision_config.patch_size)
+    base_img, edited_img = overhead.page_pair(64, model)
     base, edited = (overhead.request_inputs(processor, im) for im in (base_img, edited_img))
     seeded = overhead.VisMemoStore()
     with torch.no_grad():

@@ -40,18 +40,21 @@ from vismemo_hf.eval.quality import TokenClock
 STAGES = ("lookup", "encoder", "warmup", "fetch_wait", "plan", "recompute")
 
 
-def page_pair(tokens: int, family_patch: int, seed: int = 1):
-    """A synthetic page whose processed grid gives about ``tokens`` visual tokens (square-ish)."""
-    side = int(round(tokens ** 0.5))
-    px = 2 * family_patch
-    width, height = side * px, max(1, tokens // side) * px
-    return synthetic.page(seed, size=(width, height)), synthetic.edited(seed, row=2, value="9999", size=(width, height))
+def page_pair(tokens: int, model, seed: int = 1):
+    """A synthetic page that ``model``'s family processes into about ``tokens`` visual tokens, and a copy with one
+    value edited (``ModelAdapter.bench_image_size``)."""
+    from vismemo_hf.families import FAMILIES
+
+    size = FAMILIES[model.config.model_type].bench_image_size(model.config, tokens)
+    return synthetic.page(seed, size=size), synthetic.edited(seed, row=2, value="9999", size=size)
 
 
 def any_size(processor, model) -> None:
-    """Let the processor keep an image's size (up to 20,000 tokens): the benchmarks choose their visual lengths."""
-    patch = model.config.vision_config.patch_size
-    processor.image_processor.size = {"shortest_edge": 4 * (2 * patch) ** 2, "longest_edge": 20000 * (2 * patch) ** 2}
+    """Let the processor keep an image's size: the benchmarks choose their visual lengths
+    (``ModelAdapter.free_image_size``)."""
+    from vismemo_hf.families import FAMILIES
+
+    FAMILIES[model.config.model_type].free_image_size(processor, model.config)
 
 
 def request_inputs(processor, image, question="What is the value of the third row?"):
@@ -126,10 +129,9 @@ def _run_case(case, kind: str, n: int, new_tokens: int) -> dict:
 def run(model, plain, processor, lengths, policies, repeats: int, new_tokens: int = 32, long_tokens: int = 256,
         progress=None) -> list[dict]:
     family = model.config.model_type
-    patch = model.config.vision_config.patch_size
     records = []
     for n in lengths:
-        base, edited = page_pair(n, patch)
+        base, edited = page_pair(n, model)
         miss_in, edit_in = request_inputs(processor, base), request_inputs(processor, edited)
         seeded = VisMemoStore()
         timed_generate(model, miss_in, VisMemoCache(store=seeded), 1)  # the alias entry every hit reads

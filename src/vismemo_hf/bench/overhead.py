@@ -185,9 +185,8 @@ def measure(args) -> dict:
     with progress(total=len(depths) * len(lengths), desc="overhead", unit="size") as bar:
         for layers in depths:
             plain, model, processor = _models(args, layers)
-            patch = model.config.vision_config.patch_size
             for n in lengths:
-                base_img, edited_img = page_pair(n, patch)
+                base_img, edited_img = page_pair(n, model)
                 base, edited = (request_inputs(processor, im).to(model.device) for im in (base_img, edited_img))
                 seeded = VisMemoStore()
                 with torch.no_grad():

@@ -68,9 +68,8 @@ def floors(preset: str, tokens: int, points: list[tuple[str, dict]]) -> dict:
 
     model, processor = load_model(preset)
     enable(model)
-    patch = model.config.vision_config.patch_size
     any_size(processor, model)
-    base, edited = page_pair(tokens, patch)
+    base, edited = page_pair(tokens, model)
     miss_in = request_inputs(processor, base)
     changed = {c: request_inputs(processor, _changed(base, edited, c)) for c in FLOOR_CHANGES}
     store = VisMemoStore()

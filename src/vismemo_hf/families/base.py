@@ -186,6 +186,20 @@ class VisionTower:
         """Patches of an image that gives ``visual_tokens`` tokens (the merger's groups of patches)."""
         return visual_tokens * config.vision_config.spatial_merge_size ** 2
 
+    @classmethod
+    def bench_image_size(cls, config, visual_tokens: int) -> tuple[int, int]:
+        """(width, height) of a page the family's processor turns into about ``visual_tokens`` tokens, once
+        ``free_image_size`` lets it keep the size (the benchmarks' lengths): a near-square grid of merged patches."""
+        side = int(round(visual_tokens ** 0.5))
+        px = config.vision_config.spatial_merge_size * config.vision_config.patch_size
+        return side * px, max(1, visual_tokens // side) * px
+
+    @classmethod
+    def free_image_size(cls, processor, config) -> None:
+        """Let ``processor`` keep an image's size, up to 20,000 tokens (the benchmarks choose their lengths)."""
+        group = (config.vision_config.spatial_merge_size * config.vision_config.patch_size) ** 2
+        processor.image_processor.size = {"shortest_edge": 4 * group, "longest_edge": 20000 * group}
+
 
 @dataclass
 class ModelAdapter(VisionTower):

@@ -153,6 +153,18 @@ class LlavaOnevisionAdapter(QwenAdapter):
         return visual_tokens
 
     @classmethod
+    def bench_image_size(cls, config, visual_tokens: int) -> tuple[int, int]:
+        """A square page of k x k tiles: the base image's tokens and k² tiles' (plus a newline per row of them)."""
+        tile, patch = config.vision_config.image_size, config.vision_config.patch_size
+        per_tile = (tile // patch) ** 2
+        k = max(1, round(max(visual_tokens / per_tile - 1, 1) ** 0.5))
+        return k * tile, k * tile
+
+    @classmethod
+    def free_image_size(cls, processor, config) -> None:
+        """Nothing: the tiles keep the tower's size, and their grid follows the image's."""
+
+    @classmethod
     def token_ids(cls, tokenizer) -> dict:
         ids = tokenizer.convert_tokens_to_ids
         return dict(image_token_index=ids("<image>"), video_token_index=ids("<video>"))
