@@ -256,8 +256,6 @@ def run(args) -> dict:
     if args.warmup >= args.layers:
         raise ValueError(f"--warmup ({args.warmup}) must be below --layers ({args.layers}): a sparse read starts after "
                          "the warmup layers")
-    if args.remote:
-        import redis  # noqa: F401 - a missing client is one line now, not after the other steps
     geometry = dict(n_tokens=args.tokens, layers=args.layers, heads=args.kv_heads, head_dim=args.head_dim,
                     embed_dim=args.embed_dim)
     capacities = [int(c) for c in args.capacities.split(",")]
