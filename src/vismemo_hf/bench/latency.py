@@ -276,8 +276,17 @@ def main(args) -> int:
     lengths = [int(x) for x in args.lengths.split(",")]
     policies = [] if args.policies == "none" else [p for p in args.policies.split(",") if p]  # none: no approximate
     total = len(lengths) * (args.repeats + 2) * (3 + len(policies))
+    records: list[dict] = []
     with progress(total=total, desc="latency", unit="run") as bar:
-        records = run(model, plain, processor, lengths, policies, args.repeats, args.new_tokens, args.long_tokens, bar)
+        for n in lengths:  # the report is rewritten after each length: a run cut short keeps what it measured
+            records += run(model, plain, processor, [n], policies, args.repeats, args.new_tokens, args.long_tokens, bar)
+            _write(records, model, args)
+    print((Path(args.out) / "latency.md").read_text())
+    return 0
+
+
+def _write(records: list[dict], model, args) -> None:
+    """latency.json, latency.png and latency.md under ``args.out`` from the records measured so far."""
     fixed = fixed_cost_per_layer(records, model.config.text_config.num_hidden_layers)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -288,8 +297,6 @@ def main(args) -> int:
                                                   "fixed_cost": fixed}, indent=2))
     _plot(records, out / "latency.png")
     (out / "latency.md").write_text("\n".join(_report(records, fixed, args, command, mach)) + "\n")
-    print((out / "latency.md").read_text())
-    return 0
 
 
 def _floors(records) -> list[str]:

@@ -41,11 +41,18 @@ KERNELS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::matmu
            "aten::convolution", "aten::_convolution", "aten::mkldnn_convolution")
 
 
+def _family(args) -> str:
+    """The family asked for, else the preset's own (``family:`` in its YAML), else qwen2_vl."""
+    from vismemo_hf.presets import load_preset
+
+    return args.family or load_preset(args.preset).get("family") or "qwen2_vl"
+
+
 def _models(args, layers: int):
     from vismemo_hf.families import build_model
     from vismemo_hf.offline import offline_processor
 
-    family = args.family or "qwen2_vl"
+    family = _family(args)
     processor = offline_processor(family)
     plain = build_model(args.preset, family, dtype=getattr(torch, args.dtype), tokenizer=processor.tokenizer,
                         device=args.device, num_hidden_layers=layers)
@@ -221,7 +228,7 @@ def measure(args) -> dict:
 def _report(data: dict, args, command: str, mach: dict) -> list[str]:
     depths = data["depths"]
     lines = header("Overhead of a request outside the arithmetic, against plain transformers", command, mach)
-    lines += [f"Preset `{args.preset}` ({args.family or 'qwen2_vl'}), {args.dtype}, random weights; depths "
+    lines += [f"Preset `{args.preset}` ({_family(args)}), {args.dtype}, random weights; depths "
               f"{', '.join(map(str, depths))} layers (the preset's other dimensions kept).", "",
               f"## Host syncs of one generate (one new token, {data['lengths'][0]} visual tokens)", "",
               "| kind | " + " | ".join(f"{d} layers" for d in depths) + " | per extra layer | over plain |",

@@ -299,10 +299,12 @@ class _DeepstackAdder:
         features = self.embeds[layer]
         if features.shape[0] == 0:
             return hidden
+        # an exact hit's features come from the store, on the host: moved once here (an asynchronous copy)
+        features = features.to(hidden.device, hidden.dtype, non_blocking=True)
         r = self.rank.gather(1, columns.clamp(min=0)).masked_fill(columns < 0, -1)
         # every column gathers a feature and the non-visual ones add nothing: no selection, whose size is a read
         ok = (r >= 0)[..., None]
-        added = features[r.clamp(min=0)].to(hidden.device, hidden.dtype)
+        added = features[r.clamp(min=0)]
         return torch.where(ok, hidden + added, hidden)
 
 

@@ -30,8 +30,10 @@ _MIRRORS = WeakIdKeyDictionary()
 
 def on_device(host: torch.Tensor, device) -> torch.Tensor:
     """A device copy of the host tensor ``host`` (a new tensor even on a CPU device), whose ``host_of`` is ``host``:
-    an asynchronous copy, no read."""
-    out = torch.empty_like(host, device=device)
+    an asynchronous copy, no read. ``host`` may be a view with overlapping elements (an ``expand``): the copy is
+    dense, as a write into it must be."""
+    host = host.contiguous()
+    out = torch.empty(host.shape, dtype=host.dtype, device=device)
     if out.device.type == "cuda":  # from pinned memory: a copy in stream order that the host does not wait for
         out.copy_(host.pin_memory(), non_blocking=True)
     else:
