@@ -78,19 +78,19 @@ def test_two_processes_share_exact_and_approximate_hits_through_a_cluster(cluste
 
 def test_a_killed_node_costs_the_misses_of_its_slots_only(cluster):
     _, entries = _published(cluster.url)
-    reader = _remote_only(cluster.url)
+    reader = _remote_only(cluster.url, retry_s=2.0)
     assert len(reader) == 24
     cluster.kill(1)
     on_dead = {e.key for e in entries if cluster.node_of(reader.remote._blob_key(e.key)) == 1}
     assert on_dead and len(on_dead) < len(entries)
-    t0 = time.perf_counter()
     got = {e.key: reader.get(e.key, "fp") for e in entries}
-    assert time.perf_counter() - t0 < 5.0  # a dead node is left alone after its first failure
+    # a dead node is left alone after its first failure (retry_s), and no read waits in the client's own retries
+    assert reader.stats()["tiers"]["remote"]["errors"] == 1, reader.stats()["tiers"]["remote"]
     assert {k for k, v in got.items() if v is None} == on_dead  # every other entry still served
     assert all(torch.equal(got[e.key].kv, e.kv) for e in entries if e.key not in on_dead)
     assert reader.stats()["tiers"]["remote"]["nodes_down"] == 1 and reader.stats()["corrupt"] == 0
-    cluster.start(1)  # back, empty: its entries are misses, new writes to it land again
-    time.sleep(0.4)
+    cluster.start(1)  # back, empty: its entries are misses, new writes to it land again (after retry_s)
+    time.sleep(2.1)
     for i in range(100):  # a key that lives on the restarted node
         fresh = _entry(f"after{i}", n=5, layers=2, seed=99)
         if cluster.node_of(reader.remote._blob_key(fresh.key)) == 1:

@@ -111,7 +111,14 @@ class RedisLink:
 
         self._redis = redis
         self.url = safe_url(url)
-        self._raw_url, self._options = url, dict(socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+        from redis.backoff import NoBackoff
+        from redis.retry import Retry
+
+        # no retries inside the client: redis-py's default (10 tries, backoff up to 1 s, on a cluster 0.25 s more
+        # per CLUSTERDOWN) would stall a request for seconds on a dead server; this link's own answer to a fault is
+        # to leave the server (or node) alone for retry_s and serve from the local tiers
+        self._raw_url = url
+        self._options = dict(socket_timeout=timeout_s, socket_connect_timeout=timeout_s, retry=Retry(NoBackoff(), 0))
         self.retry_s, self.cluster, self._secrets, self._on_back = retry_s, cluster, secrets, on_back
         try:
             self.client = redis.Redis.from_url(url, **self._options)  # parsed now: a bad URL is an error here
