@@ -23,6 +23,7 @@ import json
 import statistics
 import time
 import warnings
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -110,6 +111,9 @@ def _syncs(case, label: str) -> tuple[SyncCounter, object]:
             if cuda:
                 torch.cuda.set_sync_debug_mode("default")
     counter.cuda_syncs = sum("synchroniz" in str(w.message) for w in caught) if cuda else None
+    # where each of them was called from (the warning names the Python line), for the sites the count cannot name
+    counter.cuda_sites = Counter(_site(w.filename, w.lineno) for w in caught if "synchroniz" in str(w.message)) \
+        if cuda else None
     return counter, _check(cache, expected, label)
 
 
@@ -189,6 +193,7 @@ def measure(args) -> dict:
     lengths = [int(x) for x in args.lengths.split(",")] if isinstance(args.lengths, str) else list(args.lengths)
     policies = args.policies.split(",") if isinstance(args.policies, str) else list(args.policies)
     syncs, device_syncs, cuda_syncs, sites, timings, outside, got = {}, {}, {}, {}, {}, {}, {}
+    cuda_sites: dict = {}
     with progress(total=len(depths) * len(lengths), desc="overhead", unit="size") as bar:
         for layers in depths:
             plain, model, processor = _models(args, layers)
@@ -209,6 +214,7 @@ def measure(args) -> dict:
                         device_syncs.setdefault(label, {})[layers] = counter.device_total
                         if counter.cuda_syncs is not None:
                             cuda_syncs.setdefault(label, {})[layers] = counter.cuda_syncs
+                            cuda_sites.setdefault(label, {})[layers] = dict(counter.cuda_sites.most_common(args.sites))
                         if label != "plain":
                             own = [(k, v) for k, v in counter.device_sites.most_common() if "vismemo_hf/" in k]
                             sites.setdefault(label, {})[layers] = dict(own[: args.sites])
@@ -221,7 +227,8 @@ def measure(args) -> dict:
                 bar.update(1)
             del plain, model
     fits = {label: per_layer(rows) for label, rows in timings.items()}
-    return {"syncs": syncs, "device_syncs": device_syncs, "cuda_syncs": cuda_syncs, "sites": sites, "timings": timings,
+    return {"syncs": syncs, "device_syncs": device_syncs, "cuda_syncs": cuda_syncs, "cuda_sites": cuda_sites,
+            "sites": sites, "timings": timings,
             "fits": fits, "outside_kernels": outside, "depths": depths, "lengths": lengths, "got": got}
 
 
@@ -274,7 +281,21 @@ def _report(data: dict, args, command: str, mach: dict) -> list[str]:
     for label, per_depth in data["sites"].items():
         top = list(per_depth[depths[-1]].items())[: args.sites]
         lines.append(f"- {label}: " + ("; ".join(f"{site} x{k}" for site, k in top) or "none"))
+    if data.get("cuda_sites"):
+        lines += ["", "## Where CUDA's own count syncs (largest depth; every caller, transformers' too)", ""]
+        for label, per_depth in data["cuda_sites"].items():
+            top = list(per_depth[depths[-1]].items())[: args.sites]
+            lines.append(f"- {label}: " + ("; ".join(f"{site} x{k}" for site, k in top) or "none"))
     return lines
+
+
+def _site(filename: str, lineno: int) -> str:
+    """``package/module.py:line`` of a warning's caller (the path below site-packages or src)."""
+    for marker in ("site-packages/", "src/"):
+        if marker in filename:
+            filename = filename.split(marker, 1)[1]
+            break
+    return f"{filename}:{lineno}"
 
 
 def main(args) -> int:

@@ -133,16 +133,30 @@ def capture(visual, order: list[torch.Tensor | None]):
         out.append(torch.stack(per).detach())
 
 
+def _execution_device(visual) -> torch.device | None:
+    """Where the tower's attention runs: accelerate's hook says so for a dispatched tower (offloaded parameters sit
+    on ``meta``), else its parameters' device; None when neither says (the K/V then move per layer)."""
+    hook = getattr(visual, "_hf_hook", None)
+    device = getattr(hook, "execution_device", None)
+    if device is None:
+        device = next((p.device for p in visual.parameters() if p.device.type != "meta"), None)
+    return torch.device(device) if device is not None else None
+
+
 @contextmanager
 def lend(visual, kept: list[tuple[torch.Tensor, torch.Tensor]]):
     """Lend, at every full-attention block, each image's other patches: ``kept`` per image (tower K/V as
     ``capture`` gives it, (M,) patch rows not in the partial encode)."""
     heads = visual.blocks[0].attn.num_heads
+    device = _execution_device(visual)
+    if device is not None:  # a stored entry's K/V sit on the host: moved in one copy, then gathered there (a gather
+        # of every layer on the host and a copy per layer cost a GPU encode more than the whole-image encode)
+        kept = [(kv.to(device, non_blocking=True), rows.to(device, non_blocking=True)) for kv, rows in kept]
     extra: dict[int, list] = {}
     for j, layer in enumerate(full_layers(visual)):
         extra[layer] = []
         for kv, rows in kept:
-            k, v = kv[j][:, rows.to(kv.device)].unflatten(-1, (heads, -1)).transpose(1, 2).unbind(0)
+            k, v = kv[j][:, rows].unflatten(-1, (heads, -1)).transpose(1, 2).unbind(0)
             extra[layer].append((k[None], v[None]))
     with _running(visual, extra=extra):
         yield
