@@ -104,10 +104,10 @@ def timed_generate(model, inputs, cache, new_tokens: int) -> dict:
     return out
 
 
-def _cases(model, plain, miss_in, edit_in, seeded: VisMemoStore, policies):
+def _cases(model, plain, miss_in, edit_in, seeded: VisMemoStore, policies, store_device: str = "cpu"):
     """(kind, policy) -> what runs it: ``(model, inputs, cache factory)``."""
     cases = {("plain", "-"): (plain, miss_in, lambda: None),
-             ("miss", "-"): (model, miss_in, lambda: VisMemoCache(store=VisMemoStore())),
+             ("miss", "-"): (model, miss_in, lambda: VisMemoCache(store=VisMemoStore(device=store_device))),
              ("exact", "-"): (model, miss_in, lambda: VisMemoCache(store=seeded))}
     for policy in policies:  # store_misses off: a complete plan would store the edited page and make it exact
         cases[("approximate", policy)] = (model, edit_in, lambda p=policy: VisMemoCache(store=seeded, policy=p,
@@ -127,16 +127,20 @@ def _run_case(case, kind: str, n: int, new_tokens: int) -> dict:
 
 
 def run(model, plain, processor, lengths, policies, repeats: int, new_tokens: int = 32, long_tokens: int = 256,
-        progress=None) -> list[dict]:
+        progress=None, store_device: str = "cpu") -> list[dict]:
+    """Records of every kind at every length; ``store_device``: where the stores keep decoded entries (their device
+    tier), ``"model"`` for the model's own device."""
     family = model.config.model_type
+    if store_device == "model":
+        store_device = str(model.device)
     records = []
     for n in lengths:
         base, edited = page_pair(n, model)
         miss_in, edit_in = request_inputs(processor, base), request_inputs(processor, edited)
-        seeded = VisMemoStore()
+        seeded = VisMemoStore(device=store_device)
         timed_generate(model, miss_in, VisMemoCache(store=seeded), 1)  # the alias entry every hit reads
         seeded.flush()
-        cases = _cases(model, plain, miss_in, edit_in, seeded, policies)
+        cases = _cases(model, plain, miss_in, edit_in, seeded, policies, store_device)
         runs = {c: [] for c in cases}
         for rep in range(repeats + 1):  # round 0 warms up
             for (kind, policy), case in cases.items():
@@ -279,7 +283,8 @@ def main(args) -> int:
     records: list[dict] = []
     with progress(total=total, desc="latency", unit="run") as bar:
         for n in lengths:  # the report is rewritten after each length: a run cut short keeps what it measured
-            records += run(model, plain, processor, [n], policies, args.repeats, args.new_tokens, args.long_tokens, bar)
+            records += run(model, plain, processor, [n], policies, args.repeats, args.new_tokens, args.long_tokens, bar,
+                           getattr(args, "store_device", "cpu"))
             _write(records, model, args)
     print((Path(args.out) / "latency.md").read_text())
     return 0
@@ -291,7 +296,9 @@ def _write(records: list[dict], model, args) -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     command = report_command("bench latency", args, ["preset", "lengths", "policies", "repeats", "new_tokens",
-                                                      "long_tokens", "dtype", "device"])
+                                                      "long_tokens", "dtype", "device"]
+                             + (["family"] if getattr(args, "family", None) else [])
+                             + (["store_device"] if getattr(args, "store_device", "cpu") != "cpu" else []))
     mach = machine(args.device)
     (out / "latency.json").write_text(json.dumps({"command": command, "machine": mach, "records": records,
                                                   "fixed_cost": fixed}, indent=2))

@@ -133,24 +133,16 @@ def capture(visual, order: list[torch.Tensor | None]):
         out.append(torch.stack(per).detach())
 
 
-def _execution_device(visual) -> torch.device | None:
-    """Where the tower's attention runs: accelerate's hook says so for a dispatched tower (offloaded parameters sit
-    on ``meta``), else its parameters' device; None when neither says (the K/V then move per layer)."""
-    hook = getattr(visual, "_hf_hook", None)
-    device = getattr(hook, "execution_device", None)
-    if device is None:
-        device = next((p.device for p in visual.parameters() if p.device.type != "meta"), None)
-    return torch.device(device) if device is not None else None
-
-
 @contextmanager
 def lend(visual, kept: list[tuple[torch.Tensor, torch.Tensor]]):
     """Lend, at every full-attention block, each image's other patches: ``kept`` per image (tower K/V as
     ``capture`` gives it, (M,) patch rows not in the partial encode)."""
+    from vismemo_hf.families.base import execution_device
+
     heads = visual.blocks[0].attn.num_heads
-    device = _execution_device(visual)
-    if device is not None:  # a stored entry's K/V sit on the host: moved in one copy, then gathered there (a gather
-        # of every layer on the host and a copy per layer cost a GPU encode more than the whole-image encode)
+    device = execution_device(visual)
+    if device.type not in ("cpu", "meta"):  # a stored entry's K/V sit on the host: moved in one copy, then gathered
+        # there (a gather of every layer on the host and a copy per layer cost a GPU encode more than a whole one)
         kept = [(kv.to(device, non_blocking=True), rows.to(device, non_blocking=True)) for kv, rows in kept]
     extra: dict[int, list] = {}
     for j, layer in enumerate(full_layers(visual)):

@@ -95,9 +95,22 @@ class AliasReader:
         fetched = None
         if kv is not None and kv.shape[:2] == (tokens.numel(), self.adapter.num_layers - first_layer):
             self._reads[i].bytes += kv.numel() * kv.element_size()
+            kv = self._to_layers(kv, first_layer)
             keys = self._moved(kv[:, :, 0].permute(1, 2, 0, 3), offset - m.alias_offset, m.alias.shift)  # (L', H, T, D)
             fetched = FetchedKV(tokens, first_layer, keys, kv[:, :, 1].permute(1, 2, 0, 3))
         return fetched, (time.perf_counter() - t0) * 1e3
+
+    def _to_layers(self, kv: torch.Tensor, first_layer: int) -> torch.Tensor:
+        """``kv`` on the accelerator its layers compute on, in one copy, when they all compute on one: sliced per
+        layer on the host, every layer's keys and values would be gathered there and copied apart (two synchronous
+        copies a layer on a GPU). Layers on several devices, or on the host, take their slices as they are."""
+        devices = {self.adapter.layer_device(layer) for layer in range(first_layer, self.adapter.num_layers)}
+        if len(devices) != 1:
+            return kv
+        device = torch.device(next(iter(devices)))
+        if device.type in ("cpu", "meta") or kv.device == device:
+            return kv
+        return kv.to(device, non_blocking=True)
 
     def _moved(self, keys: torch.Tensor, delta: int, shift: tuple[int, int]) -> torch.Tensor:
         """Cached keys at this request's positions (``ModelAdapter.move_keys``): the image starts ``delta``

@@ -22,8 +22,10 @@ def image_kv(layers: list[tuple], match) -> torch.Tensor:
     for keys, values, columns in layers:
         slots = cols if columns is None else _slots(columns[match.row], cols)
         slots = slots.to(keys.device)
-        per_layer.append(torch.stack([keys[match.row][:, slots], values[match.row][:, slots]]).cpu())
-    return torch.stack(per_layer).permute(3, 0, 1, 2, 4).contiguous()
+        per_layer.append(torch.stack([keys[match.row][:, slots], values[match.row][:, slots]]))
+    if len({t.device for t in per_layer}) == 1:  # one copy to the host (on a GPU each copy waits for the stream)
+        return torch.stack(per_layer).permute(3, 0, 1, 2, 4).contiguous().cpu()
+    return torch.stack([t.cpu() for t in per_layer]).permute(3, 0, 1, 2, 4).contiguous()
 
 
 def _slots(row_columns: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
