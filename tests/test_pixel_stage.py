@@ -259,11 +259,12 @@ def test_calibration_puts_tau_pixel_between_unrelated_and_near_pairs_and_tau_nea
 def test_the_default_pixel_stage_is_derived_from_the_models_reference_images():
     """With ``derive_pixel`` a model without calibration gets a pixel stage above its most similar unrelated
     reference thumbnails (at least ``PIXEL_FLOOR``); calibrated or given values are kept; a reference without the
-    score gives none; the defaults have none."""
+    score gives none; ``derive_pixel=False`` gives none."""
     from vismemo_hf.core.thresholds import ADAPTIVE_TAU, NEAR_FLOOR, PIXEL_FLOOR, PIXEL_MARGIN, ModelReference
 
     reference = ModelReference(torch.zeros(4), torch.zeros(4), unrelated_fine=0.9, unrelated_pixel=0.93)
-    assert LookupThresholds().for_model(reference).tau_pixel is None  # the defaults: no pixel stage
+    assert LookupThresholds(derive_pixel=False).for_model(reference).tau_pixel is None
+    assert LookupThresholds().for_model(reference) == LookupThresholds(derive_pixel=True).for_model(reference)
     resolved = LookupThresholds(derive_pixel=True).for_model(reference)
     assert not resolved.adaptive and resolved.tau_fine == pytest.approx(0.93) and resolved.tau == ADAPTIVE_TAU
     assert LookupThresholds(tau=0.6).for_model(reference).tau == 0.6  # a tau given is kept
@@ -286,3 +287,34 @@ def test_the_models_reference_measures_its_unrelated_thumbnails(qwen2):
     with torch.no_grad():
         reference = model_reference(adapter, adapter.base.get_image_features)
     assert reference.unrelated_pixel is not None and -1.0 <= reference.unrelated_pixel < 1.0
+
+
+def test_the_pixel_stage_does_not_admit_a_partly_changed_copy():
+    """A copy whose distinctive tokens show the candidate's pixels on part of the page and differ on more than a
+    local edit's share (an inserted row moves everything below it) is not admitted by the pixel stage, however well
+    its thumbnail aligns; a moved copy (only its background's pixels unchanged) and a local edit are."""
+    from vismemo_hf.core.pixel_first import partly_changed
+
+    t = LookupThresholds(0.0, 0.9, adaptive=False, tau_pixel=0.95, tau_near=0.3)
+    assert t.matches(0.5, t.tau_fine, lambda: 0.99) and not t.matches(0.5, t.tau_fine, lambda: 0.99, partly=True)
+    assert t.matches(0.95, t.tau_fine, lambda: 0.0, partly=True)  # the fine rule alone still decides above tau_fine
+    background = torch.zeros(20, dtype=torch.long)  # 20 blank tokens of one hash, then 40 distinctive ones
+    page = torch.cat([background, torch.arange(1, 41)])
+    moved = torch.cat([background, torch.arange(101, 141)])  # every distinctive token changed, the blank kept
+    inserted = torch.cat([background, torch.arange(201, 221), torch.arange(21, 41)])  # the top half changed
+    edited = page.clone()
+    edited[25:30] += 1000  # a local edit: 5 of 40
+    assert not partly_changed(moved, page) and not partly_changed(edited, page) and partly_changed(inserted, page)
+    assert not partly_changed(None, page) and not partly_changed(page[:30], page)
+
+
+def test_inserted_rows_on_the_tiny_reader_answer_as_a_full_prefill():
+    """The context report's insert-row class on the tiny reader (the case the derived pixel stage once got wrong:
+    a record inserted near the top found by its thumbnail, its digits read from stale K/V): the default's answers
+    equal plain transformers' on every question."""
+    from vismemo_hf.bench import context as bench_context
+
+    rows, summary = bench_context.measure("vismemo-docqa-tiny", 9000, 12, {"default": {}}, classes=("insert-row",),
+                                          quiet=True)
+    assert summary["insert-row"]["default"]["agreement"] == 1.0, [(r["plain"], r["prediction"]) for r in rows
+                                                                  if not r["agree"]]

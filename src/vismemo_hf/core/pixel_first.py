@@ -39,6 +39,27 @@ def pixel_changes(mine: torch.Tensor | None, theirs: torch.Tensor | None,
     return ~same
 
 
+#: the pixel stage (aligned thumbnails) admits copies moved, zoomed or re-encoded, which change every distinctive
+#: token, and local edits; a copy with at least ``PARTLY_SAME`` of its distinctive tokens' pixels identical to the
+#: candidate's at the same place and more than ``LOCAL_CHANGE`` changed (an inserted row moves everything below it)
+#: is left to the encoder stages, whose fine score it failed: its unchanged tokens' K/V were computed beside content
+#: that is no longer there (on the tiny reader such aliases changed answers in the context report's insert-row class)
+PARTLY_SAME = 0.25
+LOCAL_CHANGE = 0.25
+
+
+def partly_changed(mine: torch.Tensor | None, theirs: torch.Tensor | None) -> bool:
+    """Whether the image (patch hashes ``mine``) is the candidate (``theirs``) with part of it changed beyond a local
+    edit, judged on its distinctive tokens (a moved copy keeps only its background's pixels); False when unknown."""
+    if mine is None or theirs is None or mine.shape != theirs.shape or not mine.numel():
+        return False
+    own = distinctive(mine)
+    if not bool(own.any()):
+        return False
+    same = float((mine == theirs)[own].float().mean())
+    return same >= PARTLY_SAME and 1.0 - same > LOCAL_CHANGE
+
+
 def encoder_tokens(changed: torch.Tensor, hw: tuple[int, int], halo: int = ENCODE_HALO,
                    window: int | None = None) -> torch.Tensor:
     """(k,) sorted tokens to encode for the ``changed`` ones ((N,) bool over a ``hw`` token grid): each with the

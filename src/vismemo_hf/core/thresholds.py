@@ -67,10 +67,10 @@ class LookupThresholds:
     tau_pixel: float | None = None
     tau_near: float | None = None
     same_pixels: float | None = MIN_SAME
-    #: adaptive thresholds without a pixel stage derive one from the model's reference images (``for_model``); off
-    #: by default: on the tiny reader it found pages with an inserted row, whose reuse changed answers in the
-    #: context report's insert-row class
-    derive_pixel: bool = False
+    #: adaptive thresholds without a pixel stage derive one from the model's reference images (``for_model``): moved,
+    #: rescaled and re-encoded copies are found without calibration; the stage does not admit partly changed copies
+    #: (``core.pixel_first.partly_changed``)
+    derive_pixel: bool = True
 
     def for_model(self, reference: ModelReference) -> LookupThresholds:
         """The thresholds as one model uses them (``adaptive`` resolved): the default ``tau`` as ``ADAPTIVE_TAU``,
@@ -103,10 +103,11 @@ class LookupThresholds:
         """A fine score that needs the pixel stage to match: below ``tau_fine``, at or above ``tau_near``."""
         return self.pixel_stage and self.tau_near <= fine < tau_fine
 
-    def matches(self, fine: float, tau_fine: float, pixel: Callable[[], float]) -> bool:
-        """The fine rule: ``fine`` reaches ``tau_fine`` (the model's, ``fine_for``), or it is ``near`` and
-        ``pixel()`` (the aligned thumbnail similarity, computed only then) reaches ``tau_pixel``."""
-        return fine >= tau_fine or (self.near(fine, tau_fine) and pixel() >= self.tau_pixel)
+    def matches(self, fine: float, tau_fine: float, pixel: Callable[[], float], partly: bool = False) -> bool:
+        """The fine rule: ``fine`` reaches ``tau_fine`` (the model's, ``fine_for``), or it is ``near``, not a
+        ``partly`` changed copy (``core.pixel_first.partly_changed``) and ``pixel()`` (the aligned thumbnail
+        similarity, computed only then) reaches ``tau_pixel``."""
+        return fine >= tau_fine or (self.near(fine, tau_fine) and not partly and pixel() >= self.tau_pixel)
 
     def __post_init__(self) -> None:
         for name in ("tau", "tau_fine", "tau_pixel", "tau_near"):

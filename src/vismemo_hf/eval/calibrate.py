@@ -37,7 +37,7 @@ from vismemo_hf.core.features import (
     token_sketch,
 )
 from vismemo_hf.core.images import IMAGE_KINDS, synthetic_image
-from vismemo_hf.core.pixel_first import MIN_SAME, pixel_changes
+from vismemo_hf.core.pixel_first import MIN_SAME, partly_changed, pixel_changes
 from vismemo_hf.core.thresholds import (
     LookupThresholds,
     aligned_similarity,
@@ -199,6 +199,7 @@ def score_pairs(adapter, get_image_features, pair_list, reference, desc: str = "
             "pixel": aligned_similarity(thumbs[2 * i][0], thumbs[2 * i + 1][0], thumb_per_token(hw))[0],
             "pixel_first": thumbs[2 * i][1] is not None and thumbs[2 * i + 1][1] is not None
             and pixel_changes(thumbs[2 * i + 1][1], thumbs[2 * i][1], MIN_SAME) is not None,
+            "partly": partly_changed(thumbs[2 * i + 1][1], thumbs[2 * i][1]),
             "coarse_raw": float(torch.nn.functional.cosine_similarity(da, db, dim=-1).min()),
             "fine_raw": float(torch.nn.functional.cosine_similarity(ea, eb, dim=-1).mean()),
         })
@@ -222,7 +223,7 @@ def choose(rows: list[dict]) -> LookupThresholds:
     tau_fine = _halfway(rows, "fine", 0.98)
     below = [r for r in rows if r["fine"] < tau_fine]  # every unrelated pair (tau_fine is above them all)
     pixel = _halfway(below, "pixel", 0.98)
-    kept = [r["fine"] for r in below if r["near"] and r["pixel"] >= pixel]
+    kept = [r["fine"] for r in below if r["near"] and r["pixel"] >= pixel and not r.get("partly")]
     tau_pixel, tau_near = (round(pixel, 4), round(max(-1.0, min(kept) - 0.02), 4)) if kept else (None, None)
     thresholds = LookupThresholds(0.0, round(tau_fine, 4), adaptive=False, tau_pixel=tau_pixel, tau_near=tau_near)
     kept = [r["coarse"] for r in rows if r["near"] and _fine_passes(r, thresholds)]
@@ -231,7 +232,7 @@ def choose(rows: list[dict]) -> LookupThresholds:
 
 
 def _fine_passes(r: dict, thresholds: LookupThresholds, key: str = "fine") -> bool:
-    return thresholds.matches(r[key], thresholds.tau_fine, lambda: r["pixel"])
+    return thresholds.matches(r[key], thresholds.tau_fine, lambda: r["pixel"], r.get("partly", False))
 
 
 def rates(rows: list[dict], thresholds: LookupThresholds, key: str = "fine", coarse: str = "coarse") -> dict:
@@ -280,8 +281,8 @@ def calibrate(model, per_kind: int = 10, seed: int = 1, heldout_seed: int = 2, p
         "max_unrelated_fine": max(r["fine"] for r in rows if not r["near"]),
         "max_unrelated_pixel": max(r["pixel"] for r in rows if not r["near"]),
         "defaults": rates(heldout, defaults.for_model(reference)),
-        "defaults_derived_pixel": rates(heldout, replace(defaults, derive_pixel=True).for_model(reference)),
-        "default_pixel_stage": replace(defaults, derive_pixel=True).for_model(reference).tau_pixel,
+        "defaults_without_derived_pixel": rates(heldout, replace(defaults, derive_pixel=False).for_model(reference)),
+        "default_pixel_stage": defaults.for_model(reference).tau_pixel,
         "uncentred_rule": rates(heldout, LookupThresholds(0.8, 0.8, adaptive=False), key="fine_raw",
                                 coarse="coarse_raw"),
         "rows": rows, "heldout_rows": heldout,

@@ -26,7 +26,7 @@ from vismemo_hf.core.features import (
     token_grid,
     token_sketch,
 )
-from vismemo_hf.core.pixel_first import encoder_tokens, pixel_changes
+from vismemo_hf.core.pixel_first import encoder_tokens, partly_changed, pixel_changes
 from vismemo_hf.core.plan import HitKind, ImageFeatures
 from vismemo_hf.core.thresholds import (
     MAX_DRIFT,
@@ -599,6 +599,8 @@ def _approximate(adapter, match: ImageMatch, cache, get_image_features) -> Image
     if not _usable(adapter, cache, entry, best, feats.grid):
         return match
     alias = entry.features().moved(moved_by, hw)
+    if pixel is not None and partly_changed(feats.patch_hashes, alias.patch_hashes):
+        return match  # the pixel stage is for copies changed everywhere a little (``core.pixel_first``)
     drift = local_drift(match.thumbnail(), thumb, thumb_per_token(hw)) if thumb is not None and \
         match.thumbnail is not None and _changed_share(feats, alias) > UNWARPED_SHARE else 0.0
     store_call("index", lambda: cache.store.note_pixels(entry.key, entry.patch_hashes), None)
