@@ -51,7 +51,8 @@ class ModelReference:
 @dataclass(frozen=True)
 class LookupThresholds:
     """``tau``: every centred regional cosine must exceed it (coarse stage); ``tau_fine``: the mean centred token
-    cosine must reach it (fine stage). ``tau_pixel`` and ``tau_near`` (both or neither; calibrated presets): a
+    cosine must reach it (fine stage). ``tau_pixel`` and ``tau_near`` (both or neither; calibrated presets, or
+    derived per model with ``derive_pixel``): a
     candidate below ``tau_fine`` but at or above ``tau_near`` also matches when its aligned thumbnail similarity
     (``aligned_similarity``) reaches ``tau_pixel`` -- a page moved by part of a token or zoomed by a few percent,
     whose tokens all changed although its pixels did not. ``fingerprint``: the model they were calibrated for
