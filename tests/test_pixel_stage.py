@@ -259,12 +259,11 @@ def test_calibration_puts_tau_pixel_between_unrelated_and_near_pairs_and_tau_nea
 def test_the_default_pixel_stage_is_derived_from_the_models_reference_images():
     """With ``derive_pixel`` a model without calibration gets a pixel stage above its most similar unrelated
     reference thumbnails (at least ``PIXEL_FLOOR``); calibrated or given values are kept; a reference without the
-    score gives none; ``derive_pixel=False`` gives none."""
+    score gives none; the defaults have none."""
     from vismemo_hf.core.thresholds import ADAPTIVE_TAU, NEAR_FLOOR, PIXEL_FLOOR, PIXEL_MARGIN, ModelReference
 
     reference = ModelReference(torch.zeros(4), torch.zeros(4), unrelated_fine=0.9, unrelated_pixel=0.93)
-    assert LookupThresholds(derive_pixel=False).for_model(reference).tau_pixel is None
-    assert LookupThresholds().for_model(reference) == LookupThresholds(derive_pixel=True).for_model(reference)
+    assert LookupThresholds().for_model(reference).tau_pixel is None  # the defaults: no pixel stage
     resolved = LookupThresholds(derive_pixel=True).for_model(reference)
     assert not resolved.adaptive and resolved.tau_fine == pytest.approx(0.93) and resolved.tau == ADAPTIVE_TAU
     assert LookupThresholds(tau=0.6).for_model(reference).tau == 0.6  # a tau given is kept
@@ -309,12 +308,13 @@ def test_the_pixel_stage_does_not_admit_a_partly_changed_copy():
 
 
 def test_inserted_rows_on_the_tiny_reader_answer_as_a_full_prefill():
-    """The context report's insert-row class on the tiny reader (the case the derived pixel stage once got wrong:
-    a record inserted near the top found by its thumbnail, its digits read from stale K/V): the default's answers
+    """The context report's insert-row class on the tiny reader with the derived pixel stage (the case it once got
+    wrong: a record inserted near the top found by its thumbnail, its digits read from stale K/V): the answers
     equal plain transformers' on every question."""
     from vismemo_hf.bench import context as bench_context
 
-    rows, summary = bench_context.measure("vismemo-docqa-tiny", 9000, 12, {"default": {}}, classes=("insert-row",),
+    derived = {"thresholds": LookupThresholds(derive_pixel=True)}
+    rows, summary = bench_context.measure("vismemo-docqa-tiny", 9000, 12, {"default": derived}, classes=("insert-row",),
                                           quiet=True)
     assert summary["insert-row"]["default"]["agreement"] == 1.0, [(r["plain"], r["prediction"]) for r in rows
                                                                   if not r["agree"]]

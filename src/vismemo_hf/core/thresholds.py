@@ -69,9 +69,10 @@ class LookupThresholds:
     tau_near: float | None = None
     same_pixels: float | None = MIN_SAME
     #: adaptive thresholds without a pixel stage derive one from the model's reference images (``for_model``): moved,
-    #: rescaled and re-encoded copies are found without calibration; the stage does not admit partly changed copies
-    #: (``core.pixel_first.partly_changed``)
-    derive_pixel: bool = True
+    #: rescaled and re-encoded copies are found without calibration (the stage does not admit partly changed copies,
+    #: ``core.pixel_first.partly_changed``). Off by default: on the tiny reader's streams it found the shifted pages,
+    #: whose reuse answered as the unshifted page did rather than as a full prefill of the shifted one
+    derive_pixel: bool = False
 
     def for_model(self, reference: ModelReference) -> LookupThresholds:
         """The thresholds as one model uses them (``adaptive`` resolved): the default ``tau`` as ``ADAPTIVE_TAU``,
