@@ -20,7 +20,7 @@ fi
 torch.cuda.get_device_name(0))"
 common=(--preset qwen3-vl-8b --dtype bfloat16 --device cuda)
 timeout "${LATENCY_S:-240}" "$py" -m vismemo_hf.cli -q bench latency "${common[@]}" --lengths 1024,4096 \
-    --policies attend-deviate,vismemo,cacheblend --repeats 2 --new-tokens 32 --long-tokens 128 --out "$out" \
+    --policies attend-deviate,vismemo,cacheblend --repeats 2 --new-tokens 32 --long-tokens 128 --unstored-miss --out "$out" \
     || echo "bench latency stopped (status $?)"
 timeout "${STORE_S:-90}" "$py" -m vismemo_hf.cli -q bench latency "${common[@]}" --lengths 1024,4096 \
     --policies attend-deviate --repeats 2 --new-tokens 32 --long-tokens 0 --store-device model \

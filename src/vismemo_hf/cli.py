@@ -510,6 +510,8 @@ def _add_bench(sub) -> None:
     p.add_argument("--long-tokens", type=nonnegative, default=256, help="tokens of one longer generate per kind (0: none)")
     p.add_argument("--store-device", default="cpu", help="where the stores keep decoded entries: cpu, a device, or "
                                                           "model (the model's device)")
+    p.add_argument("--unstored-miss", action="store_true", help="also a miss that stores nothing (what writing a "
+                                                                "miss's entry costs)")
     _device_options(p)
     _out_option(p, "results/perf")
     p.set_defaults(func=_bench("latency"))

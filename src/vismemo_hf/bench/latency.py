@@ -104,11 +104,16 @@ def timed_generate(model, inputs, cache, new_tokens: int) -> dict:
     return out
 
 
-def _cases(model, plain, miss_in, edit_in, seeded: VisMemoStore, policies, store_device: str = "cpu"):
-    """(kind, policy) -> what runs it: ``(model, inputs, cache factory)``."""
+def _cases(model, plain, miss_in, edit_in, seeded: VisMemoStore, policies, store_device: str = "cpu",
+           unstored_miss: bool = False):
+    """(kind, policy) -> what runs it: ``(model, inputs, cache factory)``; ``unstored_miss`` adds a miss that stores
+    nothing (``store_misses=False``), which tells what writing a miss's entry costs."""
     cases = {("plain", "-"): (plain, miss_in, lambda: None),
              ("miss", "-"): (model, miss_in, lambda: VisMemoCache(store=VisMemoStore(device=store_device))),
              ("exact", "-"): (model, miss_in, lambda: VisMemoCache(store=seeded))}
+    if unstored_miss:
+        cases[("miss", "not stored")] = (model, miss_in, lambda: VisMemoCache(store=VisMemoStore(device=store_device),
+                                                                             store_misses=False))
     for policy in policies:  # store_misses off: a complete plan would store the edited page and make it exact
         cases[("approximate", policy)] = (model, edit_in, lambda p=policy: VisMemoCache(store=seeded, policy=p,
                                                                                          store_misses=False))
@@ -127,7 +132,7 @@ def _run_case(case, kind: str, n: int, new_tokens: int) -> dict:
 
 
 def run(model, plain, processor, lengths, policies, repeats: int, new_tokens: int = 32, long_tokens: int = 256,
-        progress=None, store_device: str = "cpu") -> list[dict]:
+        progress=None, store_device: str = "cpu", unstored_miss: bool = False) -> list[dict]:
     """Records of every kind at every length; ``store_device``: where the stores keep decoded entries (their device
     tier), ``"model"`` for the model's own device."""
     family = model.config.model_type
@@ -140,7 +145,7 @@ def run(model, plain, processor, lengths, policies, repeats: int, new_tokens: in
         seeded = VisMemoStore(device=store_device)
         timed_generate(model, miss_in, VisMemoCache(store=seeded), 1)  # the alias entry every hit reads
         seeded.flush()
-        cases = _cases(model, plain, miss_in, edit_in, seeded, policies, store_device)
+        cases = _cases(model, plain, miss_in, edit_in, seeded, policies, store_device, unstored_miss)
         runs = {c: [] for c in cases}
         for rep in range(repeats + 1):  # round 0 warms up
             for (kind, policy), case in cases.items():
@@ -227,7 +232,7 @@ def fixed_cost_per_layer(records, layers: int) -> dict | None:
 
 
 def _label(r) -> str:
-    return r["kind"] if r["kind"] != "approximate" else f"approximate ({r['policy']})"
+    return r["kind"] if r["policy"] == "-" else f"{r['kind']} ({r['policy']})"
 
 
 def _plot(records, path: Path) -> None:
@@ -279,12 +284,12 @@ def main(args) -> int:
         any_size(processor, model)
     lengths = [int(x) for x in args.lengths.split(",")]
     policies = [] if args.policies == "none" else [p for p in args.policies.split(",") if p]  # none: no approximate
-    total = len(lengths) * (args.repeats + 2) * (3 + len(policies))
+    total = len(lengths) * (args.repeats + 2) * (3 + len(policies) + bool(getattr(args, "unstored_miss", False)))
     records: list[dict] = []
     with progress(total=total, desc="latency", unit="run") as bar:
         for n in lengths:  # the report is rewritten after each length: a run cut short keeps what it measured
             records += run(model, plain, processor, [n], policies, args.repeats, args.new_tokens, args.long_tokens, bar,
-                           getattr(args, "store_device", "cpu"))
+                           getattr(args, "store_device", "cpu"), getattr(args, "unstored_miss", False))
             _write(records, model, args)
     print((Path(args.out) / "latency.md").read_text())
     return 0
@@ -298,7 +303,8 @@ def _write(records: list[dict], model, args) -> None:
     command = report_command("bench latency", args, ["preset", "lengths", "policies", "repeats", "new_tokens",
                                                       "long_tokens", "dtype", "device"]
                              + (["family"] if getattr(args, "family", None) else [])
-                             + (["store_device"] if getattr(args, "store_device", "cpu") != "cpu" else []))
+                             + (["store_device"] if getattr(args, "store_device", "cpu") != "cpu" else []),
+                             " --unstored-miss" if getattr(args, "unstored_miss", False) else "")
     mach = machine(args.device)
     (out / "latency.json").write_text(json.dumps({"command": command, "machine": mach, "records": records,
                                                   "fixed_cost": fixed}, indent=2))
@@ -329,7 +335,7 @@ def _floors(records) -> list[str]:
         analytic = (work.get("analytic") or {}).get(names[0])
         work_text = "-" if analytic is None else \
             f"{analytic:.3f} / {measured:.3f}" if measured is not None else f"{analytic:.3f} / -"
-        lines.append(f"| {r['visual_tokens']} | {r['kind']} | {r['policy'] if r['kind'] == 'approximate' else '-'} | "
+        lines.append(f"| {r['visual_tokens']} | {r['kind']} | {r['policy']} | "
                      f"{r.get('found_by') or '-'} | {r.get('encoded_tokens', '-')} | {work_text} | "
                      f"{r['ratio_to_plain']:.3f} | " + " | ".join(f"{r['ttft_floor'][n]:.3f}" for n in names) + " | "
                      + " | ".join(f"{r['encoder_share'][n]:.0%}" for n in names) + " |")
@@ -357,7 +363,7 @@ def _report(records, fixed, args, command, mach) -> list[str]:
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in records:
         gl = f"{r['generate_long_ratio_to_plain']:.3f}" if args.long_tokens else "-"
-        lines.append(f"| {r['visual_tokens']} | {r['kind']} | {r['policy'] if r['kind'] == 'approximate' else '-'} | "
+        lines.append(f"| {r['visual_tokens']} | {r['kind']} | {r['policy']} | "
                      f"{r['ttft_ms']:.1f} | {r['ratio_to_plain']:.3f} | {r['decode_step_ms']:.2f} | "
                      f"{r['decode_ratio_to_plain']:.3f} | {r['generate_ratio_to_plain']:.3f} | {gl} |")
     lines += ["", "## Prefill by hit kind (cache events, vision encoder excluded)", "",
@@ -371,7 +377,7 @@ def _report(records, fixed, args, command, mach) -> list[str]:
         if r["kind"] == "plain":
             continue
         b = r["breakdown_ms"]
-        lines.append(f"| {r['visual_tokens']} | {r['kind']} | {r['policy'] if r['kind'] == 'approximate' else '-'} | "
+        lines.append(f"| {r['visual_tokens']} | {r['kind']} | {r['policy']} | "
                      f"{r['prefill_ms']:.1f} | {r['ratio_to_miss']:.3f} | {r['floor_ratio']:.3f} | "
                      f"{r['ratio_to_miss'] / r['floor_ratio']:.2f} | {r['recomputed']} / {r['reused']} / {r['masked']} | "
                      f"{r['bytes_read'] / 2**20:.1f} | {b['lookup']:.1f} | {b['encoder']:.1f} | {b['warmup']:.1f} | "
