@@ -9,7 +9,8 @@
 #      cost per layer, share of a hit's prefill outside the kernels: gpu/overhead.
 # Writes under the folder given as $1 (default results/perf/gpu). Each step has its own time limit (LATENCY_S,
 # STORE_S, OVERHEAD_S seconds) so that one that runs long leaves the others theirs; the latency reports are rewritten
-# after each length, so a step cut short keeps the lengths it finished. About 7 minutes on an H200.
+# after each length, so a step cut short keeps the lengths it finished. At most the three limits (7.5 minutes) plus
+# the model builds.
 set -uo pipefail
 out=${1:-results/perf/gpu}
 py=${PYTHON:-python3}
