@@ -33,7 +33,7 @@ from vismemo_hf.bench.flops import kind_floor, patches_of
 from vismemo_hf.bench.latency import any_size, page_pair, request_inputs
 from vismemo_hf.bench.report import command as report_command
 from vismemo_hf.bench.report import header, machine
-from vismemo_hf.bench.syncs import SyncCounter
+from vismemo_hf.bench.syncs import SyncCounter, short_site
 from vismemo_hf.core.plan import HitKind, ImagePlan
 
 #: operators whose self time is the arithmetic (matrix products, attention kernels)
@@ -112,7 +112,7 @@ def _syncs(case, label: str) -> tuple[SyncCounter, object]:
                 torch.cuda.set_sync_debug_mode("default")
     counter.cuda_syncs = sum("synchroniz" in str(w.message) for w in caught) if cuda else None
     # where each of them was called from (the warning names the Python line), for the sites the count cannot name
-    counter.cuda_sites = Counter(_site(w.filename, w.lineno) for w in caught if "synchroniz" in str(w.message)) \
+    counter.cuda_sites = Counter(short_site(w.filename, w.lineno) for w in caught if "synchroniz" in str(w.message)) \
         if cuda else None
     return counter, _check(cache, expected, label)
 
@@ -288,14 +288,6 @@ def _report(data: dict, args, command: str, mach: dict) -> list[str]:
             lines.append(f"- {label}: " + ("; ".join(f"{site} x{k}" for site, k in top) or "none"))
     return lines
 
-
-def _site(filename: str, lineno: int) -> str:
-    """``package/module.py:line`` of a warning's caller (the path below site-packages or src)."""
-    for marker in ("site-packages/", "src/"):
-        if marker in filename:
-            filename = filename.split(marker, 1)[1]
-            break
-    return f"{filename}:{lineno}"
 
 
 def main(args) -> int:

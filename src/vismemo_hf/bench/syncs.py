@@ -140,5 +140,9 @@ class SyncCounter(TorchFunctionMode):
             frame = frame.f_back
         if frame is None:
             return None
-        short = frame.f_code.co_filename.split("/site-packages/")[-1].split("/src/")[-1]
-        return f"{short}:{frame.f_lineno}"
+        return short_site(frame.f_code.co_filename, frame.f_lineno)
+
+
+def short_site(filename: str, lineno: int) -> str:
+    """``package/module.py:line``: the path below site-packages or src."""
+    return f"{filename.split('/site-packages/')[-1].split('/src/')[-1]}:{lineno}"

@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from vismemo_hf.families.base import execution_device
+
 NAME = "vismemo_tower"
 
 
@@ -137,8 +139,6 @@ def capture(visual, order: list[torch.Tensor | None]):
 def lend(visual, kept: list[tuple[torch.Tensor, torch.Tensor]]):
     """Lend, at every full-attention block, each image's other patches: ``kept`` per image (tower K/V as
     ``capture`` gives it, (M,) patch rows not in the partial encode)."""
-    from vismemo_hf.families.base import execution_device
-
     heads = visual.blocks[0].attn.num_heads
     device = execution_device(visual)
     if device.type not in ("cpu", "meta"):  # a stored entry's K/V sit on the host: moved in one copy, then gathered

@@ -24,8 +24,10 @@ def image_kv(layers: list[tuple], match) -> torch.Tensor:
         slots = slots.to(keys.device)
         per_layer.append(torch.stack([keys[match.row][:, slots], values[match.row][:, slots]]))
     if len({t.device for t in per_layer}) == 1:  # one copy to the host (on a GPU each copy waits for the stream)
-        return to_host(torch.stack(per_layer).permute(3, 0, 1, 2, 4).contiguous())
-    return torch.stack([to_host(t) for t in per_layer]).permute(3, 0, 1, 2, 4).contiguous()
+        stacked = to_host(torch.stack(per_layer))
+    else:
+        stacked = torch.stack([to_host(t) for t in per_layer])
+    return stacked.permute(3, 0, 1, 2, 4).contiguous()  # laid out on the host, not in the GPU's memory
 
 
 #: the largest pinned buffer a copy from a GPU to the host goes through (bytes)
