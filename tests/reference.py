@@ -7,14 +7,19 @@ def _embed(model, inputs):
     base = model.model
     ids = inputs["input_ids"]
     embeds = base.get_input_embeddings()(ids)
-    out = base.get_image_features(inputs["pixel_values"], inputs["image_grid_thw"], return_dict=True)
+    if "image_sizes" in inputs:  # LLaVA-OneVision: tiles, 1-D positions counted over the unpadded columns
+        out = base.get_image_features(inputs["pixel_values"], inputs["image_sizes"], return_dict=True)
+        valid = inputs.get("attention_mask", torch.ones_like(ids))
+        positions = (valid.long().cumsum(-1) - 1).clamp_min(0)
+    else:
+        out = base.get_image_features(inputs["pixel_values"], inputs["image_grid_thw"], return_dict=True)
+        positions, _ = base.get_rope_index(ids, inputs["mm_token_type_ids"], image_grid_thw=inputs["image_grid_thw"])
     feats = torch.cat(list(out.pooler_output))
     is_img = ids == model.config.image_token_id
     embeds = embeds.masked_scatter(is_img[..., None], feats.to(embeds.dtype))
     deepstack = None
     if getattr(out, "deepstack_features", None) is not None:
         deepstack = [torch.cat(list(level)) for level in out.deepstack_features]
-    positions, _ = base.get_rope_index(ids, inputs["mm_token_type_ids"], image_grid_thw=inputs["image_grid_thw"])
     return embeds, positions, is_img, deepstack
 
 
@@ -54,7 +59,8 @@ def extend(inputs, tokens: torch.Tensor):
     """``inputs`` with ``tokens`` (B, k) appended as text."""
     out = dict(inputs)
     out["input_ids"] = torch.cat([inputs["input_ids"], tokens], 1)
-    out["mm_token_type_ids"] = torch.cat([inputs["mm_token_type_ids"], torch.zeros_like(tokens)], 1)
+    if "mm_token_type_ids" in inputs:
+        out["mm_token_type_ids"] = torch.cat([inputs["mm_token_type_ids"], torch.zeros_like(tokens)], 1)
     if "attention_mask" in inputs:
         out["attention_mask"] = torch.cat([inputs["attention_mask"], torch.ones_like(tokens)], 1)
     return out

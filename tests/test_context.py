@@ -120,10 +120,18 @@ def test_an_approximate_plan_after_another_context_adds_the_check_and_its_probes
 def test_reading_dependents_are_the_tokens_after_a_change_in_its_row():
     changed = torch.zeros(12, dtype=torch.bool)
     changed[5] = True  # row 1, column 1 of a 3 x 4 grid
-    assert torch.nonzero(reading_dependents(changed, (3, 4), "row")).flatten().tolist() == [5, 6, 7]
-    assert torch.nonzero(reading_dependents(changed, (3, 4), 1)).flatten().tolist() == [5, 6]
+    grid = torch.arange(12) // 4
+    assert torch.nonzero(reading_dependents(changed, grid, "row")).flatten().tolist() == [5, 6, 7]
+    assert torch.nonzero(reading_dependents(changed, grid, 1)).flatten().tolist() == [5, 6]
     changed[3] = True  # the end of row 0: nothing after it in its row
-    assert torch.nonzero(reading_dependents(changed, (3, 4), "row")).flatten().tolist() == [3, 5, 6, 7]
+    assert torch.nonzero(reading_dependents(changed, grid, "row")).flatten().tolist() == [3, 5, 6, 7]
+    # rows of other lengths (LLaVA-OneVision: a 2 x 2 base view, then rows of 3 tokens and a newline)
+    packed = torch.tensor([0, 0, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3])
+    changed = torch.zeros(12, dtype=torch.bool)
+    changed[[2, 5]] = True
+    assert torch.nonzero(reading_dependents(changed, packed, "row")).flatten().tolist() == [2, 3, 5, 6, 7]
+    assert torch.nonzero(reading_dependents(changed, packed, 1)).flatten().tolist() == [2, 3, 5, 6]
+    assert torch.nonzero(reading_dependents(changed, packed, 0)).flatten().tolist() == [2, 5]
 
 
 def test_a_local_edit_recomputes_its_rows_rest_and_a_change_everywhere_has_no_dependents():

@@ -77,3 +77,69 @@ def test_glm46v_misses_and_exact_hits_equal_the_model_without_the_library():
         kinds.append(cache.events[0].kind)
         assert torch.equal(ours, plain)
     assert kinds == [HitKind.MISS, HitKind.EXACT, HitKind.EXACT]
+
+
+def _llava_images(adapter, images):
+    processor = adapter.image_processor()
+    return [adapter.processed_images(processor(images=[im], return_tensors="pt"))[0] for im in images]
+
+
+def test_llava_token_hashes_follow_the_models_own_packing_of_each_patch():
+    """A LLaVA-OneVision token's pixel hash changes exactly where the model's packed patch embeddings (each a
+    function of one patch's pixels: base view, unpadded tile rows, newlines) change, and its rows end at newlines."""
+    from PIL import ImageDraw
+
+    from vismemo_hf.eval import synthetic
+    from vismemo_hf.families import ModelAdapter
+    from vismemo_hf.families.llava_onevision import NEWLINE
+
+    model, _ = tiny_model("llava_onevision")
+    adapter = ModelAdapter.for_model(model)
+    page = synthetic.page(3)
+    edited = page.copy()
+    ImageDraw.Draw(edited).rectangle((150, 100, 170, 112), fill=(0, 0, 0))
+    patch_embedding = model.model.vision_tower.embeddings.patch_embedding
+    hashes, packed = [], []
+    for pixels, grid, extra in _llava_images(adapter, [page, edited]):
+        with torch.no_grad():
+            embedded = patch_embedding(pixels).flatten(2).transpose(1, 2)  # (tiles, patches, d)
+            packs, _ = model.model.pack_image_features([embedded], torch.tensor([extra[0]]),
+                                                       image_newline=torch.zeros(embedded.shape[-1]))
+        hashes.append(adapter.patch_hashes(pixels, grid, extra))
+        packed.append(packs[0])
+        assert hashes[-1].shape == (grid[2],) == (packs[0].shape[0],)
+    changed = hashes[0] != hashes[1]
+    moved = (packed[0] - packed[1]).abs().amax(-1) > 0
+    assert 0 < int(changed.sum()) < changed.numel() // 4 and torch.equal(changed, moved)
+    newline = hashes[0] == NEWLINE
+    assert torch.equal(newline, packed[0].abs().amax(-1) == 0) and int(newline.sum()) > 1
+    from vismemo_hf.core.plan import ImageFeatures
+
+    rows = ImageFeatures("k", (1, 1, hashes[0].numel()), torch.zeros(hashes[0].numel(), 4), patch_hashes=hashes[0],
+                         rows=adapter.token_rows).token_rows
+    assert bool((rows[1:] >= rows[:-1]).all()) and bool((rows[1:][newline[:-1]] > rows[:-1][newline[:-1]]).all())
+
+
+def test_llava_images_of_as_many_tokens_in_other_rows_are_never_aliased():
+    """Two sizes whose packings have as many tokens but their newlines elsewhere (token i at other places) are
+    never each other's alias, even with every threshold at 0; a copy of the same packing is."""
+    from vismemo_hf import HitKind, VisMemoCache, VisMemoStore
+    from vismemo_hf.eval import synthetic
+    from vismemo_hf.families import ModelAdapter
+
+    model, processor = tiny_model("llava_onevision")
+    vismemo_hf.enable(model)
+    adapter = ModelAdapter.for_model(model)
+    page = synthetic.page(1)
+    tall, wide = page.resize((60, 260)), page.resize((100, 60))
+    (a, ga, xa), (b, gb, xb) = _llava_images(adapter, [tall, wide])
+    assert ga == gb and not adapter.same_layout(adapter.patch_hashes(a, ga, xa), adapter.patch_hashes(b, gb, xb))
+    store = VisMemoStore()
+    events = []
+    for image in (tall, wide, page.resize((60, 280))):
+        cache = VisMemoCache(store=store, tau=0.0, tau_fine=0.0)
+        with torch.no_grad():
+            model.generate(**build_inputs(processor, [image]), cache=cache, max_new_tokens=1, do_sample=False)
+        events.append(cache.events[0])
+    assert [e.kind for e in events] == [HitKind.MISS, HitKind.MISS, HitKind.APPROXIMATE]
+    assert events[2].alias == events[0].key

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import vismemo_hf
+import vismemo_hf.families
 from vismemo_hf import HitKind
 from vismemo_hf.core.features import patch_entropy, region_descriptors
 from vismemo_hf.eval import synthetic
@@ -19,7 +20,7 @@ def _kind(model, processor, store, image, **opts):
 
 
 @pytest.mark.approximate
-def test_identical_edit_unrelated_and_other_grid(tiny, pages):
+def test_identical_edit_unrelated_and_other_grid(tiny, pages, family):
     model, processor = tiny
     store = vismemo_hf.VisMemoStore()
     base = _kind(model, processor, store, pages["base"])
@@ -33,11 +34,16 @@ def test_identical_edit_unrelated_and_other_grid(tiny, pages):
     base_again = _kind(model, processor, only_base, pages["base"])
     # a random tower moves every token of a shifted page, so its fine score falls below the default: a looser tau_fine
     shift = _kind(model, processor, only_base, pages["shift"], tau_fine=0.75)
-    assert shift.kind is HitKind.APPROXIMATE and shift.alias == base_again.key
+    if vismemo_hf.families.FAMILIES[family].movable:
+        assert shift.kind is HitKind.APPROXIMATE and shift.alias == base_again.key
+    else:  # tokens in a packed run (LLaVA-OneVision's tiles): a moved copy is never matched moved
+        assert shift.shift == (0, 0)
     assert _kind(model, processor, store, pages["noise"]).kind is HitKind.MISS
-    # the same page at another size has another grid: never a candidate, even with tau = 0
+    # the same page at another size has another grid: never a candidate, even with tau = 0 (LLaVA-OneVision tiles
+    # it into the same packing, the same grid: test_families.py checks its packings of as many tokens in other rows)
     bigger = pages["base"].resize((280, 224))
-    assert _kind(model, processor, store, bigger, tau=0.0, tau_fine=0.0).kind is HitKind.MISS
+    if vismemo_hf.families.FAMILIES[family].movable:
+        assert _kind(model, processor, store, bigger, tau=0.0, tau_fine=0.0).kind is HitKind.MISS
 
 
 def test_tau_is_respected(qwen2, pages):

@@ -169,13 +169,17 @@ class ImageFeatures:
     """What routing may know about an image without touching K/V: identity, encoder output, patch entropy and the
     hash of each token's pixels. ``pixel_features``: computes (entropy, patch hashes) on first use instead (a miss
     never needs them before its prefill, so they stay off the request's critical path). ``kv_tokens``: tokens whose
-    K/V the stored entry holds (a compressed entry, docs/METHOD.md §4); None: every token."""
+    K/V the stored entry holds (a compressed entry, docs/METHOD.md §4); None: every token. ``rows``: what gives the
+    row of each token (``token_rows``) when the tokens are not one row-major grid (the family adapter's
+    ``token_rows``, given these features)."""
 
     def __init__(self, key: str, grid: tuple[int, int, int], embeds: torch.Tensor, entropy: torch.Tensor | None = None,
                  patch_hashes: torch.Tensor | None = None, kv_tokens: torch.Tensor | None = None,
-                 pixel_features: Callable[[], tuple[torch.Tensor, torch.Tensor | None]] | None = None) -> None:
+                 pixel_features: Callable[[], tuple[torch.Tensor, torch.Tensor | None]] | None = None,
+                 rows: Callable[[ImageFeatures], torch.Tensor | None] | None = None) -> None:
         self.key, self.grid, self.embeds, self.kv_tokens = key, grid, embeds, kv_tokens
         self._entropy, self._patch_hashes, self._pixel_features = entropy, patch_hashes, pixel_features
+        self._rows = rows
 
     def _compute(self) -> None:
         if self._pixel_features is not None:
@@ -204,6 +208,13 @@ class ImageFeatures:
         t, h, w = self.grid
         merge = max(1, round((t * h * w / max(1, self.n_tokens)) ** 0.5))
         return self.n_tokens // max(1, w // merge), max(1, w // merge)
+
+    @property
+    def token_rows(self) -> torch.Tensor:
+        """(N,) the row of each visual token in reading order, rows in runs: ``token_hw``'s rows, or the family's
+        own (LLaVA-OneVision's base view and tile rows, each ended by a newline token)."""
+        rows = self._rows(self) if self._rows is not None else None
+        return rows if rows is not None else torch.arange(self.n_tokens) // self.token_hw[1]
 
     def stored(self, tokens: torch.Tensor) -> torch.Tensor:
         """Boolean over ``tokens``: those whose K/V the stored entry holds."""

@@ -32,7 +32,6 @@ from vismemo_hf.core.features import (
     centred_sketches,
     region_descriptors,
     thumb_per_token,
-    thumbnail,
     token_grid,
     token_sketch,
 )
@@ -163,10 +162,10 @@ def thumbnails(adapter, images, bar=None) -> list[tuple[torch.Tensor, torch.Tens
     for i, image in enumerate(images):
         if bar is not None and i % 20 == 0:
             bar.set_postfix_str(f"thumbnails {i}/{len(images)}")
-        inputs = processor(images=[image.convert("RGB")], return_tensors="pt")
-        grid = tuple(int(x) for x in inputs["image_grid_thw"][0])
-        out.append((thumbnail(inputs["pixel_values"], grid, **adapter.entropy_kwargs()),
-                    adapter.patch_hashes(inputs["pixel_values"], grid)))
+        (pixels, grid, extra), = adapter.processed_images(processor(images=[image.convert("RGB")],
+                                                                      return_tensors="pt"))
+        made = adapter.thumbnail_of(pixels, grid, extra)
+        out.append((made() if made is not None else None, adapter.patch_hashes(pixels, grid, extra)))
     return out
 
 
@@ -196,7 +195,8 @@ def score_pairs(adapter, get_image_features, pair_list, reference, desc: str = "
             "fine": fine_score(ea, eb, ga, adapter.merge, token_mean)[0],
             "fine_sketch": best_shift(centred_sketches(token_sketch(ea), token_mean),
                                       centred_sketches(token_sketch(eb), token_mean), hw)[0],
-            "pixel": aligned_similarity(thumbs[2 * i][0], thumbs[2 * i + 1][0], thumb_per_token(hw))[0],
+            "pixel": aligned_similarity(thumbs[2 * i][0], thumbs[2 * i + 1][0], thumb_per_token(hw))[0]
+            if thumbs[2 * i][0] is not None and thumbs[2 * i + 1][0] is not None else -1.0,
             "pixel_first": thumbs[2 * i][1] is not None and thumbs[2 * i + 1][1] is not None
             and pixel_changes(thumbs[2 * i + 1][1], thumbs[2 * i][1], MIN_SAME) is not None,
             "partly": partly_changed(thumbs[2 * i + 1][1], thumbs[2 * i][1]),

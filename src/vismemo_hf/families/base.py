@@ -234,6 +234,9 @@ class ModelAdapter(VisionTower):
     #: whether images can be approximate hits: the family's visual tokens form a (t, h, w) grid of patch groups whose
     #: pixels the lookup's pixel features read (a family without one serves misses and exact hits)
     approximate: ClassVar[bool] = True
+    #: whether a copy moved by whole visual tokens is matched moved (``core.thresholds.best_shift``): the tokens form
+    #: one row-major grid in which a move is a shift of rows and columns
+    movable: ClassVar[bool] = True
 
     @classmethod
     def for_model(cls, model, image_mean=None, image_std=None) -> ModelAdapter:
@@ -305,26 +308,41 @@ class ModelAdapter(VisionTower):
         """Visual tokens of an image of ``grid``."""
         return (grid[0] * grid[1] * grid[2]) // self.merge**2
 
-    def pixel_features(self, pixels: torch.Tensor, grid, hashes: torch.Tensor | None = None):
+    def processed_images(self, inputs) -> list[tuple]:
+        """``split_images`` of a processor's output (``image_processor()(images=...)``: reference images,
+        calibration pairs), whose token counts the geometry tells."""
+        return self.split_images(inputs["pixel_values"], self.image_geometry(inputs), None)
+
+    def pixel_features(self, pixels: torch.Tensor, grid, hashes: torch.Tensor | None = None, extra=None):
         """What computes an image's (patch entropy, token pixel hashes) when they are first needed (``hashes``:
-        already computed)."""
+        already computed; ``extra``: ``split_images``' third item of the image)."""
         from vismemo_hf.core.features import patch_entropy
 
         return lambda: (patch_entropy(pixels, **self.entropy_kwargs()),
-                        hashes if hashes is not None else self.patch_hashes(pixels, grid))
+                        hashes if hashes is not None else self.patch_hashes(pixels, grid, extra))
 
-    def patch_hashes(self, pixels: torch.Tensor, grid) -> torch.Tensor | None:
+    def patch_hashes(self, pixels: torch.Tensor, grid, extra=None) -> torch.Tensor | None:
         """(N,) hash of each visual token's pixels (``core.features.patch_hashes``), or None (no token grid)."""
         from vismemo_hf.core.features import patch_hashes
 
         return patch_hashes(pixels, self.merge)
+
+    def token_rows(self, features) -> torch.Tensor | None:
+        """(N,) the row of each of an image's visual tokens (``ImageFeatures.token_rows``), or None: the rows of
+        its (t, h, w) grid."""
+        return None
+
+    def same_layout(self, mine: torch.Tensor | None, theirs: torch.Tensor | None) -> bool:
+        """Whether token i of two images of one grid (their token pixel hashes) stands at the same place of both:
+        always, for a family whose grid says where every token is."""
+        return True
 
     @property
     def encoder_window(self) -> int | None:
         """The side, in visual tokens, of the windows the tower's windowed blocks attend within (None: none)."""
         return None
 
-    def thumbnail_of(self, pixels: torch.Tensor, grid):
+    def thumbnail_of(self, pixels: torch.Tensor, grid, extra=None):
         """What computes an image's (H, W) uint8 thumbnail once (the pixel stage, the store), or None."""
         import functools
 

@@ -7,8 +7,12 @@ What differs from the generic adapter:
   tokens whose length only the packing knows: an image's "grid" is ``(1, 1, N)``, N its placeholder run, and its
   pixels are its tiles (``pixel_values[i, :tiles]``). A request with several images in a sample does not tile them
   (``batch_num_images``); the tiles used are part of the pixels and so of the exact key.
-* The visual tokens are not one (t, h, w) grid of patch groups whose pixels the pixel features read: images are
-  misses and exact hits (``approximate = False``); entries hold no thumbnail, zero patch entropy and no token hashes.
+* The visual tokens are not one (t, h, w) grid: each token's pixel hash and patch entropy are its tile patch's,
+  packed by the model's own ``pack_image_features`` (an unpadded token keeps its patch's, a downsampled one mixes
+  its patches' values, a newline token has its own constant), so an approximate hit knows which tokens changed and
+  their reading rows (the base view's rows, then each tile row up to its newline). A copy is matched in place only
+  (``movable = False``: a move of the page is no move along the packed run) and only with an alias of the same
+  packing (``same_layout``: newlines at the same tokens). No thumbnail: no pixel stage; the whole image is encoded.
 * Positions are 1-D: a cached key moves by the text's delta only, an ordinary RoPE rotation over halves.
 """
 
@@ -27,6 +31,8 @@ LLAVA_TEMPLATE = QWEN2_TEMPLATE.replace("<|vision_start|><|image_pad|><|vision_e
 #: the offline processor's geometry (``configs/models/tiny.yaml``'s tower: 56-pixel tiles of 14-pixel patches)
 TILE, PATCH = 56, 14
 PINPOINTS = [[56, 56], [56, 112], [112, 56], [112, 112], [112, 168], [168, 112], [168, 168]]
+#: a newline token's pixel hash: the bits of -1.0 as a float64 (no packed CRC-32, a value >= 0, has them)
+NEWLINE = int(torch.tensor([-1.0], dtype=torch.float64).view(torch.int64))
 
 
 @dataclass
@@ -39,8 +45,8 @@ class LlavaOnevisionAdapter(QwenAdapter):
         "llava_onevision.video_processing_llava_onevision:LlavaOnevisionVideoProcessor"
     vision_attribute: ClassVar[str] = "vision_tower"
     vision_out_key: ClassVar[str | None] = None
-    approximate: ClassVar[bool] = False
-    partial_encoder: ClassVar[bool] = False  # no approximate hits: nothing encodes part of an image
+    movable: ClassVar[bool] = False
+    partial_encoder: ClassVar[bool] = False  # tiles are encoded whole (SigLIP attends over each tile)
     special_tokens: ClassVar[tuple[str, ...]] = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<image>", "<video>")
     chat_template: ClassVar[str] = LLAVA_TEMPLATE
 
@@ -65,6 +71,8 @@ class LlavaOnevisionAdapter(QwenAdapter):
         return [n == 1 for n in per_sample.tolist() for _ in range(n)]
 
     def split_images(self, pixel_values: torch.Tensor, geometry, run_lengths) -> list[tuple]:
+        """Per image (its tiles, (1, 1, N), (image size, tiled)); N from ``run_lengths`` (the placeholder runs), or
+        without them (a processor's output) from the packing."""
         from transformers.models.llava_onevision.modeling_llava_onevision import image_size_to_num_patches
 
         config = self.model.config
@@ -76,9 +84,10 @@ class LlavaOnevisionAdapter(QwenAdapter):
             pixels = [p[:n] for p, n in zip(pixel_values, tiles)]
         else:
             pixels = list(torch.split(pixel_values, tiles))
-        lengths = run_lengths or [0] * len(pixels)
-        return [(p, (1, 1, int(n)), (tuple(int(x) for x in size.tolist()), tiled))
-                for p, n, size, tiled in zip(pixels, lengths, sizes, self._tiled(geometry))]
+        extras = [(tuple(int(x) for x in size.tolist()), tiled) for size, tiled in zip(sizes, self._tiled(geometry))]
+        lengths = run_lengths or [self._packed(torch.zeros(p.shape[0], self._per_tile), x, 0.0).numel()
+                                  for p, x in zip(pixels, extras)]
+        return [(p, (1, 1, int(n)), x) for p, n, x in zip(pixels, lengths, extras)]
 
     def encode_images(self, get_image_features, images: list[tuple]):
         """One image at a time: whether an image is tiled depends on its sample (``batch_num_images``), which a
@@ -90,15 +99,83 @@ class LlavaOnevisionAdapter(QwenAdapter):
             out.append((encoded.pooler_output[0], None))
         return out
 
-    def pixel_features(self, pixels: torch.Tensor, grid, hashes=None):
-        n = grid[2]
-        return lambda: (torch.zeros(n), None)
+    # -- the tokens' pixels: each tile patch's, packed as the model packs the tiles' features ---------------
+    @property
+    def _per_tile(self) -> int:
+        vision = self.vision_config
+        return (vision.image_size // vision.patch_size) ** 2
 
-    def patch_hashes(self, pixels: torch.Tensor, grid) -> None:
+    def _packed(self, values: torch.Tensor, extra, newline: float) -> torch.Tensor:
+        """(N,) float64: ``values`` ((tiles, patches per tile), one per tile patch) through the model's own
+        ``pack_image_features`` (unpadding, downsampling, newlines of value ``newline``)."""
+        size, tiled = extra
+        ratio = getattr(self.model.config, "vision_aspect_ratio", None) or "anyres_max_9"
+        packed, _ = self.base.pack_image_features([values.to(torch.float64).cpu()[:, :, None]], torch.tensor([size]),
+                                                  image_newline=torch.tensor([newline], dtype=torch.float64),
+                                                  vision_aspect_ratio=ratio)
+        return packed[0][:, 0]
+
+    def _patch_rows(self, pixels: torch.Tensor) -> torch.Tensor:
+        """(tiles * patches, C * p * p) each tile patch's pixels, channel-major (as SigLIP's patch embedding)."""
+        p = self.vision_config.patch_size
+        t, c, h, w = pixels.shape
+        x = pixels.detach().cpu().reshape(t, c, h // p, p, w // p, p).permute(0, 2, 4, 1, 3, 5)
+        return x.reshape(t * (h // p) * (w // p), c * p * p).contiguous()
+
+    def _packs_patches(self) -> bool:
+        """Whether each tile's features are its patches' (the ``full`` strategy; ``default`` drops the first)."""
+        return getattr(self.model.config, "vision_feature_select_strategy", "full") == "full"
+
+    def patch_hashes(self, pixels: torch.Tensor, grid, extra=None) -> torch.Tensor | None:
+        """(N,) int64: the bits of each token's packed patch CRC-32 (exact for a token that shows one patch,
+        a mix of its patches' for a downsampled one), ``NEWLINE`` at the newline tokens; None when unknown."""
+        if extra is None or not self._packs_patches() or pixels.dim() != 4:
+            return None
+        from vismemo_hf.core.features import patch_hashes
+
+        crc = patch_hashes(self._patch_rows(pixels), 1).reshape(pixels.shape[0], -1)
+        packed = self._packed(crc, extra, -1.0)
+        return packed.view(torch.int64) if packed.numel() == grid[2] else None
+
+    def pixel_features(self, pixels: torch.Tensor, grid, hashes=None, extra=None):
+        def compute():
+            known = hashes if hashes is not None else self.patch_hashes(pixels, grid, extra)
+            if known is None:
+                return torch.zeros(grid[2]), None
+            from vismemo_hf.core.features import patch_entropy
+
+            p, c = self.vision_config.patch_size, pixels.shape[1]
+            entropy = patch_entropy(self._patch_rows(pixels), channels=c, temporal_patch=1, patch=p, merge=1,
+                                    image_mean=self.image_mean, image_std=self.image_std)
+            return self._packed(entropy.reshape(pixels.shape[0], -1), extra, 0.0).float(), known
+        return compute
+
+    def token_rows(self, features) -> torch.Tensor | None:
+        """The base view's rows of patches, then one row per run of tokens ended by a newline."""
+        hashes = features.patch_hashes
+        if hashes is None:
+            return None
+        side = self.vision_config.image_size // self.vision_config.patch_size
+        at = torch.arange(hashes.numel())
+        ended = torch.zeros(hashes.numel(), dtype=torch.long)
+        ended[1:] = (hashes[:-1] == NEWLINE).long().cumsum(0)  # newlines before each token (none in the base view)
+        return torch.where(at < self._per_tile, at // side, side + ended)
+
+    def same_layout(self, mine: torch.Tensor | None, theirs: torch.Tensor | None) -> bool:
+        """Both packings known and their newlines at the same tokens (an image of another size or tiling can
+        have as many tokens in other rows)."""
+        return mine is not None and theirs is not None and mine.shape == theirs.shape and \
+            bool(((mine == NEWLINE) == (theirs == NEWLINE)).all())
+
+    def thumbnail_of(self, pixels: torch.Tensor, grid, extra=None):
         return None
 
-    def thumbnail_of(self, pixels: torch.Tensor, grid):
-        return None
+    def image_processor(self, min_tokens: int = 4, max_tokens: int = 1024):
+        """The model's tiling (its tower's tile size and ``image_grid_pinpoints``) and normalisation."""
+        tile = self.vision_config.image_size
+        return transformers_class(self.image_processor_class)(
+            size={"height": tile, "width": tile}, image_grid_pinpoints=self.model.config.image_grid_pinpoints,
+            image_mean=list(self.image_mean), image_std=list(self.image_std))
 
     # -- 1-D positions ---------------------------------------------------------------------------------------
     def rope(self, hidden: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

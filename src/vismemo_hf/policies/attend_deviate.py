@@ -143,7 +143,7 @@ class AttendDeviatePolicy(RoutingPolicy):
         recompute = [self.select(deviation, attention, n)]
         changed = changed_tokens(image, alias)
         if changed is not None and int(changed.sum()) <= self.local_share * n:  # with dependents 0: themselves
-            recompute.append(torch.nonzero(reading_dependents(changed, image.token_hw, self.dependents)).flatten())
+            recompute.append(torch.nonzero(reading_dependents(changed, image.token_rows, self.dependents)).flatten())
         probes = None
         if signals.prefix_changed and self.prefix_routing == "check":  # the alias was computed after another context
             context = self.context_recompute(signals, n)

@@ -315,18 +315,20 @@ def changed_tokens(image: ImageFeatures, alias: ImageFeatures) -> torch.Tensor |
     return image.patch_hashes != alias.patch_hashes
 
 
-def reading_dependents(changed: torch.Tensor, hw: tuple[int, int], reach: int | str) -> torch.Tensor:
-    """(N,) True at ``changed`` tokens and at the tokens after each of them in its token row: the next ``reach``,
-    or (``"row"``) the rest of the row. In reading order a later token attends to an earlier one (the rest of a
-    number, a word, a record is read through it), so its cached K/V hold what the changed token showed before."""
-    h, w = hw
-    grid = changed.reshape(h, w)
-    if reach == "row":
-        return grid.to(torch.int8).cummax(1).values.bool().reshape(-1)
-    out = grid.clone()
-    for step in range(1, min(int(reach), w - 1) + 1):
-        out[:, step:] |= grid[:, :-step]
-    return out.reshape(-1)
+def reading_dependents(changed: torch.Tensor, rows: torch.Tensor, reach: int | str) -> torch.Tensor:
+    """(N,) True at ``changed`` tokens and at the tokens after each of them in its token row (``rows``: (N,) the row
+    of each token, rows in runs, as ``ImageFeatures.token_rows`` gives them): the next ``reach``, or (``"row"``) the
+    rest of the row. In reading order a later token attends to an earlier one (the rest of a number, a word, a
+    record is read through it), so its cached K/V hold what the changed token showed before."""
+    changed, rows = changed.reshape(-1).bool().cpu(), rows.reshape(-1).cpu()
+    n = changed.numel()
+    at = torch.arange(n)
+    starts = torch.ones(n, dtype=torch.bool)
+    starts[1:] = rows[1:] != rows[:-1]
+    row_start = torch.where(starts, at, torch.zeros_like(at)).cummax(0).values
+    seen = torch.cat([torch.zeros(1, dtype=torch.long), changed.long().cumsum(0)])  # seen[i]: changed before i
+    first = row_start if reach == "row" else torch.maximum(row_start, at - int(reach))
+    return seen[at + 1] > seen[first]
 
 
 def split_by_score(

@@ -30,6 +30,7 @@ from vismemo_hf.core.pixel_first import encoder_tokens, partly_changed, pixel_ch
 from vismemo_hf.core.plan import HitKind, ImageFeatures
 from vismemo_hf.core.thresholds import (
     MAX_DRIFT,
+    MAX_SHIFT,
     MAX_ZOOM_DRIFT,
     aligned_similarity,
     best_shift,
@@ -316,7 +317,7 @@ def lookup_request(adapter, cache, input_ids, pixel_values, grids, get_image_fea
     items = adapter.split_images(device_pixels, grids, lengths)
     items = [items[i] for i in source]
     host = adapter.split_images(pixel_values, grids, lengths)
-    grid_list, pixels = [g for _, g, _ in items], [host[i][0] for i in source]
+    grid_list, pixels, extras = [g for _, g, _ in items], [host[i][0] for i in source], [host[i][2] for i in source]
     spans = image_spans(placeholder_runs, [adapter.tokens_in(g) for g in grid_list])
     t0 = time.perf_counter()
     originals = {i: source.index(i) for i in sorted(set(source))}  # original image -> its first copy
@@ -326,8 +327,8 @@ def lookup_request(adapter, cache, input_ids, pixel_values, grids, get_image_fea
     exact_ms = (time.perf_counter() - t0) * 1e3 / max(1, len(source))
     t0 = time.perf_counter()
     todo = [i for i in originals if entries[i] is None]
-    hashes = {i: _hashes_for_lookup(adapter, cache, owner, pixels[originals[i]], grid_list[originals[i]])
-              for i in todo}
+    hashes = {i: _hashes_for_lookup(adapter, cache, owner, pixels[originals[i]], grid_list[originals[i]],
+                                    extras[originals[i]]) for i in todo}
     firsts = {i: found for i in todo if (found := _pixel_alias(adapter, cache, owner, grid_list[originals[i]],
                                                                hashes[i], keys[i])) is not None}
     pixel_ms = (time.perf_counter() - t0) * 1e3 / max(1, len(todo))  # the pixel-first stage, per image
@@ -348,12 +349,12 @@ def lookup_request(adapter, cache, input_ids, pixel_values, grids, get_image_fea
             store_call("index", lambda e=entry: cache.store.note_pixels(e.key, e.patch_hashes), None)
         else:
             embeds, deepstack, tower = encodings[i]
-            feats = ImageFeatures(keys[i], grid_list[j], embeds,
-                                  pixel_features=adapter.pixel_features(pixels[j], grid_list[j], hashes[i]))
+            feats = ImageFeatures(keys[i], grid_list[j], embeds, rows=adapter.token_rows,
+                                  pixel_features=adapter.pixel_features(pixels[j], grid_list[j], hashes[i], extras[j]))
             host_embeds = embeds.detach().float().cpu()
             match = ImageMatch(row, start, feats, embeds, deepstack, region_descriptors(host_embeds, grid_list[j], merge),
                                HitKind.MISS, prefix, encoder_ms=encoder_ms, context=sketch,
-                               thumbnail=adapter.thumbnail_of(pixels[j], grid_list[j]), host_embeds=host_embeds,
+                               thumbnail=adapter.thumbnail_of(pixels[j], grid_list[j], extras[j]), host_embeds=host_embeds,
                                encoded_tokens=partial[i][2] if i in partial else None, tower_kv=tower)
             match = _pixel_first_match(match, *firsts[i]) if i in firsts else \
                 _approximate(adapter, match, cache, get_image_features)
@@ -391,13 +392,13 @@ def _approximate_lookup(adapter, cache) -> bool:
     return True
 
 
-def _hashes_for_lookup(adapter, cache, owner: str, pixels: torch.Tensor, grid) -> torch.Tensor | None:
+def _hashes_for_lookup(adapter, cache, owner: str, pixels: torch.Tensor, grid, extra) -> torch.Tensor | None:
     """The image's token pixel hashes when a pixel-first lookup can use them (the index holds images of its model
     and grid), else None (computed later, when needed)."""
     if not _approximate_lookup(adapter, cache) or cache.lookup_thresholds(adapter.fingerprint).same_pixels is None or \
             not store_call("index", lambda: cache.store.knows_pixels(owner, tuple(grid)), False):
         return None
-    return adapter.patch_hashes(pixels, grid)
+    return adapter.patch_hashes(pixels, grid, extra)
 
 
 def _pixel_alias(adapter, cache, owner: str, grid, hashes: torch.Tensor | None, own: str) -> tuple | None:
@@ -415,7 +416,7 @@ def _pixel_alias(adapter, cache, owner: str, grid, hashes: torch.Tensor | None, 
         if not _usable(adapter, cache, entry, key, tuple(grid)):
             continue
         changed = pixel_changes(hashes, entry.patch_hashes, same_pixels)
-        if changed is not None:
+        if changed is not None and adapter.same_layout(hashes, entry.patch_hashes):
             return entry, changed, 1.0 - float(changed.float().mean())
     return None
 
@@ -589,7 +590,8 @@ def _approximate(adapter, match: ImageMatch, cache, get_image_features) -> Image
             continue
         if not bool((regional_cosines(match.descriptors, descriptors, reference.descriptor_mean) > thresholds.tau).all()):
             continue  # the projected index let it through; the exact coarse rule does not
-        scored.append((*best_shift(mine, centred_sketches(other, reference.token_mean), hw), key, thumb))
+        scored.append((*best_shift(mine, centred_sketches(other, reference.token_mean), hw,
+                                   MAX_SHIFT if adapter.movable else 0), key, thumb))
     match = replace(match, lookup_bytes=read)
     chosen = _fine_stage(scored, thresholds, thresholds.tau_fine, match.thumbnail, hw)
     if chosen is None:
@@ -599,6 +601,8 @@ def _approximate(adapter, match: ImageMatch, cache, get_image_features) -> Image
     if not _usable(adapter, cache, entry, best, feats.grid):
         return match
     alias = entry.features().moved(moved_by, hw)
+    if not adapter.same_layout(feats.patch_hashes, alias.patch_hashes):
+        return match  # as many tokens, other places (``ModelAdapter.same_layout``)
     if pixel is not None and partly_changed(feats.patch_hashes, alias.patch_hashes):
         return match  # the pixel stage is for copies changed everywhere a little (``core.pixel_first``)
     drift = local_drift(match.thumbnail(), thumb, thumb_per_token(hw)) if thumb is not None and \

@@ -12,14 +12,14 @@ from vismemo_hf.core.thresholds import ModelReference, aligned_similarity, fine_
 
 def encode_images(adapter, get_image_features, images) -> list[tuple[torch.Tensor, tuple[int, int, int]]]:
     """(embeds, grid) of each image through the model's own tower, in one batch."""
-    inputs = adapter.image_processor()(images=[im.convert("RGB") for im in images], return_tensors="pt")
+    items = adapter.processed_images(adapter.image_processor()(images=[im.convert("RGB") for im in images],
+                                                               return_tensors="pt"))
     dtype = next(adapter.model.parameters()).dtype
     device = next(adapter.model.parameters()).device
     with torch.no_grad():
-        encoded = adapter.encode(get_image_features, inputs["pixel_values"].to(device=device, dtype=dtype),
-                                 inputs["image_grid_thw"].to(device))
-    grids = [tuple(int(x) for x in g) for g in inputs["image_grid_thw"].tolist()]
-    return [(e.float().cpu(), g) for (e, _), g in zip(encoded, grids)]
+        encoded = adapter.encode_images(get_image_features, [(p.to(device=device, dtype=dtype), g, x)
+                                                             for p, g, x in items])
+    return [(e.float().cpu(), g) for (e, _), (_, g, _) in zip(encoded, items)]
 
 
 def thumbnails(adapter, images) -> list[torch.Tensor | None]:
@@ -27,9 +27,8 @@ def thumbnails(adapter, images) -> list[torch.Tensor | None]:
     processor = adapter.image_processor()
     out = []
     for image in images:
-        inputs = processor(images=[image.convert("RGB")], return_tensors="pt")
-        grid = tuple(int(x) for x in inputs["image_grid_thw"][0])
-        made = adapter.thumbnail_of(inputs["pixel_values"], grid)
+        (pixels, grid, extra), = adapter.processed_images(processor(images=[image.convert("RGB")], return_tensors="pt"))
+        made = adapter.thumbnail_of(pixels, grid, extra)
         out.append(made() if made is not None else None)
     return out
 
