@@ -118,6 +118,12 @@ def test_llava_token_hashes_follow_the_models_own_packing_of_each_patch():
     rows = ImageFeatures("k", (1, 1, hashes[0].numel()), torch.zeros(hashes[0].numel(), 4), patch_hashes=hashes[0],
                          rows=adapter.token_rows).token_rows
     assert bool((rows[1:] >= rows[:-1]).all()) and bool((rows[1:][newline[:-1]] > rows[:-1][newline[:-1]]).all())
+    # a tile whose side is no multiple of the patch (384 / 14): the pixels no patch reads change no hash
+    tile = torch.randn(1, 3, 60, 60)
+    rows_of = adapter._patch_rows(tile)
+    spill = tile.clone()
+    spill[:, :, 56:, :] = 5.0
+    assert rows_of.shape == (16, 3 * 14 * 14) and torch.equal(rows_of, adapter._patch_rows(spill))
 
 
 def test_llava_images_of_as_many_tokens_in_other_rows_are_never_aliased():

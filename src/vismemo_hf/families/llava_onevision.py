@@ -116,11 +116,13 @@ class LlavaOnevisionAdapter(QwenAdapter):
         return packed[0][:, 0]
 
     def _patch_rows(self, pixels: torch.Tensor) -> torch.Tensor:
-        """(tiles * patches, C * p * p) each tile patch's pixels, channel-major (as SigLIP's patch embedding)."""
+        """(tiles * patches, C * p * p) each tile patch's pixels, channel-major, as SigLIP's patch embedding (a
+        convolution of stride p) reads them: a tile's last pixels that fill no patch are not read (384 / 14)."""
         p = self.vision_config.patch_size
         t, c, h, w = pixels.shape
-        x = pixels.detach().cpu().reshape(t, c, h // p, p, w // p, p).permute(0, 2, 4, 1, 3, 5)
-        return x.reshape(t * (h // p) * (w // p), c * p * p).contiguous()
+        rows, cols = h // p, w // p
+        x = pixels.detach().cpu()[:, :, : rows * p, : cols * p].reshape(t, c, rows, p, cols, p)
+        return x.permute(0, 2, 4, 1, 3, 5).reshape(t * rows * cols, c * p * p).contiguous()
 
     def _packs_patches(self) -> bool:
         """Whether each tile's features are its patches' (the ``full`` strategy; ``default`` drops the first)."""
