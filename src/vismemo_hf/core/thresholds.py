@@ -198,10 +198,12 @@ def best_shift(a: torch.Tensor, b: torch.Tensor, hw: tuple[int, int],
 
 
 def fine_score(a: torch.Tensor, b: torch.Tensor, grid: tuple[int, int, int], merge: int,
-               token_mean: torch.Tensor) -> tuple[float, tuple[int, int]]:
+               token_mean: torch.Tensor, max_shift: int | None = None) -> tuple[float, tuple[int, int]]:
     """The fine rule at full width for two images' tokens (N, d) of one ``grid``: (score, shift) of ``best_shift``
-    on their centred tokens."""
-    return best_shift(centred_tokens(a, token_mean), centred_tokens(b, token_mean), token_grid(grid, merge)[1:])
+    on their centred tokens (``max_shift``: its moves, default ``MAX_SHIFT``; 0 for a family whose copies are
+    matched unmoved, ``ModelAdapter.movable``)."""
+    return best_shift(centred_tokens(a, token_mean), centred_tokens(b, token_mean), token_grid(grid, merge)[1:],
+                      MAX_SHIFT if max_shift is None else max_shift)
 
 
 #: the pixel stage zooms a candidate's thumbnail by up to this factor either way (a crop or a rescan at another

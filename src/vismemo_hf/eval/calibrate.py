@@ -192,9 +192,9 @@ def score_pairs(adapter, get_image_features, pair_list, reference, desc: str = "
         rows.append({
             "near": near, "what": what,
             "coarse": float(regional_cosines(da, db, descriptor_mean).min()),
-            "fine": fine_score(ea, eb, ga, adapter.merge, token_mean)[0],
+            "fine": fine_score(ea, eb, ga, adapter.merge, token_mean, adapter.max_shift)[0],
             "fine_sketch": best_shift(centred_sketches(token_sketch(ea), token_mean),
-                                      centred_sketches(token_sketch(eb), token_mean), hw)[0],
+                                      centred_sketches(token_sketch(eb), token_mean), hw, adapter.max_shift)[0],
             "pixel": aligned_similarity(thumbs[2 * i][0], thumbs[2 * i + 1][0], thumb_per_token(hw))[0]
             if thumbs[2 * i][0] is not None and thumbs[2 * i + 1][0] is not None else -1.0,
             "pixel_first": thumbs[2 * i][1] is not None and thumbs[2 * i + 1][1] is not None

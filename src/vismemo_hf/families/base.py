@@ -238,6 +238,13 @@ class ModelAdapter(VisionTower):
     #: one row-major grid in which a move is a shift of rows and columns
     movable: ClassVar[bool] = True
 
+    @property
+    def max_shift(self) -> int:
+        """The moves, in visual tokens, the fine stage compares a candidate at (``core.thresholds.best_shift``)."""
+        from vismemo_hf.core.thresholds import MAX_SHIFT
+
+        return MAX_SHIFT if self.movable else 0
+
     @classmethod
     def for_model(cls, model, image_mean=None, image_std=None) -> ModelAdapter:
         """The adapter of ``model``'s family (``families.FAMILIES``), whichever class it is called on."""

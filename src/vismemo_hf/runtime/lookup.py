@@ -30,7 +30,6 @@ from vismemo_hf.core.pixel_first import encoder_tokens, partly_changed, pixel_ch
 from vismemo_hf.core.plan import HitKind, ImageFeatures
 from vismemo_hf.core.thresholds import (
     MAX_DRIFT,
-    MAX_SHIFT,
     MAX_ZOOM_DRIFT,
     aligned_similarity,
     best_shift,
@@ -590,8 +589,8 @@ def _approximate(adapter, match: ImageMatch, cache, get_image_features) -> Image
             continue
         if not bool((regional_cosines(match.descriptors, descriptors, reference.descriptor_mean) > thresholds.tau).all()):
             continue  # the projected index let it through; the exact coarse rule does not
-        scored.append((*best_shift(mine, centred_sketches(other, reference.token_mean), hw,
-                                   MAX_SHIFT if adapter.movable else 0), key, thumb))
+        scored.append((*best_shift(mine, centred_sketches(other, reference.token_mean), hw, adapter.max_shift), key,
+                       thumb))
     match = replace(match, lookup_bytes=read)
     chosen = _fine_stage(scored, thresholds, thresholds.tau_fine, match.thumbnail, hw)
     if chosen is None:

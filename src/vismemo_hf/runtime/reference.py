@@ -43,7 +43,8 @@ def model_reference(adapter, get_image_features) -> ModelReference:
     token_mean = torch.cat([F.normalize(e, dim=-1) for e, _ in encoded]).mean(0)
     pairs = [(i, j) for i in range(len(encoded)) for j in range(i + 1, len(encoded))
              if i % len(IMAGE_KINDS) == j % len(IMAGE_KINDS) and encoded[i][1] == encoded[j][1]]
-    unrelated = [fine_score(encoded[i][0], encoded[j][0], encoded[i][1], adapter.merge, token_mean)[0]
+    unrelated = [fine_score(encoded[i][0], encoded[j][0], encoded[i][1], adapter.merge, token_mean,
+                             adapter.max_shift)[0]
                  for i, j in pairs]
     thumbs = thumbnails(adapter, images)
     pixel = [aligned_similarity(thumbs[i], thumbs[j], thumb_per_token(token_grid(encoded[i][1], adapter.merge)[1:]))[0]
