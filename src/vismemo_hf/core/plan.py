@@ -179,7 +179,7 @@ class ImageFeatures:
                  rows: Callable[[ImageFeatures], torch.Tensor | None] | None = None) -> None:
         self.key, self.grid, self.embeds, self.kv_tokens = key, grid, embeds, kv_tokens
         self._entropy, self._patch_hashes, self._pixel_features = entropy, patch_hashes, pixel_features
-        self._rows = rows
+        self._rows_of = rows
 
     def _compute(self) -> None:
         if self._pixel_features is not None:
@@ -213,7 +213,7 @@ class ImageFeatures:
     def token_rows(self) -> torch.Tensor:
         """(N,) the row of each visual token in reading order, rows in runs: ``token_hw``'s rows, or the family's
         own (LLaVA-OneVision's base view and tile rows, each ended by a newline token)."""
-        rows = self._rows(self) if self._rows is not None else None
+        rows = self._rows_of(self) if self._rows_of is not None else None
         return rows if rows is not None else torch.arange(self.n_tokens) // self.token_hw[1]
 
     def stored(self, tokens: torch.Tensor) -> torch.Tensor:
