@@ -149,3 +149,15 @@ def test_llava_images_of_as_many_tokens_in_other_rows_are_never_aliased():
         events.append(cache.events[0])
     assert [e.kind for e in events] == [HitKind.MISS, HitKind.MISS, HitKind.APPROXIMATE]
     assert events[2].alias == events[0].key
+
+
+def test_every_family_module_imports_under_a_meta_device():
+    """transformers' own tests build models under ``torch.device("meta")``; the registry may be imported first there
+    (``tests/compat/vismemo_compat.py``), so no family module computes a tensor value at import (a fresh process)."""
+    import subprocess
+    import sys
+
+    code = "import torch\nwith torch.device('meta'):\n    import vismemo_hf.families\nprint(len(vismemo_hf.families.FAMILIES))"
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert int(run.stdout.split()[-1]) == len(FAMILIES)

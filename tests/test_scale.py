@@ -128,6 +128,8 @@ def test_thresholds_presets_and_model_check(tmp_path, qwen2, pages):
         LookupThresholds(tau=2.0)
     floor = ModelReference(torch.zeros(4), torch.zeros(4), unrelated_fine=0.93)
     assert LookupThresholds().fine_for(floor) == pytest.approx(0.96)
+    blind = ModelReference(torch.zeros(4), torch.zeros(4), unrelated_fine=0.999)  # a tower that tells nothing apart
+    assert LookupThresholds().fine_for(blind) == 1.0 and LookupThresholds().for_model(blind).tau_fine == 1.0
     assert vismemo_hf.VisMemoCache(store=store, tau_fine=0.5).lookup_thresholds("x").fine_for(floor) == 0.5
 
 

@@ -18,6 +18,7 @@ What differs from the generic adapter:
 
 from __future__ import annotations
 
+import struct
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -32,7 +33,7 @@ LLAVA_TEMPLATE = QWEN2_TEMPLATE.replace("<|vision_start|><|image_pad|><|vision_e
 TILE, PATCH = 56, 14
 PINPOINTS = [[56, 56], [56, 112], [112, 56], [112, 112], [112, 168], [168, 112], [168, 168]]
 #: a newline token's pixel hash: the bits of -1.0 as a float64 (no packed CRC-32, a value >= 0, has them)
-NEWLINE = int(torch.tensor([-1.0], dtype=torch.float64).view(torch.int64))
+NEWLINE = struct.unpack("<q", struct.pack("<d", -1.0))[0]  # plain bytes: no tensor at import (meta device contexts)
 
 
 @dataclass
