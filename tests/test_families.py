@@ -157,7 +157,8 @@ def test_every_family_module_imports_under_a_meta_device():
     import subprocess
     import sys
 
-    code = "import torch\nwith torch.device('meta'):\n    import vismemo_hf.families\nprint(len(vismemo_hf.families.FAMILIES))"
+    code = ("import torch\nwith torch.device('meta'):\n    import vismemo_hf.families\n"
+            "print(len(vismemo_hf.families.FAMILIES))")
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr[-2000:]
     assert int(run.stdout.split()[-1]) == len(FAMILIES)
