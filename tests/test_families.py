@@ -1,6 +1,8 @@
 """The family seam (issue V): one adapter file per family, found by ``model_type``; what a family file declares is
 all the runtime needs from it."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from transformers import DynamicCache
@@ -139,7 +141,8 @@ def test_llava_images_of_as_many_tokens_in_other_rows_are_never_aliased():
     page = synthetic.page(1)
     tall, wide = page.resize((60, 260)), page.resize((100, 60))
     (a, ga, xa), (b, gb, xb) = _llava_images(adapter, [tall, wide])
-    assert ga == gb and not adapter.same_layout(adapter.patch_hashes(a, ga, xa), adapter.patch_hashes(b, gb, xb))
+    assert ga == gb and not adapter.same_layout(SimpleNamespace(patch_hashes=adapter.patch_hashes(a, ga, xa)),
+                                          SimpleNamespace(patch_hashes=adapter.patch_hashes(b, gb, xb)))
     store = VisMemoStore()
     events = []
     for image in (tall, wide, page.resize((60, 280))):

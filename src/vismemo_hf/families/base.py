@@ -339,9 +339,10 @@ class ModelAdapter(VisionTower):
         its (t, h, w) grid."""
         return None
 
-    def same_layout(self, mine: torch.Tensor | None, theirs: torch.Tensor | None) -> bool:
-        """Whether token i of two images of one grid (their token pixel hashes) stands at the same place of both:
-        always, for a family whose grid says where every token is."""
+    def same_layout(self, image, alias) -> bool:
+        """Whether token i of two images of one grid (anything with their ``patch_hashes``: features, entries)
+        stands at the same place of both: always, for a family whose grid says where every token is (nothing is
+        read, so no image's hashes are computed for it)."""
         return True
 
     @property

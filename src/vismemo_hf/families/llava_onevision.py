@@ -164,9 +164,10 @@ class LlavaOnevisionAdapter(QwenAdapter):
         ended[1:] = (hashes[:-1] == NEWLINE).long().cumsum(0)  # newlines before each token (none in the base view)
         return torch.where(at < self._per_tile, at // side, side + ended)
 
-    def same_layout(self, mine: torch.Tensor | None, theirs: torch.Tensor | None) -> bool:
+    def same_layout(self, image, alias) -> bool:
         """Both packings known and their newlines at the same tokens (an image of another size or tiling can
         have as many tokens in other rows)."""
+        mine, theirs = image.patch_hashes, alias.patch_hashes
         return mine is not None and theirs is not None and mine.shape == theirs.shape and \
             bool(((mine == NEWLINE) == (theirs == NEWLINE)).all())
 

@@ -13,6 +13,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from types import SimpleNamespace
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
@@ -415,7 +416,7 @@ def _pixel_alias(adapter, cache, owner: str, grid, hashes: torch.Tensor | None, 
         if not _usable(adapter, cache, entry, key, tuple(grid)):
             continue
         changed = pixel_changes(hashes, entry.patch_hashes, same_pixels)
-        if changed is not None and adapter.same_layout(hashes, entry.patch_hashes):
+        if changed is not None and adapter.same_layout(SimpleNamespace(patch_hashes=hashes), entry):
             return entry, changed, 1.0 - float(changed.float().mean())
     return None
 
@@ -600,7 +601,7 @@ def _approximate(adapter, match: ImageMatch, cache, get_image_features) -> Image
     if not _usable(adapter, cache, entry, best, feats.grid):
         return match
     alias = entry.features().moved(moved_by, hw)
-    if not adapter.same_layout(feats.patch_hashes, alias.patch_hashes):
+    if not adapter.same_layout(feats, alias):
         return match  # as many tokens, other places (``ModelAdapter.same_layout``)
     if pixel is not None and partly_changed(feats.patch_hashes, alias.patch_hashes):
         return match  # the pixel stage is for copies changed everywhere a little (``core.pixel_first``)
