@@ -117,6 +117,55 @@ def test_an_approximate_plan_after_another_context_adds_the_check_and_its_probes
         ImagePlan(HitKind.EXACT, 4, 1, [0], [1, 2, 3], [], "a", verify=[2])
 
 
+def test_a_larger_or_unknown_context_change_is_computed_in_full_before_any_layer():
+    """More than ``prefix_small_change`` tokens of other text, or other images before (unknown): the check layer does
+    not see how far the deep layers moved, so the image is computed in full from the start, unless asked to check."""
+    from vismemo_hf.policies.vismemo import VisMemoPolicy
+
+    policy = AttendDeviatePolicy()
+    n = 64
+    image = ImageFeatures("a", (1, 16, 16), torch.randn(n, 8), torch.zeros(n), torch.arange(n))
+    alias = ImageFeatures("b", (1, 16, 16), torch.randn(n, 8), torch.zeros(n), torch.arange(n))
+    for kind in (HitKind.EXACT, HitKind.APPROXIMATE):
+        for change in (policy.prefix_small_change + 1, None):
+            plan = policy.early_plan(kind, image, alias, True, 4, change)
+            assert plan.kind is kind and plan.fallback == "context" and plan.recompute.numel() == n
+            assert not plan.reuse.numel() and plan.alias == "b"
+            assert AttendDeviatePolicy(prefix_check_large=True).early_plan(kind, image, alias, True, 4, change) is None
+        assert policy.early_plan(kind, image, alias, True, 4, policy.prefix_small_change) is None  # checked later
+    assert policy.early_plan(HitKind.EXACT, image, alias, False, 4, None).fallback is None  # the same context
+    assert VisMemoPolicy().early_plan(HitKind.APPROXIMATE, image, alias, True, 4, None) is None  # METHOD §2 reuses
+
+
+def test_a_region_changed_beside_identical_tokens_recomputes_everything_from_its_first_token():
+    """An inserted row: the rows above it identical, everything below shifted. Tokens before the first change read
+    nothing that changed; every token after it, changed or not, read the old page."""
+    policy = AttendDeviatePolicy()
+    n = 16 * 16
+    hashes = torch.arange(n)
+    alias = ImageFeatures("b", (1, 32, 32), torch.randn(n, 8), torch.zeros(n), hashes)
+    inserted = hashes.clone()
+    inserted[6 * 16:] = hashes[5 * 16:-16]  # the rows below move down one
+    inserted[5 * 16:6 * 16] = -1 - torch.arange(16)  # the new row 5
+    image = ImageFeatures("a", (1, 32, 32), torch.randn(n, 8), torch.zeros(n), inserted)
+    plan = policy.plan(image, alias, torch.arange(n), _signals(torch.zeros(n), False))
+    assert plan.recompute.tolist() == list(range(5 * 16, n)) and plan.reuse.tolist() == list(range(5 * 16))
+    noise = ImageFeatures("a", (1, 32, 32), torch.randn(n, 8), torch.zeros(n), -hashes - 1)  # a rescan: all changed
+    assert policy.plan(noise, alias, torch.arange(n), _signals(torch.zeros(n), False)).recompute.numel() == 0
+
+
+def test_an_approximate_plan_carries_a_confidence_guard_and_a_watch_when_asked():
+    n = 64
+    image = ImageFeatures("a", (1, 16, 16), torch.randn(n, 8), torch.zeros(n), torch.arange(n))
+    alias = ImageFeatures("b", (1, 16, 16), torch.randn(n, 8), torch.zeros(n), torch.arange(n))
+    plan = AttendDeviatePolicy(min_confidence=0.5).plan(image, alias, torch.arange(n), _signals(torch.zeros(n), False))
+    assert plan.verify is None and plan.verify_confidence == 0.5 and plan.verify_watch == 16
+    off = AttendDeviatePolicy().plan(image, alias, torch.arange(n), _signals(torch.zeros(n), False))  # the default
+    assert off.verify_confidence == 0.0 and off.verify_watch == 0
+    with pytest.raises(ValueError, match="min_confidence"):
+        AttendDeviatePolicy(min_confidence=1.5)
+
+
 def test_reading_dependents_are_the_tokens_after_a_change_in_its_row():
     changed = torch.zeros(12, dtype=torch.bool)
     changed[5] = True  # row 1, column 1 of a 3 x 4 grid
@@ -224,6 +273,31 @@ def test_a_failed_verification_computes_the_image_in_full_exactly_as_plain(base_
     assert kept.events[0].recomputed < kept.events[0].n_tokens
 
 
+def test_an_unsure_approximate_hit_is_computed_in_full_exactly_as_plain(base_reader):
+    """The same context, one cell edited: with a guard no answer passes (``min_confidence=1``), the image is computed
+    in full after the layers ran, and the answer and first-token probabilities are plain transformers'."""
+    model, plain, processor = base_reader
+    page = docpage.random_page(2**31 + 73_000, layout="table")
+    edited = docpage.edit_cells(page, [(2, 1)], random.Random(5))
+    question = docpage.ask(edited, "cell", 2, 1).text
+    store = vismemo_hf.VisMemoStore()
+    _ask(model, processor, [("image", docpage.render(page))], question, vismemo_hf.VisMemoCache(store=store))
+    asked = [("image", docpage.render(edited))]
+    ref, ref_logprobs = _ask(plain, processor, asked, question, DynamicCache())
+    for reuse_encoder in (False, True):  # with encoder reuse the unchanged tokens keep the alias's encoder output
+        cache = vismemo_hf.VisMemoCache(store=store, store_misses=False, min_confidence=1.0,
+                                        reuse_encoder=reuse_encoder)
+        answer, logprobs = _ask(model, processor, asked, question, cache)
+        event = cache.events[0]
+        assert event.kind is HitKind.APPROXIMATE and not event.prefix_changed
+        assert event.fallback == "uncertain" and event.recomputed == event.n_tokens
+        assert answer == ref
+        assert float((logprobs.exp() - ref_logprobs.exp()).abs().max()) <= (0.05 if reuse_encoder else 1e-4)
+    sure = vismemo_hf.VisMemoCache(store=store, store_misses=False, min_confidence=0.0)
+    _ask(model, processor, asked, question, sure, 1)
+    assert sure.events[0].fallback is None and sure.events[0].recomputed < sure.events[0].n_tokens
+
+
 def _text_change(processor, image_token, old_parts, new_parts, question) -> int:
     """The tokens of text by which two requests' contexts before their (last) image differ, counted directly."""
     def before(parts):
@@ -255,10 +329,15 @@ def test_an_exact_hit_after_a_few_other_tokens_counts_them_and_checks_them_as_a_
         assert event.kind is HitKind.EXACT and event.prefix_changed
         assert event.context_change == _text_change(processor, model.config.image_token_id, stored, asked, question), text
         assert (event.context_change <= policy.prefix_small_change) == small
-        if event.fallback is None:
-            tolerance = policy.prefix_small_tolerance if small else policy.prefix_probe_tolerance
-            assert event.plan.verify_tolerance == tolerance and event.recomputed < event.n_tokens
+        if small and event.fallback is None:
+            assert event.plan.verify_tolerance == policy.prefix_small_tolerance and event.recomputed < event.n_tokens
+        if not small:  # a larger change: computed in full from the start, nothing of the alias read
+            assert event.fallback == "context" and event.recomputed == event.n_tokens
         assert answer == _ask(plain, processor, asked, question, DynamicCache())[0]
+        checked = vismemo_hf.VisMemoCache(store=store, store_misses=False, prefix_check_large=True)
+        assert _ask(model, processor, asked, question, checked)[0] == answer
+        if not small and checked.events[0].fallback is None:  # the check of a larger change, when asked for
+            assert checked.events[0].plan.verify_tolerance == policy.prefix_probe_tolerance
 
 
 def test_a_one_letter_key_edit_recomputes_the_rest_of_the_record(base_reader):
@@ -406,15 +485,15 @@ def test_the_context_report_takes_its_front_from_an_earlier_run_only_when_it_hol
 
     point = {"agreement": 1.0, "recomputed_share": 0.5, "stale": 0}
     earlier = {"command": "vismemo report context --front-pairs 10",
-               "front": {"vismemo-docqa-tiny": {c: {**{n: point for n in report.FRONT}, "small <= 8": point}
+               "front": {"vismemo-docqa-tiny": {c: {**{n: point for n in report.FRONT}, "small <= 8 (default)": point}
                                                  for c in report.FRONT_CLASSES}}}
-    del earlier["front"]["vismemo-docqa-tiny"][report.FRONT_CLASSES[0]]["small <= 8 (default)"]  # the older label
+    del earlier["front"]["vismemo-docqa-tiny"][report.FRONT_CLASSES[0]]["small <= 8, larger checked"]  # an older label
     path = tmp_path / "context.json"
     path.write_text(json.dumps(earlier))
     args = argparse.Namespace(front_from=str(path), front_pairs=10, seed=9000, max_new_tokens=6, quiet=True)
     front, note = report._front(args, ["vismemo-docqa-tiny"])
     assert set(front["vismemo-docqa-tiny"][report.FRONT_CLASSES[0]]) >= set(report.FRONT)
-    assert earlier["command"] in note and any("small <= 8 (default)" in line for line in
+    assert earlier["command"] in note and any("small <= 8, larger checked" in line for line in
                                               report._front_lines(front, args, note))
     del earlier["front"]["vismemo-docqa-tiny"][report.FRONT_CLASSES[1]]["every token (full)"]
     path.write_text(json.dumps(earlier))

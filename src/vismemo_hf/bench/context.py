@@ -29,19 +29,20 @@ from vismemo_hf.progress import progress as progress_bar
 #: the routings compared: the library's default and the two published baselines under the same lookup and store
 POLICIES = {"default": {}, "cacheblend": {"policy": "cacheblend"}, "vismemo": {"policy": "vismemo"}}
 #: the front of the context check (``--front``): the size of a small context change (``prefix_small_change``,
-#: tokens) swept, the default with its confidence guard off, the default's probe tolerance for larger changes swept,
-#: the check layer alone (no probes) and every token computed
-FRONT = {"small <= 0 (every change checked in full)": {"prefix_small_change": 0},
-         "small <= 8 (default)": {"prefix_small_change": 8}, "small <= 16": {"prefix_small_change": 16},
-         "small <= 32": {"prefix_small_change": 32},
+#: tokens) swept, larger changes checked instead of computed in full (``prefix_check_large``), the default with its
+#: confidence guard off, the check layer alone (no probes, no guard) and every token computed
+FRONT = {"small <= 8, larger in full (default)": {},
+         "small <= 16, larger in full": {"prefix_small_change": 16},
+         "small <= 32, larger in full": {"prefix_small_change": 32},
+         "small <= 8, larger checked": {"prefix_check_large": True},
+         "small <= 0, every change checked": {"prefix_small_change": 0, "prefix_check_large": True},
          "small <= 16, no guard": {"prefix_small_change": 16, "prefix_min_confidence": 0.0, "prefix_watch_tokens": 0},
-         "small <= 16, probes 0.016": {"prefix_small_change": 16, "prefix_probe_tolerance": 0.016},
-         "small <= 16, probes 0.004": {"prefix_small_change": 16, "prefix_probe_tolerance": 0.004},
-         "check layer only": {"prefix_small_change": 0, "prefix_probe_share": 0.0, "prefix_min_confidence": 0.0},
+         "check layer only": {"prefix_small_change": 0, "prefix_check_large": True, "prefix_probe_share": 0.0,
+                              "prefix_min_confidence": 0.0},
          "every token (full)": {"policy": "full"}}
 #: labels an earlier ``context.json``'s front used for the same options (``--front-from``)
-FRONT_ALIASES = {"small <= 8": "small <= 8 (default)", "small <= 16 (default)": "small <= 16",
-                 "probes 0.016": "small <= 16, probes 0.016", "probes 0.004": "small <= 16, probes 0.004"}
+FRONT_ALIASES = {"small <= 8": "small <= 8, larger checked", "small <= 8 (default)": "small <= 8, larger checked",
+                 "small <= 0 (every change checked in full)": "small <= 0, every change checked"}
 FRONT_CLASSES = tuple(c for c in context.CLASSES if c.startswith(("text-", "image-")))
 READERS = {"vismemo-docqa-base": "docpage", "vismemo-docqa-tiny": "synthdoc"}
 
@@ -215,12 +216,13 @@ def _front_lines(front: dict, args, note: str) -> list[str]:
              f"{args.front_pairs} pages per class, three questions each). Swept: the largest context change "
              "(in tokens of text, `prefix_small_change`) checked as a small one (the 15 % whose K/V deviate "
              "most at the check layer recomputed, the rest verified by probes against "
-             "`prefix_small_tolerance` and by the confidence guard); at 16, without the confidence guard and watch "
-             "(`prefix_min_confidence=0`, `prefix_watch_tokens=0`) and with other probe tolerances for larger "
-             "changes (`prefix_probe_tolerance`, default 0.008); the check layer alone (no probes, no guard, "
-             "every change checked in full) and the `full` policy (every token computed). Worst: the lowest "
-             "agreement over the classes; recomputed: the mean share of an image's tokens computed (a fallback "
-             "computes all)." + note]
+             "`prefix_small_tolerance` and by the confidence guard); larger changes computed in full (the "
+             "default) or checked (`prefix_check_large`: the tokens past `prefix_tolerance` at the check layer "
+             "recomputed, probes against `prefix_probe_tolerance`, more than `prefix_miss_ratio` of the image "
+             "computes it all); at 16, without the confidence guard and watch (`prefix_min_confidence=0`, "
+             "`prefix_watch_tokens=0`); the check layer alone (no probes, no guard) and the `full` policy (every "
+             "token computed). Worst: the lowest agreement over the classes; recomputed: the mean share of an "
+             "image's tokens computed (a fallback computes all)." + note]
     for reader, summary in front.items():
         lines += ["", f"### {reader}", "", "| routing | worst agreement | stale | " + " | ".join(
             f"{c}: agreement / recomputed" for c in FRONT_CLASSES) + " |",

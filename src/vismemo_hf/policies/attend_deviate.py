@@ -25,11 +25,14 @@ policy therefore:
    their median stays near 0 (``tests/test_rules.py``, rule 9);
 6. recomputes, with every token whose pixels changed in a local edit (at most ``local_share`` of the image), the
    tokens after it in its token row (``dependents``): the rest of a number, word or record reads it in later
-   layers, where its deviation does not show at the warmup (``tests/test_context.py``);
+   layers, where its deviation does not show at the warmup (``tests/test_context.py``); when a larger region
+   changed and the rest is identical (an inserted row), every token from the first changed one on;
 7. when the alias was computed after another context (the text, images or videos before the image), adds the
-   context check (``RoutingPolicy.context_recompute``: the tokens the context moved at the check layer, and probes
-   that verify the rest at every layer, docs/METHOD.md §3); a context that moved most of the image, probes past
-   their tolerance or an unsure next token compute the image in full (``fallback="context"`` / ``"uncertain"``).
+   context check of a small change (``RoutingPolicy.context_recompute``: the tokens the context moved at the check
+   layer, and probes that verify the rest at every layer, docs/METHOD.md §3); a larger change, probes past their
+   tolerance or an unsure next token compute the image in full (``fallback="context"`` / ``"uncertain"``);
+8. with ``min_confidence`` > 0 (off by default), computes the image in full when the model is unsure of its next
+   token after the reuse (at the prefill and the first ``watch_tokens`` generated tokens; ``fallback="uncertain"``).
 
 The deviation of a token is the largest, over the warmup layers and the check layer, of its
 relative K plus V deviation (``WarmupSignals``). Exact hits after another context are checked the same way
@@ -43,6 +46,7 @@ from typing import ClassVar
 
 import torch
 
+from vismemo_hf.core.pixel_first import partly_changed
 from vismemo_hf.core.plan import HitKind, ImageFeatures, ImagePlan, WarmupSignals
 from vismemo_hf.policies.base import (
     RoutingPolicy,
@@ -95,6 +99,13 @@ class AttendDeviatePolicy(RoutingPolicy):
     #: them all and has no dependents)
     local_share: float = 0.25
     prefix_routing: str = "check"
+    #: an approximate hit in the same context whose next token the model is unsure of (top probability below this,
+    #: at the prefill and at each of the first ``watch_tokens`` generated tokens) is computed in full there, as after
+    #: another context (``runtime/watch.py``): a near tie (0.38 against 0.37 on ``vismemo-docqa-base``) flips under
+    #: any approximation. Off (0) by default: an open-ended answer has unsure tokens among its first ones, and a
+    #: model with random weights is unsure of every token, so the guard would compute most such hits twice
+    min_confidence: float = 0.0
+    watch_tokens: int = 16
     #: an approximate hit found by its pixels encodes only its changed tokens, which attend at every full-attention
     #: tower block to the alias's kept tower K/V of the other patches (``RoutingPolicy.reuses_encoder``,
     #: ``families.tower_kv``; docs/METHOD.md §1 step 2): their output agrees with a whole-image encode to a cosine
@@ -113,6 +124,8 @@ class AttendDeviatePolicy(RoutingPolicy):
             raise ValueError(f"dependents must be 'row' or a count >= 0, got {self.dependents!r}")
         if not 0.0 <= self.local_share <= 1.0:
             raise ValueError("local_share must lie in [0, 1]")
+        if not 0.0 <= self.min_confidence <= 1.0 or self.watch_tokens < 0:
+            raise ValueError("min_confidence must lie in [0, 1], watch_tokens >= 0")
 
     def reuses_encoder(self) -> bool:
         return self.reuse_encoder
@@ -133,6 +146,24 @@ class AttendDeviatePolicy(RoutingPolicy):
         top, _ = split_by_score(attention, torch.nonzero(free).flatten(), budget - by_deviation)
         return torch.cat([chosen, top]).sort().values
 
+    def pixel_recompute(self, image: ImageFeatures, alias: ImageFeatures) -> list[torch.Tensor]:
+        """What the tokens whose pixels changed make recomputed: a local edit (at most ``local_share``), its tokens
+        and their reading-order ``dependents``; a region changed with the rest of the image identical
+        (``core.pixel_first.partly_changed``: an inserted row moves everything below it), every token from the
+        first changed one on. The tokens before it read nothing that changed, so with the same context their K/V
+        are what a full prefill computes; after it, even an unchanged token read the old content (on the tiny
+        reader a reuse of those changed answers in the context report's insert-row class). A change of every token
+        (a shift, a rescan) is left to the deviation outliers."""
+        changed = changed_tokens(image, alias)
+        if changed is None:
+            return []
+        n = image.n_tokens
+        if int(changed.sum()) <= self.local_share * n:  # with dependents 0: themselves
+            return [torch.nonzero(reading_dependents(changed, image.token_rows, self.dependents)).flatten()]
+        if partly_changed(image.patch_hashes, alias.patch_hashes):
+            return [torch.arange(int(torch.nonzero(changed.cpu())[0]), n)]
+        return []
+
     def plan(self, image: ImageFeatures, alias: ImageFeatures, prefetched: torch.Tensor,
              signals: WarmupSignals) -> ImagePlan:
         n = image.n_tokens
@@ -141,9 +172,7 @@ class AttendDeviatePolicy(RoutingPolicy):
             return ImagePlan.full(HitKind.APPROXIMATE, n, alias.key, fallback="changed")  # changed everywhere
         attention = warmup_score(signals, n)
         recompute = [self.select(deviation, attention, n)]
-        changed = changed_tokens(image, alias)
-        if changed is not None and int(changed.sum()) <= self.local_share * n:  # with dependents 0: themselves
-            recompute.append(torch.nonzero(reading_dependents(changed, image.token_rows, self.dependents)).flatten())
+        recompute.extend(self.pixel_recompute(image, alias))
         probes = None
         if signals.prefix_changed and self.prefix_routing == "check":  # the alias was computed after another context
             context = self.context_recompute(signals, n)
@@ -160,5 +189,6 @@ class AttendDeviatePolicy(RoutingPolicy):
             mask, _ = split_by_score(-attention, unlikely, self.budget(self.max_mask_ratio, n))
             rest[mask] = False
         reuse = torch.nonzero(rest).flatten()
-        extra = self.verification(probes, signals) if probes is not None else {}
+        extra = self.verification(probes, signals) if probes is not None else \
+            {"verify_confidence": self.min_confidence, "verify_watch": self.watch_tokens if self.min_confidence else 0}
         return approximate_plan(self, image, alias, recompute, reuse, mask, restore_masked=self.restore_masked, **extra)

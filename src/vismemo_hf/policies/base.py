@@ -163,6 +163,13 @@ class RoutingPolicy:
     #: reads stays close; ``vismemo report context``); a larger or unknown change is checked as above
     prefix_small_change: int = 8
     prefix_small_tolerance: float = 0.1
+    #: a larger or unknown change (other images or videos before the image, more than ``prefix_small_change`` tokens
+    #: of text): False computes the image in full from the start (``fallback="context"``); True checks it as above.
+    #: A change that large moves the deep layers' K/V of most tokens where the check layer sees little of it (up to
+    #: 18x the check layer's mean deviation on ``vismemo-docqa-tiny``), and a check that passes there can reuse a
+    #: reading the new text changes: held out, it disagreed with a full prefill on up to 3 of 60 answers per class
+    #: while recomputing 95 % of the image on average (``vismemo report context``, its front)
+    prefix_check_large: bool = False
     #: reused tokens a compressed alias entry holds no K/V for (docs/METHOD.md §4): ``"mask"`` them (VL-Cache's choice;
     #: they are left out of attention) or ``"recompute"`` them (compute them at every layer)
     missing: str = "mask"
@@ -207,12 +214,16 @@ class RoutingPolicy:
         return self.prefix_check_layer if kind is HitKind.EXACT else self.warmup_layers
 
     def early_plan(self, kind: HitKind, image: ImageFeatures, alias: ImageFeatures | None, prefix_changed: bool,
-                   n_layers: int) -> ImagePlan | None:
+                   n_layers: int, context_change: int | None = None) -> ImagePlan | None:
         """The plan made before any layer runs, limited to what the alias holds; None: made at ``decision_layer``
-        from the warmup's signals (``route``). An exact hit that would be checked at a layer the model does not
-        have is computed in full."""
+        from the warmup's signals (``route``). A hit after a context change that is not small (``context_change``:
+        the tokens of text the contexts differ in, None when unknown or not text alone) is computed in full unless
+        ``prefix_check_large``; an exact hit that would be checked at a layer the model does not have is too."""
         if kind is HitKind.MISS:
             return self.miss_plan(image)
+        if prefix_changed and self.prefix_routing == "check" and not self.prefix_check_large and \
+                not (context_change is not None and context_change <= self.prefix_small_change):
+            return ImagePlan.full(kind, image.n_tokens, alias.key, fallback="context")
         if kind is HitKind.APPROXIMATE:
             return None
         plan = self.exact_plan(image, alias.key, prefix_changed)

@@ -336,7 +336,7 @@ def lookup_request(adapter, cache, input_ids, pixel_values, grids, get_image_fea
                          video_items(adapter.video_mask(input_ids, token_types), merge, videos),
                          owner.encode() + getattr(cache.store, "context_key", b""))
     t0 = time.perf_counter()
-    lendable = {i: f for i, f in firsts.items() if _same_context(cache, f[0], *contexts[originals[i]])}
+    lendable = {i: f for i, f in firsts.items() if _same_context(f[0], contexts[originals[i]][0])}
     partial, encodings = _encode_request(adapter, cache, get_image_features, lendable, todo,
                                          {i: items[originals[i]] for i in todo}, encoded)
     encoder_ms = (time.perf_counter() - t0) * 1e3
@@ -421,15 +421,12 @@ def _pixel_alias(adapter, cache, owner: str, grid, hashes: torch.Tensor | None, 
     return None
 
 
-def _same_context(cache, entry: Entry, prefix: str, sketch) -> bool:
-    """Whether a pixel-first alias may lend its encoder output: what precedes the image is what preceded it, or a
-    change small enough that the context check routes it (``prefix_small_change``). After a larger or unknown
-    change the check computes the image in full, which must then be its own whole-image encode (a run of the
-    context report without this rule disagreed with plain transformers after longer texts)."""
-    if entry.prefix == prefix:
-        return True
-    change = context_change(entry.context, sketch)
-    return change is not None and change <= getattr(cache.policy, "prefix_small_change", 0)
+def _same_context(entry: Entry, prefix: str) -> bool:
+    """Whether a pixel-first alias may lend its encoder output: what precedes the image is what preceded it. After
+    another context, even a small change, the checks may compute the image in full (probes, an unsure answer),
+    which must then be its own whole-image encode to give plain transformers' answer (a run of the context report
+    that lent it after small changes disagreed with plain on a near tie that the fallback computed)."""
+    return entry.prefix == prefix
 
 
 def _encode_request(adapter, cache, get_image_features, firsts: dict, todo: list[int], items: dict, encoded) \

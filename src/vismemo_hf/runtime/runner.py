@@ -116,7 +116,8 @@ class PrefillRunner:
             if m.kind is HitKind.APPROXIMATE and not m.aligned:  # warped: its tokens do not show what the alias's did
                 run.plan = ImagePlan.full(HitKind.APPROXIMATE, m.n_tokens, m.alias.key, fallback="warp")
             else:
-                run.plan = self.policy.early_plan(m.kind, m.features, m.alias, m.prefix_changed, self.adapter.num_layers)
+                run.plan = self.policy.early_plan(m.kind, m.features, m.alias, m.prefix_changed, self.adapter.num_layers,
+                                                  m.context_change)
             if m.kind is HitKind.MISS:
                 continue
             if run.plan is not None:
@@ -147,7 +148,7 @@ class PrefillRunner:
                 self._demote(i)
                 continue
             self.verifier.watch(i, run.plan)
-            if self.verifier.active and self._snapshot is None:
+            if i in self.verifier.watched and self._snapshot is None:  # probes or a confidence guard may fail it
                 self._snapshot = (layer, states.snapshot(), time.perf_counter())
 
     def _rewind(self, failed: list[int], states: ActiveStates, reason: str) -> int:
@@ -157,8 +158,8 @@ class PrefillRunner:
         for i in failed:
             run = self.runs[i]
             m = run.match
-            logger.info("vismemo: the reuse of %s after another context failed verification (estimate %.4g); "
-                        "computing the image in full", m.features.key[:12], self.verifier.estimates.get(i, float("nan")))
+            logger.info("vismemo: the reuse of %s failed verification (%s, estimate %.4g); computing the image in "
+                        "full", m.features.key[:12], reason, self.verifier.estimates.get(i, float("nan")))
             run.plan = ImagePlan.full(m.kind, m.n_tokens, m.alias.key if m.alias is not None else None,
                                       fallback=reason)
             run.timings["rewind"] = (time.perf_counter() - t0) * 1e3
@@ -167,7 +168,7 @@ class PrefillRunner:
         self.cache.drop_layers(first)
         self.signals.layer_stats = self.signals.layer_stats[:first]
         states.restore(snapshot)
-        self._snapshot = (first, snapshot, time.perf_counter()) if self.verifier.active else None
+        self._snapshot = (first, snapshot, time.perf_counter()) if self.verifier.watched else None
         return first
 
     def _watching(self) -> list[int]:

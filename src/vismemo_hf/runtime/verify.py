@@ -37,10 +37,14 @@ class Verifier:
         self.estimates: dict[int, float] = {}  # image -> the last judged estimate
 
     def watch(self, i: int, plan) -> None:
-        """Start verifying image ``i``'s plan (from its warmup's end on), if it has probes."""
-        if plan is not None and plan.verify is not None and plan.verify.numel() and plan.reuse.numel():
+        """Start verifying image ``i``'s plan (from its warmup's end on) when it reuses tokens and has probes or a
+        confidence guard (``verify_confidence``; without probes, no layer is judged)."""
+        if plan is None or not plan.reuse.numel():
+            return
+        probes = plan.verify is not None and bool(plan.verify.numel())
+        if probes or plan.verify_confidence > 0:
             self._worst.pop(i, None)
-            self._checks[i] = checkpoints(plan.warmup_layers, self.n_layers)
+            self._checks[i] = checkpoints(plan.warmup_layers, self.n_layers) if probes else set()
 
     def forget(self, i: int) -> None:
         self._worst.pop(i, None)
@@ -48,7 +52,8 @@ class Verifier:
 
     @property
     def active(self) -> bool:
-        return bool(self._checks)
+        """Whether any watched plan has probes to observe."""
+        return any(self._checks.values())
 
     @property
     def watched(self) -> list[int]:
@@ -57,9 +62,9 @@ class Verifier:
 
     def observe(self, layer: int, runs, cache, reader) -> None:
         """After ``layer`` ran: each watched plan's probes, fresh against cached, at that layer (device tensors)."""
-        for i in self._checks:
+        for i, layers in self._checks.items():
             run = runs[i]
-            if layer < run.plan.warmup_layers:
+            if not layers or layer < run.plan.warmup_layers:
                 continue
             cached = reader.cached_at(i, layer)
             if cached is None:
