@@ -499,3 +499,16 @@ def test_the_context_report_takes_its_front_from_an_earlier_run_only_when_it_hol
     path.write_text(json.dumps(earlier))
     with pytest.raises(ValueError, match="lacks front points"):
         report._front(args, ["vismemo-docqa-tiny"])
+
+
+def test_the_context_report_tells_the_defaults_worst_agreement_over_held_out_seeds():
+    from vismemo_hf.bench import context as report
+
+    def point(agreement, stale=0):
+        return {"default": {"agreement": agreement, "recomputed_share": 0.25, "stale": stale}}
+
+    heldout = {"vismemo-docqa-tiny": {9002: {"digit-edit": point(1.0), "insert-row": point(0.95, 1)},
+                                      9003: {"digit-edit": point(0.983), "insert-row": point(1.0)}}}
+    lines = report._heldout_lines(heldout, ("digit-edit", "insert-row"), 20)
+    assert "| digit-edit | 1.000 / 0.25 | 0.983 / 0.25 | 0.983 | 0 |" in lines
+    assert "| insert-row | 0.950 / 0.25 | 1.000 / 0.25 | 0.950 | 1 |" in lines

@@ -644,6 +644,9 @@ def _add_report(sub) -> None:
                         "0: none)")
     p.add_argument("--front-from", default=None,
                    help="the front of an earlier run's context.json instead of measuring it (same options)")
+    p.add_argument("--heldout-seeds", default="",
+                   help="comma-separated case seeds on which the default is measured again (--pairs pages per class "
+                        "each), reported per seed; none by default")
     p.add_argument("--max-new-tokens", type=positive, default=6, help="tokens generated per answer")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
     _out_option(p, "results/quality")

@@ -165,7 +165,8 @@ def main(args) -> int:
                                 quiet=args.quiet)
         results[reader], all_rows[reader] = summary, rows
     command = report_command("report context", args, ["readers", "pairs", "seed", "policies", "classes", "front_pairs"]
-                             + (["front_from"] if getattr(args, "front_from", None) else []))
+                             + (["front_from"] if getattr(args, "front_from", None) else [])
+                             + (["heldout_seeds"] if getattr(args, "heldout_seeds", "") else []))
     report = {"command": command, "machine": machine(note="fp32"), "seconds": round(time.time() - t0),
               "results": results, "rows": all_rows}
     out = Path(args.out)
@@ -188,6 +189,14 @@ def main(args) -> int:
         report["front"] = front
         (out / "context.json").write_text(json.dumps(report, indent=1))
         lines += _front_lines(front, args, note)
+        (out / "context.md").write_text("\n".join(lines) + "\n")
+    seeds = [int(s) for s in getattr(args, "heldout_seeds", "").split(",") if s]
+    if seeds:
+        report["heldout"] = {reader: {seed: measure(reader, seed, args.pairs, {"default": {}}, classes,
+                                                    args.max_new_tokens, desc=f"{reader} (seed {seed})",
+                                                    quiet=args.quiet)[1] for seed in seeds} for reader in readers}
+        (out / "context.json").write_text(json.dumps(report, indent=1))
+        lines += _heldout_lines(report["heldout"], classes, args.pairs)
     (out / "context.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0
@@ -234,3 +243,23 @@ def _front_lines(front: dict, args, note: str) -> list[str]:
                      for c in FRONT_CLASSES]
             lines.append(f"| {name} | {worst:.3f} | {stale} | " + " | ".join(cells) + " |")
     return lines
+
+
+def _heldout_lines(heldout: dict, classes, pairs: int) -> list[str]:
+    """The default on other case seeds: agreement / recomputed share per class and seed, the worst agreement and
+    the stale answers over them."""
+    lines = ["", "## The default on held-out seeds", "",
+             f"The same classes drawn from other case seeds ({pairs} pages per class, three questions each: other "
+             "pages, texts, lengths and edits); agreement / recomputed share per seed, the worst agreement and the "
+             "stale answers over the seeds."]
+    for reader, by_seed in heldout.items():
+        seeds = list(by_seed)
+        lines += ["", f"### {reader}", "", "| class | " + " | ".join(f"seed {s}" for s in seeds) + " | worst | stale |",
+                  "| " + " | ".join(["---"] * (3 + len(seeds))) + " |"]
+        for cls in classes:
+            got = [by_seed[s][cls]["default"] for s in seeds]
+            cells = [f"{g['agreement']:.3f} / {g['recomputed_share']:.2f}" for g in got]
+            lines.append(f"| {cls} | " + " | ".join(cells) + f" | {min(g['agreement'] for g in got):.3f} | "
+                         f"{sum(g['stale'] for g in got)} |")
+    return lines
+
