@@ -160,11 +160,12 @@ class RoutingPolicy:
     #: ``prefix_recompute_ratio`` whose K/V deviate most and verifies the rest by the probes, against
     #: ``prefix_small_tolerance``, and by the confidence guard and watch, without ``prefix_tolerance`` and
     #: ``prefix_miss_ratio`` (a short change lifts the first layers' deviation of most tokens while what the answer
-    #: reads stays close; ``vismemo report context``); a larger or unknown change is checked as above
+    #: reads stays close; ``vismemo report context``); a larger or unknown change: ``prefix_check_large``
     prefix_small_change: int = 8
     prefix_small_tolerance: float = 0.1
     #: a larger or unknown change (other images or videos before the image, more than ``prefix_small_change`` tokens
-    #: of text): False computes the image in full from the start (``fallback="context"``); True checks it as above.
+    #: of text): False computes the image in full from the start (``fallback="context"``); True checks it
+    #: (``prefix_tolerance``, ``prefix_miss_ratio``, probes against ``prefix_probe_tolerance``).
     #: A change that large moves the deep layers' K/V of most tokens where the check layer sees little of it (up to
     #: 18x the check layer's mean deviation on ``vismemo-docqa-tiny``), and a check that passes there can reuse a
     #: reading the new text changes: held out, it disagreed with a full prefill on up to 3 of 60 answers per class
