@@ -101,7 +101,7 @@ class AttendDeviatePolicy(RoutingPolicy):
     prefix_routing: str = "check"
     #: an approximate hit in the same context whose next token the model is unsure of (top probability below this,
     #: at the prefill and at each of the first ``watch_tokens`` generated tokens) is computed in full there, as after
-    #: another context (``runtime/watch.py``): a near tie (0.38 against 0.37 on ``vismemo-docqa-base``) flips under
+    #: another context (``runtime/watch.py``): a near tie between two answers flips under
     #: any approximation. Off (0) by default: an open-ended answer has unsure tokens among its first ones, and a
     #: model with random weights is unsure of every token, so the guard would compute most such hits twice
     min_confidence: float = 0.0

@@ -166,10 +166,9 @@ class RoutingPolicy:
     #: a larger or unknown change (other images or videos before the image, more than ``prefix_small_change`` tokens
     #: of text): False computes the image in full from the start (``fallback="context"``); True checks it
     #: (``prefix_tolerance``, ``prefix_miss_ratio``, probes against ``prefix_probe_tolerance``).
-    #: A change that large moves the deep layers' K/V of most tokens where the check layer sees little of it (up to
-    #: 18x the check layer's mean deviation on ``vismemo-docqa-tiny``), and a check that passes there can reuse a
-    #: reading the new text changes: held out, it disagreed with a full prefill on up to 3 of 60 answers per class
-    #: while recomputing 95 % of the image on average (``vismemo report context``, its front)
+    #: A change that large moves the deep layers' K/V of most tokens where the check layer sees little of it, and a
+    #: check that passes there can reuse a reading the new text changes: on the context report's front it disagreed
+    #: with a full prefill on the tiny reader after 11-40 characters while computing most such images in full anyway
     prefix_check_large: bool = False
     #: reused tokens a compressed alias entry holds no K/V for (docs/METHOD.md §4): ``"mask"`` them (VL-Cache's choice;
     #: they are left out of attention) or ``"recompute"`` them (compute them at every layer)
