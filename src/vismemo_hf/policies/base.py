@@ -222,7 +222,7 @@ class RoutingPolicy:
         if kind is HitKind.MISS:
             return self.miss_plan(image)
         if prefix_changed and self.prefix_routing == "check" and not self.prefix_check_large and \
-                not (context_change is not None and context_change <= self.prefix_small_change):
+                not self.small_change(context_change):
             return ImagePlan.full(kind, image.n_tokens, alias.key, fallback="context")
         if kind is HitKind.APPROXIMATE:
             return None
@@ -283,9 +283,13 @@ class RoutingPolicy:
             probes = rest[torch.linspace(0, rest.numel() - 1, m).round().long().unique()]
         return torch.cat([order[:count], probes]).sort().values, probes.sort().values
 
+    def small_change(self, context_change: int | None) -> bool:
+        """Whether a context change of ``context_change`` tokens (None: unknown) is small (``prefix_small_change``)."""
+        return context_change is not None and context_change <= self.prefix_small_change
+
     def small_context(self, signals: WarmupSignals) -> bool:
-        """Whether a changed context is a small change (``prefix_small_change``)."""
-        return signals.context_change is not None and signals.context_change <= self.prefix_small_change
+        """Whether the changed context of ``signals`` is a small change."""
+        return self.small_change(signals.context_change)
 
     def prefix_plan(self, image: ImageFeatures, alias: str, signals: WarmupSignals) -> ImagePlan:
         """An exact hit after another context: recompute what the context changed (``context_recompute``)."""
