@@ -8,7 +8,14 @@ import torch
 
 import vismemo_hf
 from vismemo_hf.core.features import token_grid
-from vismemo_hf.core.pixel_first import distinctive, encoder_tokens, pixel_changes
+from vismemo_hf.core.pixel_first import (
+    REGION_SAME,
+    distinctive,
+    encoder_tokens,
+    pixel_changes,
+    region_changed,
+    unchanged_rows,
+)
 from vismemo_hf.core.plan import HitKind
 from vismemo_hf.eval import synthetic
 from vismemo_hf.runtime.hooks import _own
@@ -42,6 +49,33 @@ def test_distinctive_and_pixel_changes():
     assert pixel_changes(other, hashes) is None
     assert pixel_changes(edited, hashes[:-1]) is None and pixel_changes(None, hashes) is None
     assert pixel_changes(edited, hashes, min_same=1.0) is None
+
+
+def test_a_region_changed_in_rows_of_its_own_is_an_edit_another_page_is_not():
+    """The region rule: changes that leave whole token rows untouched holding REGION_SAME of the distinctive tokens
+    (an inverted row, an inserted one with the rows above it) are the candidate edited; another page of the same
+    background, and a moved copy, change a distinctive token in every row."""
+    rows = torch.arange(8 * 6) // 6  # 8 rows of 6 tokens
+    page = torch.arange(1, 49)
+    page[rows % 2 == 1] = 0  # every other row blank (not distinctive): 24 distinctive tokens in rows 0, 2, 4, 6
+    inverted = page.clone()
+    inverted[rows == 2] += 1000  # one row of text changed: 6 of 24 distinctive, other rows untouched
+    assert pixel_changes(inverted, page) is not None  # the old rule already: 0.75 of the distinctive tokens kept
+    wide = page.clone()
+    wide[(rows >= 2) & (rows <= 4)] += 1000  # rows 2-4: half the distinctive tokens, the other half untouched
+    assert pixel_changes(wide, page) is None and unchanged_rows(wide, page, rows) == 0.5
+    assert pixel_changes(wide, page, rows=rows).nonzero().flatten().tolist() == list(range(12, 30))
+    assert region_changed(wide, page, rows) and not region_changed(inverted, page, rows)
+    inserted = page.clone()
+    inserted[rows >= 2] = torch.cat([torch.arange(500, 506), page[rows >= 2][:-6]])  # a row in, the rest moved down
+    assert pixel_changes(inserted, page, rows=rows) is not None and region_changed(inserted, page, rows)
+    other = page.clone()
+    other[page > 0] += 5000  # another page of the same layout: text in every row differs
+    moved = torch.roll(page, 1)
+    for copy_ in (other, moved):
+        assert unchanged_rows(copy_, page, rows) < REGION_SAME
+        assert pixel_changes(copy_, page, rows=rows) is None and not region_changed(copy_, page, rows)
+    assert unchanged_rows(wide, page, None) == 0.0 and unchanged_rows(wide, page, rows[:-1]) == 0.0
 
 
 def test_encoder_tokens_halo_and_windows():
@@ -225,6 +259,26 @@ def test_other_pages_of_the_layout_are_not_found_by_pixels(qwen2):
         assert event.found_by != "pixels"
 
 
+def test_an_inserted_row_is_found_by_its_pixels_and_recomputed_from_its_first_changed_token(qwen2):
+    """The region rule at run time: a row inserted into a stored page is found by the pixel-first stage (the
+    index's candidates included), and the default recomputes every token from the first changed one; the rows
+    above it are reused."""
+    import random
+
+    from vismemo_hf.eval.calibrate import _insert_row
+
+    model, processor = qwen2
+    base = synthetic.page(21, SIZE)
+    inserted = _insert_row(base, synthetic.page(22, SIZE), random.Random(3))
+    store = stored(model, processor, base)
+    event = _event(model, processor, store, inserted, store_misses=False)
+    assert event.kind is HitKind.APPROXIMATE and event.found_by == "pixels"
+    hashes = model._vismemo.patch_hashes(*_image_inputs(processor, inserted))
+    first = int(torch.nonzero(hashes != model._vismemo.patch_hashes(*_image_inputs(processor, base)))[0])
+    assert 0 < first and set(range(first, event.n_tokens)) <= set(event.plan.recompute.tolist())
+    assert event.reused > 0 and 0 < event.encoded_tokens < event.n_tokens
+
+
 def test_a_faulty_pixel_index_is_a_lookup_without_it(qwen2, monkeypatch):
     model, processor = qwen2
     base, edit = synthetic.page(7, SIZE), synthetic.edited(7, row=2, value="1212", size=SIZE)
@@ -301,7 +355,8 @@ def test_a_damaged_tower_kv_is_never_lent(qwen2, damage, monkeypatch):
 
 def test_calibrations_local_changes_and_what_the_pixel_first_stage_makes_of_them(qwen2):
     """``vismemo calibrate``'s inverted and tinted rows change one band of tokens (the pixel-first stage finds
-    them); an inserted row moves everything below it (it does not: those tokens are not where they were)."""
+    them); an inserted row moves everything below it: not a local edit, but the rows above it are untouched (the
+    region rule finds it, and the default recomputes every token from its first changed one)."""
     import random
 
     from vismemo_hf.eval.calibrate import _insert_row, _invert, _recolour
@@ -315,7 +370,11 @@ def test_calibrations_local_changes_and_what_the_pixel_first_stage_makes_of_them
         assert changed is not None and 0 < int(changed.sum()) <= changed.numel() // 4
     inserted = _insert_row(page, other, random.Random(2))
     assert inserted.size == page.size
-    assert pixel_changes(adapter.patch_hashes(*_image_inputs(processor, inserted)), mine) is None
+    hashes = adapter.patch_hashes(*_image_inputs(processor, inserted))
+    assert pixel_changes(hashes, mine) is None  # most tokens moved: not a local edit
+    rows = adapter.hash_rows(hashes, _image_inputs(processor, inserted)[1])
+    changed = pixel_changes(hashes, mine, rows=rows)  # the rows above it untouched: a region changed
+    assert changed is not None and not bool(changed[:SIZE[0] // 28].any()) and region_changed(hashes, mine, rows)
 
 
 def test_after_another_long_text_the_edit_encodes_its_whole_image(qwen2):

@@ -48,15 +48,19 @@ def test_a_candidate_with_three_matching_regions_and_one_unrelated_region_is_not
     assert low < high, "premise: the patched region is the least similar one"
     tau = (low + high) / 2  # three regions pass it, one does not
     # the index is not asked (every stored key is a candidate) and the fine stage accepts anything:
-    # only the exact coarse rule can refuse the alias
+    # only the exact coarse rule can refuse the alias (the pixel-first stage, which finds a page with one quadrant
+    # changed by its untouched rows, is off)
     monkeypatch.setattr(store, "candidates", lambda fp, grid, d, tau, k: [(key, 1.0) for key in store.catalog.where])
-    cache = vismemo_hf.VisMemoCache(store=store, tau=tau, tau_fine=-1.0, store_misses=False)
+    cache = vismemo_hf.VisMemoCache(store=store, tau=tau, tau_fine=-1.0, store_misses=False, same_pixels=None)
     generate(model, build_inputs(processor, [patched]), cache, 1)
     assert cache.events[0].kind is HitKind.MISS
     # control: with a tau every region passes, the same candidate is an alias
-    cache = vismemo_hf.VisMemoCache(store=store, tau=low - 1e-3, tau_fine=-1.0, store_misses=False)
+    cache = vismemo_hf.VisMemoCache(store=store, tau=low - 1e-3, tau_fine=-1.0, store_misses=False, same_pixels=None)
     generate(model, build_inputs(processor, [patched]), cache, 1)
     assert cache.events[0].kind is HitKind.APPROXIMATE
+    found = vismemo_hf.VisMemoCache(store=store, store_misses=False)  # the default finds it by its pixels
+    generate(model, build_inputs(processor, [patched]), found, 1)
+    assert found.events[0].found_by == "pixels"
 
 
 # 2. an entry is checked against the model by its own bytes ------------------------------------------------

@@ -154,9 +154,9 @@ def pairs(seed: int, per_kind: int, pages: str = "synthdoc") -> list[tuple[Image
     return out
 
 
-def thumbnails(adapter, images, bar=None) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
-    """The lookup's thumbnail and token pixel hashes (``ModelAdapter.patch_hashes``) of each image, from the model's
-    own processor output (``bar``: a progress bar whose postfix counts them)."""
+def thumbnails(adapter, images, bar=None) -> list[tuple]:
+    """The lookup's thumbnail, token pixel hashes (``ModelAdapter.patch_hashes``) and their token rows of each image,
+    from the model's own processor output (``bar``: a progress bar whose postfix counts them)."""
     processor = adapter.image_processor()
     out = []
     for i, image in enumerate(images):
@@ -164,8 +164,9 @@ def thumbnails(adapter, images, bar=None) -> list[tuple[torch.Tensor, torch.Tens
             bar.set_postfix_str(f"thumbnails {i}/{len(images)}")
         (pixels, grid, extra), = adapter.processed_images(processor(images=[image.convert("RGB")],
                                                                       return_tensors="pt"))
-        made = adapter.thumbnail_of(pixels, grid, extra)
-        out.append((made() if made is not None else None, adapter.patch_hashes(pixels, grid, extra)))
+        made, hashes = adapter.thumbnail_of(pixels, grid, extra), adapter.patch_hashes(pixels, grid, extra)
+        out.append((made() if made is not None else None, hashes,
+                    adapter.hash_rows(hashes, grid) if hashes is not None else None))
     return out
 
 
@@ -198,7 +199,7 @@ def score_pairs(adapter, get_image_features, pair_list, reference, desc: str = "
             "pixel": aligned_similarity(thumbs[2 * i][0], thumbs[2 * i + 1][0], thumb_per_token(hw))[0]
             if thumbs[2 * i][0] is not None and thumbs[2 * i + 1][0] is not None else -1.0,
             "pixel_first": thumbs[2 * i][1] is not None and thumbs[2 * i + 1][1] is not None
-            and pixel_changes(thumbs[2 * i + 1][1], thumbs[2 * i][1], MIN_SAME) is not None,
+            and pixel_changes(thumbs[2 * i + 1][1], thumbs[2 * i][1], MIN_SAME, thumbs[2 * i + 1][2]) is not None,
             "partly": partly_changed(thumbs[2 * i + 1][1], thumbs[2 * i][1]),
             "coarse_raw": float(torch.nn.functional.cosine_similarity(da, db, dim=-1).min()),
             "fine_raw": float(torch.nn.functional.cosine_similarity(ea, eb, dim=-1).mean()),

@@ -15,12 +15,13 @@ import importlib
 import json
 import sys
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import ClassVar
 
 import torch
 from transformers.modeling_outputs import BaseModelOutputWithPooling
 
-from vismemo_hf.core.features import thumbnail_shape
+from vismemo_hf.core.features import thumbnail_shape, token_grid
 
 # Processor normalisation of each family (needed to recover pixels for patch entropy).
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
@@ -338,6 +339,14 @@ class ModelAdapter(VisionTower):
         """(N,) the row of each of an image's visual tokens (``ImageFeatures.token_rows``), or None: the rows of
         its (t, h, w) grid."""
         return None
+
+    def hash_rows(self, hashes: torch.Tensor, grid) -> torch.Tensor:
+        """(N,) the token row of each of an image's patch ``hashes`` (``token_rows``, or the rows of its token grid):
+        the pixel-first stage's region rule (``core.pixel_first.unchanged_rows``)."""
+        rows = self.token_rows(SimpleNamespace(patch_hashes=hashes))
+        if rows is not None:
+            return rows
+        return torch.arange(hashes.numel()) // max(1, int(token_grid(tuple(grid), self.merge)[2]))
 
     def same_layout(self, image, alias) -> bool:
         """Whether token i of two images of one grid (anything with their ``patch_hashes``: features, entries)

@@ -46,7 +46,7 @@ from typing import ClassVar
 
 import torch
 
-from vismemo_hf.core.pixel_first import partly_changed
+from vismemo_hf.core.pixel_first import partly_changed, region_changed
 from vismemo_hf.core.plan import HitKind, ImageFeatures, ImagePlan, WarmupSignals
 from vismemo_hf.policies.base import (
     RoutingPolicy,
@@ -147,20 +147,23 @@ class AttendDeviatePolicy(RoutingPolicy):
         return torch.cat([chosen, top]).sort().values
 
     def pixel_recompute(self, image: ImageFeatures, alias: ImageFeatures) -> list[torch.Tensor]:
-        """What the tokens whose pixels changed make recomputed: a local edit (at most ``local_share``), its tokens
-        and their reading-order ``dependents``; a region changed with the rest of the image identical
-        (``core.pixel_first.partly_changed``: an inserted row moves everything below it), every token from the
-        first changed one on. The tokens before it read nothing that changed, so with the same context their K/V
-        are what a full prefill computes; after it, even an unchanged token read the old content (on the tiny
-        reader a reuse of those changed answers in the context report's insert-row class). A change of every token
-        (a shift, a rescan) is left to the deviation outliers."""
+        """What the tokens whose pixels changed make recomputed: a local edit (at most ``local_share`` of the tokens,
+        at most ``core.pixel_first.LOCAL_CHANGE`` of the distinctive ones), its tokens and their reading-order
+        ``dependents``; a larger region changed with the rest of the image identical (``partly_changed``,
+        ``region_changed``: an inserted row moves everything below it, a tall popup covers much of what is read),
+        every token from the first changed one on. The tokens before it read nothing that changed, so with the same
+        context their K/V are what a full prefill computes; after it, even an unchanged token read the old content
+        (on the tiny reader a reuse of those changed answers in the context report's insert-row class). A change of
+        every token (a shift, a rescan) is left to the deviation outliers."""
         changed = changed_tokens(image, alias)
-        if changed is None:
+        if changed is None or not bool(changed.any()):
             return []
         n = image.n_tokens
-        if int(changed.sum()) <= self.local_share * n:  # with dependents 0: themselves
-            return [torch.nonzero(reading_dependents(changed, image.token_rows, self.dependents)).flatten()]
-        if partly_changed(image.patch_hashes, alias.patch_hashes):
+        mine, theirs, rows = image.patch_hashes, alias.patch_hashes, image.token_rows
+        region = region_changed(mine, theirs, rows)
+        if int(changed.sum()) <= self.local_share * n and not region:  # with dependents 0: themselves
+            return [torch.nonzero(reading_dependents(changed, rows, self.dependents)).flatten()]
+        if region or partly_changed(mine, theirs):
             return [torch.arange(int(torch.nonzero(changed.cpu())[0]), n)]
         return []
 

@@ -415,7 +415,7 @@ def _pixel_alias(adapter, cache, owner: str, grid, hashes: torch.Tensor | None, 
         entry = store_call("read", lambda k=key: cache.store.peek(k, owner), None)
         if not _usable(adapter, cache, entry, key, tuple(grid)):
             continue
-        changed = pixel_changes(hashes, entry.patch_hashes, same_pixels)
+        changed = pixel_changes(hashes, entry.patch_hashes, same_pixels, adapter.hash_rows(hashes, grid))
         if changed is not None and adapter.same_layout(SimpleNamespace(patch_hashes=hashes), entry):
             return entry, changed, 1.0 - float(changed.float().mean())
     return None

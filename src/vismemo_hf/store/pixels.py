@@ -25,8 +25,9 @@ from vismemo_hf.core.pixel_first import distinctive
 SAMPLE = 48
 #: a code more entries than this hold is not counted
 CROWDED = 64
-#: the least share of an entry's sample a query must show for the entry to be a candidate
-MIN_SHARE = 0.5
+#: the least share of an entry's sample a query must show for the entry to be a candidate (below the region rule's
+#: ``core.pixel_first.REGION_SAME``: a copy changed in a region shows little more of it)
+MIN_SHARE = 0.05
 
 _MASK = np.uint64(0xFFFFFFFFFFFFFFFF)
 
