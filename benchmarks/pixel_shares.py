@@ -1,7 +1,10 @@
 """What the pixel-first rule sees on ``vismemo calibrate``'s held-out pairs: per kind of pair, the share of the
 second image's tokens whose pixel hashes equal the first one's at the same place, over all tokens and over its
-distinctive ones (``core.pixel_first``), min and max. The rule takes an alias when both reach ``same_pixels``
-(0.75): this is what a different rule would have to separate (near-duplicates from unrelated pages of one layout).
+distinctive ones (``core.pixel_first``), min and max, and the share of its distinctive tokens outside the one band of
+token rows its changes lie in (``region_share``, raw: 0 when they lie in more than one band), apart for bands that
+start at the first row. The rule takes an alias when both of the first reach ``same_pixels`` (0.75), or the region
+share reaches ``REGION_SAME`` (``REGION_SAME_TOP``): this is what it has to separate (near-duplicates from unrelated
+pages of one layout; ``same layout``: every pair of eight pages of each layout or style of the reader's pages).
 
     python benchmarks/pixel_shares.py --readers vismemo-docqa-tiny,vismemo-docqa-base
 
@@ -9,16 +12,44 @@ Writes results/lookup/pixel-shares.md.
 """
 
 import argparse
+import itertools
 import sys
 from collections import defaultdict
 from pathlib import Path
 
+import torch
+
 from vismemo_hf.bench.report import header, machine
-from vismemo_hf.core.pixel_first import MIN_SAME, distinctive
-from vismemo_hf.eval import calibrate
+from vismemo_hf.core import pixel_first
+from vismemo_hf.core.pixel_first import MIN_SAME, REGION_SAME, REGION_SAME_TOP, distinctive
+from vismemo_hf.eval import calibrate, docpage, synthdoc
 from vismemo_hf.eval.docstream import reader_pages
 from vismemo_hf.eval.loading import load_model
 from vismemo_hf.families import ModelAdapter
+
+
+def region(ha: torch.Tensor, hb: torch.Tensor, rows: torch.Tensor) -> tuple[float, bool]:
+    """(raw ``region_share`` of ``hb`` against ``ha``, whether its band starts at the first row)."""
+    own = distinctive(hb)
+    bearing = torch.unique(rows[own])
+    touched = torch.isin(bearing, rows[own & (ha != hb)])
+    kept = pixel_first.REGION_SAME, pixel_first.REGION_SAME_TOP
+    pixel_first.REGION_SAME = pixel_first.REGION_SAME_TOP = 0.0
+    try:
+        return pixel_first.region_share(hb, ha, rows), bool(touched.numel() and touched[0])
+    finally:
+        pixel_first.REGION_SAME, pixel_first.REGION_SAME_TOP = kept
+
+
+def same_layout_pairs(pages: str, per_layout: int = 8):
+    """Every pair of ``per_layout`` pages of each layout (``docpage``) or style (``synthdoc``)."""
+    if pages == "docpage":
+        groups = [[docpage.render(docpage.random_page(5000 + 37 * k + i, layout=layout)) for i in range(per_layout)]
+                  for k, layout in enumerate(docpage.LAYOUTS)]
+    else:
+        groups = [[synthdoc.render(synthdoc.random_form(5000 + 37 * k + i, style=style)) for i in range(per_layout)]
+                  for k, style in enumerate(synthdoc.STYLES)]
+    return [(g[i], g[j], False, "same layout") for g in groups for i, j in itertools.combinations(range(per_layout), 2)]
 
 
 def shares(name: str, seed: int, per_kind: int) -> dict:
@@ -29,16 +60,23 @@ def shares(name: str, seed: int, per_kind: int) -> dict:
 
     def hashes(image):
         inputs = processor(images=[image.convert("RGB")], return_tensors="pt")
-        return adapter.patch_hashes(inputs["pixel_values"], tuple(int(v) for v in inputs["image_grid_thw"][0]))
+        grid = tuple(int(v) for v in inputs["image_grid_thw"][0])
+        found = adapter.patch_hashes(inputs["pixel_values"], grid)
+        return found, adapter.hash_rows(found, grid) if found is not None else None
 
     out = defaultdict(list)
-    for a, b, _, what in calibrate.pairs(seed, per_kind, pages):
-        ha, hb = hashes(a), hashes(b)
+    for a, b, _, what in calibrate.pairs(seed, per_kind, pages) + same_layout_pairs(pages):
+        (ha, _), (hb, rows) = hashes(a), hashes(b)
         if ha is None or hb is None or ha.shape != hb.shape:
             continue
         same, marked = ha == hb, distinctive(hb)
-        out[what].append((float(same.float().mean()), float(same[marked].float().mean()) if marked.any() else 0.0))
+        out[what].append((float(same.float().mean()), float(same[marked].float().mean()) if marked.any() else 0.0,
+                          *region(ha, hb, rows)))
     return dict(sorted(out.items()))
+
+
+def _span(values: list[float]) -> str:
+    return f"{min(values):.2f}-{max(values):.2f}" if values else "-"
 
 
 def main() -> int:
@@ -52,13 +90,18 @@ def main() -> int:
     lines = header("Pixel-first: shares of unchanged tokens per kind of pair", command, machine()) + [
         f"Held-out pairs of `vismemo calibrate` (seed {args.seed}). `all`: share of the tokens whose pixel hash is the "
         "first image's at the same place; `distinctive`: the same over the second image's distinctive tokens (a hash "
-        f"it shows once). The rule takes the first image as the alias when both reach {MIN_SAME}.", ""]
+        f"it shows once); `region`: the share of its distinctive tokens outside the one band of token rows its changes "
+        "lie in (0: changes in more than one band), `from the top` where the band starts at the first row. The rule "
+        f"takes the first image as the alias when both of the first reach {MIN_SAME}, or the region share reaches "
+        f"{REGION_SAME} ({REGION_SAME_TOP} from the top). `same layout`: every pair of eight other pages of each "
+        "layout or style of the reader's pages.", ""]
     for name in args.readers.split(","):
-        lines += [f"## {name}", "", "| pair | pairs | all min | all max | distinctive min | distinctive max |",
-                  "| --- | --- | --- | --- | --- | --- |"]
+        lines += [f"## {name}", "", "| pair | pairs | all min | all max | distinctive min | distinctive max | "
+                  "region, band from the top | region, other bands |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
         for what, rows in shares(name, args.seed, args.pairs_per_kind).items():
             lines.append(f"| {what} | {len(rows)} | {min(r[0] for r in rows):.2f} | {max(r[0] for r in rows):.2f} | "
-                         f"{min(r[1] for r in rows):.2f} | {max(r[1] for r in rows):.2f} |")
+                         f"{min(r[1] for r in rows):.2f} | {max(r[1] for r in rows):.2f} | "
+                         f"{_span([r[2] for r in rows if r[3]])} | {_span([r[2] for r in rows if not r[3]])} |")
         lines.append("")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text("\n".join(lines))

@@ -10,11 +10,12 @@ import vismemo_hf
 from vismemo_hf.core.features import token_grid
 from vismemo_hf.core.pixel_first import (
     REGION_SAME,
+    REGION_SAME_TOP,
     distinctive,
     encoder_tokens,
     pixel_changes,
     region_changed,
-    unchanged_rows,
+    region_share,
 )
 from vismemo_hf.core.plan import HitKind
 from vismemo_hf.eval import synthetic
@@ -52,19 +53,19 @@ def test_distinctive_and_pixel_changes():
 
 
 def test_a_region_changed_in_rows_of_its_own_is_an_edit_another_page_is_not():
-    """The region rule: changes that leave whole token rows untouched holding REGION_SAME of the distinctive tokens
+    """The region rule: changes in one band of token rows that leave enough of the distinctive tokens outside it
     (an inverted row, an inserted one with the rows above it) are the candidate edited; another page of the same
-    background, and a moved copy, change a distinctive token in every row."""
-    rows = torch.arange(8 * 6) // 6  # 8 rows of 6 tokens
-    page = torch.arange(1, 49)
-    page[rows % 2 == 1] = 0  # every other row blank (not distinctive): 24 distinctive tokens in rows 0, 2, 4, 6
+    background, a moved copy, changes in two bands, and a band from the top leaving little below it are not."""
+    rows = torch.arange(10 * 6) // 6  # 10 rows of 6 tokens
+    page = torch.arange(1, 61)
+    page[rows % 2 == 1] = 0  # every other row blank (not distinctive): 30 distinctive tokens in rows 0, 2, 4, 6, 8
     inverted = page.clone()
-    inverted[rows == 2] += 1000  # one row of text changed: 6 of 24 distinctive, other rows untouched
-    assert pixel_changes(inverted, page) is not None  # the old rule already: 0.75 of the distinctive tokens kept
+    inverted[rows == 2] += 1000  # one row of text changed: 6 of 30 distinctive, other rows untouched
+    assert pixel_changes(inverted, page) is not None  # the old rule already: 0.8 of the distinctive tokens kept
     wide = page.clone()
-    wide[(rows >= 2) & (rows <= 4)] += 1000  # rows 2-4: half the distinctive tokens, the other half untouched
-    assert pixel_changes(wide, page) is None and unchanged_rows(wide, page, rows) == 0.5
-    assert pixel_changes(wide, page, rows=rows).nonzero().flatten().tolist() == list(range(12, 30))
+    wide[(rows >= 2) & (rows <= 6)] += 1000  # rows 2-6 (three with text): 0.4 of the distinctive tokens untouched
+    assert pixel_changes(wide, page) is None and region_share(wide, page, rows) == 0.4
+    assert pixel_changes(wide, page, rows=rows).nonzero().flatten().tolist() == list(range(12, 42))
     assert region_changed(wide, page, rows) and not region_changed(inverted, page, rows)
     inserted = page.clone()
     inserted[rows >= 2] = torch.cat([torch.arange(500, 506), page[rows >= 2][:-6]])  # a row in, the rest moved down
@@ -72,10 +73,15 @@ def test_a_region_changed_in_rows_of_its_own_is_an_edit_another_page_is_not():
     other = page.clone()
     other[page > 0] += 5000  # another page of the same layout: text in every row differs
     moved = torch.roll(page, 1)
-    for copy_ in (other, moved):
-        assert unchanged_rows(copy_, page, rows) < REGION_SAME
+    two = page.clone()
+    two[(rows == 0) | (rows >= 6)] += 1000  # rows 0 and 6-8 changed, rows 2-4 untouched between: two bands
+    top = page.clone()
+    top[rows <= 6] += 1000  # a band from the first row leaving 0.2 of the text below it (< REGION_SAME_TOP)
+    assert REGION_SAME <= 0.2 < REGION_SAME_TOP
+    for copy_ in (other, moved, two, top):
+        assert region_share(copy_, page, rows) == 0.0
         assert pixel_changes(copy_, page, rows=rows) is None and not region_changed(copy_, page, rows)
-    assert unchanged_rows(wide, page, None) == 0.0 and unchanged_rows(wide, page, rows[:-1]) == 0.0
+    assert region_share(wide, page, None) == 0.0 and region_share(wide, page, rows[:-1]) == 0.0
 
 
 def test_encoder_tokens_halo_and_windows():

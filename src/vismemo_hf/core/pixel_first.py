@@ -3,7 +3,7 @@
 A new image that shows, token for token, the pixels of a stored one at the same places except in a few tokens is
 that image edited: the stored entry is its alias, the tokens whose pixels differ are what changed, and neither
 needs the vision tower to tell. So is one whose changes leave whole rows of tokens untouched that hold part of its
-content (``REGION_SAME``): a region changed (an inverted, tinted or inserted row, a popup) in an image that is
+content (``region_share``): a region changed (an inverted, tinted or inserted row, a popup) in an image that is
 otherwise the stored one; another page, even of the same layout, changes text in nearly every row. With encoder
 reuse (a routing's ``reuses_encoder``) the tower then runs only for the changed tokens and the context its attention
 gives them (``encoder_tokens``), and every other token keeps the alias's encoder output.
@@ -27,16 +27,21 @@ def distinctive(hashes: torch.Tensor) -> torch.Tensor:
     return counts[inverse] == 1
 
 
-#: the least share of an image's distinctive tokens that must lie in token rows none of whose distinctive tokens
-#: changed, for a copy changed in a region to be the candidate edited (``unchanged_rows``). Another page of the
-#: same layout, a moved or re-encoded copy, holds at most 0.04 of them there (``vismemo calibrate``'s unrelated
-#: pairs, both readers); an inverted or tinted row leaves 0.33-0.95, an inserted one its rows above (0.11-0.50)
+#: the least share of an image's distinctive tokens outside the one band of token rows its changes lie in, for a copy
+#: changed in a region to be the candidate edited (``region_share``); ``REGION_SAME_TOP`` when the band starts at the
+#: first row. Another page of the same layout changes text in rows all over it: on the readers' pages it leaves at
+#: most 0.12 outside one band, which then starts at the first row, else at most 0.05; an inverted, tinted or covered
+#: region leaves 0.27-0.95 outside, an inserted row its rows above (0.11-0.50; ``results/lookup/pixel-shares.md``)
 REGION_SAME = 0.1
+REGION_SAME_TOP = 0.25
 
 
-def unchanged_rows(mine: torch.Tensor, theirs: torch.Tensor, rows: torch.Tensor | None) -> float:
-    """The share of the image's distinctive tokens (hashes ``mine``) that lie in token rows (``rows``: (N,) the row
-    of each token) where none of its distinctive tokens differs from ``theirs``; 0 when unknown."""
+def region_share(mine: torch.Tensor, theirs: torch.Tensor, rows: torch.Tensor | None) -> float:
+    """The share of the image's distinctive tokens (hashes ``mine``) outside the band of token rows (``rows``: (N,)
+    the row of each token) that its changed distinctive tokens lie in, when they lie in one band (no row with an
+    unchanged distinctive token and none changed between two with changes; rows without distinctive tokens do not
+    count) and the share reaches ``REGION_SAME`` (``REGION_SAME_TOP`` when the band starts at the image's first row of
+    distinctive tokens); else 0 (also when unknown)."""
     if rows is None or mine.shape != theirs.shape or rows.shape != mine.shape:
         return 0.0
     own = distinctive(mine)
@@ -44,37 +49,41 @@ def unchanged_rows(mine: torch.Tensor, theirs: torch.Tensor, rows: torch.Tensor 
     if not n_own:
         return 0.0
     rows = rows.to(mine.device)
-    touched = torch.unique(rows[own & (mine != theirs)])
-    return int((own & ~torch.isin(rows, touched)).sum()) / n_own
+    bearing = torch.unique(rows[own])  # sorted rows with distinctive tokens
+    touched = torch.isin(bearing, rows[own & (mine != theirs)])
+    at = torch.nonzero(touched).flatten()
+    if not at.numel() or int(at[-1] - at[0]) + 1 != at.numel():
+        return 0.0
+    share = int((own & ~torch.isin(rows, bearing[touched])).sum()) / n_own
+    return share if share >= (REGION_SAME_TOP if int(at[0]) == 0 else REGION_SAME) else 0.0
 
 
 def pixel_changes(mine: torch.Tensor | None, theirs: torch.Tensor | None,
                   min_same: float = MIN_SAME, rows: torch.Tensor | None = None) -> torch.Tensor | None:
     """(N,) True at the tokens whose pixels differ from the candidate's, when the image is the candidate edited: at
     least ``min_same`` of its tokens, and of its distinctive tokens, show the candidate's pixels at the same place,
-    or (with the token ``rows`` known) the rows its changes leave untouched hold ``REGION_SAME`` of its distinctive
-    tokens; else None (another image, a moved or re-encoded copy: the encoder-based stages decide)."""
+    or (with the token ``rows`` known) its changes lie in one band of rows and the rest holds enough of its content
+    (``region_share``); else None (another image, a moved or re-encoded copy: the encoder-based stages decide)."""
     if mine is None or theirs is None or mine.shape != theirs.shape or not mine.numel():
         return None
     same = mine == theirs
     own = distinctive(mine)
     edited = float(same.float().mean()) >= min_same and \
         (not bool(own.any()) or float(same[own].float().mean()) >= min_same)
-    if not edited and unchanged_rows(mine, theirs, rows) < REGION_SAME:
+    if not edited and not region_share(mine, theirs, rows):
         return None
     return ~same
 
 
 def region_changed(mine: torch.Tensor | None, theirs: torch.Tensor | None, rows: torch.Tensor | None) -> bool:
     """Whether the image is the candidate with a region changed beyond a local edit: more than ``LOCAL_CHANGE`` of
-    its distinctive tokens changed, and the rows the changes leave untouched hold ``REGION_SAME`` of them."""
+    its distinctive tokens changed, all in one band of rows with enough of them outside it (``region_share``)."""
     if mine is None or theirs is None or mine.shape != theirs.shape or not mine.numel():
         return False
     own = distinctive(mine)
     if not bool(own.any()):
         return False
-    return 1.0 - float((mine == theirs)[own].float().mean()) > LOCAL_CHANGE and \
-        unchanged_rows(mine, theirs, rows) >= REGION_SAME
+    return 1.0 - float((mine == theirs)[own].float().mean()) > LOCAL_CHANGE and region_share(mine, theirs, rows) > 0
 
 
 #: the pixel stage (aligned thumbnails) admits copies moved, zoomed or re-encoded, which change every distinctive

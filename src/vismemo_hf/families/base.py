@@ -342,7 +342,7 @@ class ModelAdapter(VisionTower):
 
     def hash_rows(self, hashes: torch.Tensor, grid) -> torch.Tensor:
         """(N,) the token row of each of an image's patch ``hashes`` (``token_rows``, or the rows of its token grid):
-        the pixel-first stage's region rule (``core.pixel_first.unchanged_rows``)."""
+        the pixel-first stage's region rule (``core.pixel_first.region_share``)."""
         rows = self.token_rows(SimpleNamespace(patch_hashes=hashes))
         if rows is not None:
             return rows
