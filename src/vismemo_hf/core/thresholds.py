@@ -52,7 +52,7 @@ class ModelReference:
 class LookupThresholds:
     """``tau``: every centred regional cosine must exceed it (coarse stage); ``tau_fine``: the mean centred token
     cosine must reach it (fine stage). ``tau_pixel`` and ``tau_near`` (both or neither; calibrated presets, or
-    derived per model with ``derive_pixel``): a
+    derived per model with ``derive_pixel``, the default): a
     candidate below ``tau_fine`` but at or above ``tau_near`` also matches when its aligned thumbnail similarity
     (``aligned_similarity``) reaches ``tau_pixel`` -- a page moved by part of a token or zoomed by a few percent,
     whose tokens all changed although its pixels did not. ``fingerprint``: the model they were calibrated for
@@ -70,9 +70,10 @@ class LookupThresholds:
     same_pixels: float | None = MIN_SAME
     #: adaptive thresholds without a pixel stage derive one from the model's reference images (``for_model``): moved,
     #: rescaled and re-encoded copies are found without calibration (the stage does not admit partly changed copies,
-    #: ``core.pixel_first.partly_changed``). Off by default: on the tiny reader's streams it found the shifted pages,
-    #: whose reuse answered as the unshifted page did rather than as a full prefill of the shifted one
-    derive_pixel: bool = False
+    #: ``core.pixel_first.partly_changed``). What such a copy reuses is the policy's to decide: the default computes
+    #: one whose tokens deviate too much in full (``AttendDeviatePolicy.drift_deviation``; on the tiny reader the
+    #: pages it finds moved by 1-3 pixels, whose reuse answered as the unmoved page did)
+    derive_pixel: bool = True
 
     def for_model(self, reference: ModelReference) -> LookupThresholds:
         """The thresholds as one model uses them (``adaptive`` resolved): the default ``tau`` as ``ADAPTIVE_TAU``,

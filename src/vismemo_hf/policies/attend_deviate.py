@@ -22,7 +22,9 @@ policy therefore:
 5. computes every token (an *early miss*, after the warmup; ``fallback="changed"``) when the image's median
    deviation exceeds ``miss_deviation``: the page changed everywhere (an alias that is another image altogether),
    and outliers measured against that median would reuse most of it stale; near-duplicates move a few tokens, and
-   their median stays near 0 (``tests/test_rules.py``, rule 9);
+   their median stays near 0 (``tests/test_rules.py``, rule 9). A copy changed everywhere a little (moved by part
+   of a token, rescanned: no token's pixels kept) is computed in full from a lower median, ``drift_deviation``:
+   its reused tokens deviate about as much as the median, and past it answers changed;
 6. recomputes, with every token whose pixels changed in a local edit (at most ``local_share`` of the image), the
    tokens after it in its token row (``dependents``): the rest of a number, word or record reads it in later
    layers, where its deviation does not show at the warmup (``tests/test_context.py``); when a larger region
@@ -92,6 +94,11 @@ class AttendDeviatePolicy(RoutingPolicy):
     restore_masked: bool = True
     #: median relative K + V deviation above which the image is computed in full (None: never)
     miss_deviation: float | None = 0.5
+    #: the same for a copy changed everywhere a little (more than ``local_share`` of its tokens' pixels changed and no
+    #: region of them kept, as after a move by part of a token, a rescan, a zoom): its reused tokens deviate about as
+    #: much as its median, and past this bound the tiny reader's answers changed on pages moved by 1-3 pixels. None:
+    #: never
+    drift_deviation: float | None = 0.1
     #: a local edit's reading-order dependents: the tokens after each token whose pixels changed, in its token row,
     #: are recomputed with it (``reading_dependents``): ``"row"`` (the rest of the row), a count, or 0 (none)
     dependents: int | str = "row"
@@ -120,6 +127,8 @@ class AttendDeviatePolicy(RoutingPolicy):
             raise ValueError("outlier_factor must be > 0, min_deviation and mask_below >= 0")
         if self.miss_deviation is not None and not self.miss_deviation >= 0:
             raise ValueError("miss_deviation must be >= 0 or None")
+        if self.drift_deviation is not None and not self.drift_deviation >= 0:
+            raise ValueError("drift_deviation must be >= 0 or None")
         if not (self.dependents == "row" or (isinstance(self.dependents, int) and self.dependents >= 0)):
             raise ValueError(f"dependents must be 'row' or a count >= 0, got {self.dependents!r}")
         if not 0.0 <= self.local_share <= 1.0:
@@ -167,15 +176,24 @@ class AttendDeviatePolicy(RoutingPolicy):
             return [torch.arange(int(torch.nonzero(changed.cpu())[0]), n)]
         return []
 
+    def changed_everywhere(self, image: ImageFeatures, alias: ImageFeatures) -> bool:
+        """Whether more than ``local_share`` of the image's tokens show other pixels than the alias's (unknown
+        hashes count as changed everywhere)."""
+        changed = changed_tokens(image, alias)
+        return changed is None or int(changed.sum()) > self.local_share * image.n_tokens
+
     def plan(self, image: ImageFeatures, alias: ImageFeatures, prefetched: torch.Tensor,
              signals: WarmupSignals) -> ImagePlan:
         n = image.n_tokens
         deviation = deviation_score(signals, n)
         if self.miss_deviation is not None and float(deviation.median()) > self.miss_deviation:
             return ImagePlan.full(HitKind.APPROXIMATE, n, alias.key, fallback="changed")  # changed everywhere
+        by_pixels = self.pixel_recompute(image, alias)
+        if self.drift_deviation is not None and not by_pixels and self.changed_everywhere(image, alias) and \
+                float(deviation.median()) > self.drift_deviation:
+            return ImagePlan.full(HitKind.APPROXIMATE, n, alias.key, fallback="changed")
         attention = warmup_score(signals, n)
-        recompute = [self.select(deviation, attention, n)]
-        recompute.extend(self.pixel_recompute(image, alias))
+        recompute = [self.select(deviation, attention, n), *by_pixels]
         probes = None
         if signals.prefix_changed and self.prefix_routing == "check":  # the alias was computed after another context
             context = self.context_recompute(signals, n)
