@@ -216,7 +216,7 @@ def _intro(result, args) -> list[str]:
         "entries; `@keep0.5`: compressed entries holding the K/V of the half of each image's tokens VL-Cache ranks "
         "first for the question that stored it, the others masked on hits (`+recompute`: recomputed). Lookup "
         + (f"thresholds: the calibrated preset `{args.thresholds}` (with its pixel stage, when it has one)."
-           if args.thresholds else "thresholds: the defaults (no pixel stage)."), ""]
+           if args.thresholds else "thresholds: the defaults (adaptive, with a pixel stage derived per model)."), ""]
 
 
 def _policy_table(result) -> list[str]:
