@@ -1,10 +1,11 @@
 """What the pixel-first rule sees on ``vismemo calibrate``'s held-out pairs: per kind of pair, the share of the
 second image's tokens whose pixel hashes equal the first one's at the same place, over all tokens and over its
 distinctive ones (``core.pixel_first``), min and max, and the share of its distinctive tokens outside the one band of
-token rows its changes lie in (``region_share``, raw: 0 when they lie in more than one band), apart for bands that
-start at the first row. The rule takes an alias when both of the first reach ``same_pixels`` (0.75), or the region
-share reaches ``REGION_SAME`` (``REGION_SAME_TOP``): this is what it has to separate (near-duplicates from unrelated
-pages of one layout; ``same layout``: every pair of eight pages of each layout or style of the reader's pages).
+token rows its changes lie in (``band_share``; pairs whose changes lie in more than one band counted apart), apart
+for bands that start at the first row. The rule takes an alias when both of the first reach ``same_pixels`` (0.75),
+or the region share reaches ``REGION_SAME`` (``REGION_SAME_TOP``): this is what it has to separate (near-duplicates
+from unrelated pages of one layout; ``same layout``: every pair of eight pages of each layout or style of the
+reader's pages).
 
     python benchmarks/pixel_shares.py --readers vismemo-docqa-tiny,vismemo-docqa-base
 
@@ -17,28 +18,12 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
-import torch
-
 from vismemo_hf.bench.report import header, machine
-from vismemo_hf.core import pixel_first
-from vismemo_hf.core.pixel_first import MIN_SAME, REGION_SAME, REGION_SAME_TOP, distinctive
+from vismemo_hf.core.pixel_first import MIN_SAME, REGION_SAME, REGION_SAME_TOP, band_share, distinctive
 from vismemo_hf.eval import calibrate, docpage, synthdoc
 from vismemo_hf.eval.docstream import reader_pages
 from vismemo_hf.eval.loading import load_model
 from vismemo_hf.families import ModelAdapter
-
-
-def region(ha: torch.Tensor, hb: torch.Tensor, rows: torch.Tensor) -> tuple[float, bool]:
-    """(raw ``region_share`` of ``hb`` against ``ha``, whether its band starts at the first row)."""
-    own = distinctive(hb)
-    bearing = torch.unique(rows[own])
-    touched = torch.isin(bearing, rows[own & (ha != hb)])
-    kept = pixel_first.REGION_SAME, pixel_first.REGION_SAME_TOP
-    pixel_first.REGION_SAME = pixel_first.REGION_SAME_TOP = 0.0
-    try:
-        return pixel_first.region_share(hb, ha, rows), bool(touched.numel() and touched[0])
-    finally:
-        pixel_first.REGION_SAME, pixel_first.REGION_SAME_TOP = kept
 
 
 def same_layout_pairs(pages: str, per_layout: int = 8):
@@ -71,7 +56,7 @@ def shares(name: str, seed: int, per_kind: int) -> dict:
             continue
         same, marked = ha == hb, distinctive(hb)
         out[what].append((float(same.float().mean()), float(same[marked].float().mean()) if marked.any() else 0.0,
-                          *region(ha, hb, rows)))
+                          *(band_share(hb, ha, rows) or (None, None))))
     return dict(sorted(out.items()))
 
 
@@ -91,17 +76,20 @@ def main() -> int:
         f"Held-out pairs of `vismemo calibrate` (seed {args.seed}). `all`: share of the tokens whose pixel hash is the "
         "first image's at the same place; `distinctive`: the same over the second image's distinctive tokens (a hash "
         f"it shows once); `region`: the share of its distinctive tokens outside the one band of token rows its changes "
-        "lie in (0: changes in more than one band), `from the top` where the band starts at the first row. The rule "
+        "lie in, `from the top` where the band starts at the first row (`not one band`: pairs whose changes lie in more "
+        "than one band, or none distinctive). The rule "
         f"takes the first image as the alias when both of the first reach {MIN_SAME}, or the region share reaches "
         f"{REGION_SAME} ({REGION_SAME_TOP} from the top). `same layout`: every pair of eight other pages of each "
         "layout or style of the reader's pages.", ""]
     for name in args.readers.split(","):
         lines += [f"## {name}", "", "| pair | pairs | all min | all max | distinctive min | distinctive max | "
-                  "region, band from the top | region, other bands |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+                  "region, band from the top | region, other bands | not one band |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
         for what, rows in shares(name, args.seed, args.pairs_per_kind).items():
             lines.append(f"| {what} | {len(rows)} | {min(r[0] for r in rows):.2f} | {max(r[0] for r in rows):.2f} | "
                          f"{min(r[1] for r in rows):.2f} | {max(r[1] for r in rows):.2f} | "
-                         f"{_span([r[2] for r in rows if r[3]])} | {_span([r[2] for r in rows if not r[3]])} |")
+                         f"{_span([r[2] for r in rows if r[3] is True])} | "
+                         f"{_span([r[2] for r in rows if r[3] is False])} | {sum(r[3] is None for r in rows)} |")
         lines.append("")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text("\n".join(lines))

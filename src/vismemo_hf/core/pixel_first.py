@@ -36,26 +36,35 @@ REGION_SAME = 0.1
 REGION_SAME_TOP = 0.25
 
 
-def region_share(mine: torch.Tensor, theirs: torch.Tensor, rows: torch.Tensor | None) -> float:
-    """The share of the image's distinctive tokens (hashes ``mine``) outside the band of token rows (``rows``: (N,)
-    the row of each token) that its changed distinctive tokens lie in, when they lie in one band (no row with an
-    unchanged distinctive token and none changed between two with changes; rows without distinctive tokens do not
-    count) and the share reaches ``REGION_SAME`` (``REGION_SAME_TOP`` when the band starts at the image's first row of
-    distinctive tokens); else 0 (also when unknown)."""
+def band_share(mine: torch.Tensor, theirs: torch.Tensor, rows: torch.Tensor | None) -> tuple[float, bool] | None:
+    """(share of the image's distinctive tokens outside the band, whether the band starts at its first row of
+    distinctive tokens) when its changed distinctive tokens (hashes ``mine`` against ``theirs``) lie in one band of
+    token rows (``rows``: (N,) the row of each token; no row with an unchanged distinctive token and none changed
+    between two with changes; rows without distinctive tokens do not count); None when they do not, when nothing
+    distinctive changed, or when unknown."""
     if rows is None or mine.shape != theirs.shape or rows.shape != mine.shape:
-        return 0.0
+        return None
     own = distinctive(mine)
     n_own = int(own.sum())
     if not n_own:
-        return 0.0
+        return None
     rows = rows.to(mine.device)
     bearing = torch.unique(rows[own])  # sorted rows with distinctive tokens
     touched = torch.isin(bearing, rows[own & (mine != theirs)])
     at = torch.nonzero(touched).flatten()
     if not at.numel() or int(at[-1] - at[0]) + 1 != at.numel():
+        return None
+    return int((own & ~torch.isin(rows, bearing[touched])).sum()) / n_own, int(at[0]) == 0
+
+
+def region_share(mine: torch.Tensor, theirs: torch.Tensor, rows: torch.Tensor | None) -> float:
+    """``band_share``'s share when it reaches ``REGION_SAME`` (``REGION_SAME_TOP`` for a band from the first row),
+    else 0."""
+    band = band_share(mine, theirs, rows)
+    if band is None:
         return 0.0
-    share = int((own & ~torch.isin(rows, bearing[touched])).sum()) / n_own
-    return share if share >= (REGION_SAME_TOP if int(at[0]) == 0 else REGION_SAME) else 0.0
+    share, top = band
+    return share if share >= (REGION_SAME_TOP if top else REGION_SAME) else 0.0
 
 
 def pixel_changes(mine: torch.Tensor | None, theirs: torch.Tensor | None,

@@ -409,13 +409,14 @@ def _pixel_alias(adapter, cache, owner: str, grid, hashes: torch.Tensor | None, 
     if hashes is None or same_pixels is None:
         return None
     found = store_call("index", lambda: cache.store.pixel_candidates(owner, tuple(grid), hashes, cache.top_k), [])
+    rows = adapter.hash_rows(hashes, grid) if found else None
     for key, _ in found:
         if key == own:
             continue
         entry = store_call("read", lambda k=key: cache.store.peek(k, owner), None)
         if not _usable(adapter, cache, entry, key, tuple(grid)):
             continue
-        changed = pixel_changes(hashes, entry.patch_hashes, same_pixels, adapter.hash_rows(hashes, grid))
+        changed = pixel_changes(hashes, entry.patch_hashes, same_pixels, rows)
         if changed is not None and adapter.same_layout(SimpleNamespace(patch_hashes=hashes), entry):
             return entry, changed, 1.0 - float(changed.float().mean())
     return None
