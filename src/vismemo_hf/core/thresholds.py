@@ -222,18 +222,32 @@ def _high_pass(x: torch.Tensor, k: int) -> torch.Tensor:
     return x - F.avg_pool2d(x, k, 1, k // 2, count_include_pad=False)
 
 
-def _warps(hb: torch.Tensor, params: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``hb`` (1, 1, H, W) sampled at each (zoom, ty, tx) of ``params`` (P, 3; moves in normalised units):
-    (warps (P, 1, H, W), zero where a warp has none of ``hb``'s pixels; that area's mask)."""
-    _, _, h, w = hb.shape
-    theta = torch.zeros(params.shape[0], 2, 3)
-    theta[:, 0, 0] = theta[:, 1, 1] = params[:, 0]
-    theta[:, 1, 2], theta[:, 0, 2] = params[:, 1], params[:, 2]
-    grid = F.affine_grid(theta, (params.shape[0], 1, h, w), align_corners=False)
-    warped = F.grid_sample(hb.expand(params.shape[0], 1, h, w), grid, mode="bilinear", padding_mode="zeros",
-                           align_corners=False)
-    inside = ((grid[..., 0].abs() <= 1 - 1 / w) & (grid[..., 1].abs() <= 1 - 1 / h)).unsqueeze(1).float()
-    return warped * inside, inside
+def _coordinates(n: int, scale: torch.Tensor, move: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One axis of n pixels sampled at ``scale * x + move`` (P each; normalised, ``align_corners=False``): (P, n)
+    source coordinates, and 1 where a point lies inside the image (at least half a pixel from its edge), else 0."""
+    x = (2 * torch.arange(n, dtype=torch.float32) + 1) / n - 1
+    src = scale[:, None] * x[None] + move[:, None]
+    return src, (src.abs() <= 1 - 1 / n).float()
+
+
+def _warps(hb: torch.Tensor, params: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``hb`` (H, W) sampled at each (zoom, ty, tx) of ``params`` (P, 3; moves in normalised units): (warps (P, H, W),
+    zero where a warp has none of ``hb``'s pixels; (P, H) and (P, W) masks of that area, whose outer product is its
+    mask). A zoom and a move act on each axis alone: the sampling grid and the mask are built per axis (an affine
+    grid and a 2-D mask cost more than the sampling)."""
+    h, w = hb.shape
+    src_y, inside_y = _coordinates(h, params[:, 0], params[:, 1])
+    src_x, inside_x = _coordinates(w, params[:, 0], params[:, 2])
+    p = params.shape[0]
+    grid = torch.stack([src_x[:, None, :].expand(p, h, w), src_y[:, :, None].expand(p, h, w)], -1)
+    warped = F.grid_sample(hb.expand(p, 1, h, w), grid, mode="bilinear", padding_mode="zeros", align_corners=False)
+    return warped[:, 0], inside_y, inside_x
+
+
+def _inside_sums(x: torch.Tensor, inside_y: torch.Tensor, inside_x: torch.Tensor) -> torch.Tensor:
+    """(P,) sums of each (H, W) plane of ``x`` (P or 1 of them) over its warp's area (the outer product of the
+    masks), without building the (P, H, W) mask."""
+    return (inside_y[:, None, :] @ x @ inside_x[:, :, None]).reshape(-1)
 
 
 def zoom_drift(zoom: float, hw: tuple[int, int]) -> float:
@@ -253,12 +267,13 @@ def aligned_similarity(a: torch.Tensor, b: torch.Tensor, per_token: int) -> tupl
         return -1.0, 1.0
     h, w = a.shape
     k = 2 * (per_token // 2) + 3  # odd, a little wider than a token
-    ha = _high_pass(a.float()[None, None] / 255, k)
-    hb = _high_pass(b.float()[None, None] / 255, k)
+    ha = _high_pass(a.float()[None, None] / 255, k)[0, 0]
+    hb = _high_pass(b.float()[None, None] / 255, k)[0, 0]
     zooms = torch.linspace(1 / PIXEL_ZOOM, PIXEL_ZOOM, _ZOOM_STEPS)
-    warped, _ = _warps(hb, torch.stack([zooms, torch.zeros_like(zooms), torch.zeros_like(zooms)], 1))
-    size = (2 * h, 2 * w)
-    corr = torch.fft.irfft2(torch.fft.rfft2(ha[0, 0], s=size).conj() * torch.fft.rfft2(warped[:, 0], s=size), s=size)
+    warped, inside_y, inside_x = _warps(hb, torch.stack([zooms, torch.zeros_like(zooms), torch.zeros_like(zooms)], 1))
+    warped = warped * (inside_y[:, :, None] * inside_x[:, None, :])
+    size = (h + per_token, w + per_token)  # zero padding of a token: no move up to a token wraps around
+    corr = torch.fft.irfft2(torch.fft.rfft2(ha, s=size).conj() * torch.fft.rfft2(warped, s=size), s=size)
     m = per_token
     corr = torch.roll(corr, (m, m), (1, 2))[:, : 2 * m + 1, : 2 * m + 1].reshape(_ZOOM_STEPS, -1)
     peak, where = corr.max(1)
@@ -270,10 +285,12 @@ def aligned_similarity(a: torch.Tensor, b: torch.Tensor, per_token: int) -> tupl
     score, zoom = -1.0, 1.0
     for _ in range(3):
         params = (best[:, None] + offsets[None] * steps).reshape(-1, 3)
-        warped, inside = _warps(hb, params)
-        den = ((energy_a * inside).sum((1, 2, 3)) * warped.square().sum((1, 2, 3))).sqrt().clamp_min(1e-8)
-        ncc = (ha * warped).sum((1, 2, 3)) / den
-        ncc = torch.where(inside.mean((1, 2, 3)) >= MIN_OVERLAP, ncc, torch.full_like(ncc, -1.0)).reshape(len(best), -1)
+        warped, inside_y, inside_x = _warps(hb, params)
+        den = (_inside_sums(energy_a[None], inside_y, inside_x)
+               * _inside_sums(warped.square(), inside_y, inside_x)).sqrt().clamp_min(1e-8)
+        ncc = _inside_sums(ha * warped, inside_y, inside_x) / den
+        overlap = inside_y.mean(1) * inside_x.mean(1)
+        ncc = torch.where(overlap >= MIN_OVERLAP, ncc, torch.full_like(ncc, -1.0)).reshape(len(best), -1)
         best = params.reshape(len(best), -1, 3)[torch.arange(len(best)), ncc.argmax(1)]
         if float(ncc.max()) > score:
             score, zoom = float(ncc.max()), float(best[int(ncc.max(1).values.argmax()), 0])
@@ -329,7 +346,7 @@ def _region_moves(a: torch.Tensor, b: torch.Tensor, per_token: int) -> tuple[tor
     hb = _high_pass(b.float()[None, None] / 255, k)[0, 0]
     h, w = a.shape
     m = per_token
-    size = (2 * h, 2 * w)
+    size = (h + per_token, w + per_token)  # zero padding of a token: no move up to a token wraps around
     corr = torch.fft.irfft2(torch.fft.rfft2(hb, s=size) * torch.fft.rfft2(ha, s=size).conj(), s=size)
     corr = torch.roll(corr, (m, m), (0, 1))[: 2 * m + 1, : 2 * m + 1]
     gy, gx = divmod(int(corr.argmax()), corr.shape[1])
@@ -340,35 +357,30 @@ def _region_moves(a: torch.Tensor, b: torch.Tensor, per_token: int) -> tuple[tor
     ha = ha[: rows * side, : cols * side]
     pad = m + r + 1  # and a pixel for the gradients at the edge
     padded = F.pad(hb, (pad, pad, pad, pad))
-    energy_a = F.avg_pool2d(ha.square()[None, None], side)[0, 0]
+    energy_a = F.avg_pool2d(ha.square()[None, None], side)[0, 0].reshape(-1)
+    # every move near the common one at once: (M, ...) planes of b, each a little wider for the gradients at the edge
+    tops = [(pad + gy + dy, pad + gx + dx) for dy in range(-r, r + 1) for dx in range(-r, r + 1)]
+    wide = torch.stack([padded[t - 1: t + rows * side + 1, c - 1: c + cols * side + 1] for t, c in tops])
+    moved = wide[:, 1:-1, 1:-1]
 
-    def pool(x):
-        return F.avg_pool2d(x[None, None], side)[0, 0].reshape(-1)
+    def pool(x):  # (M, H, W) -> (M, regions): each region's mean
+        return F.avg_pool2d(x[:, None], side)[:, 0].reshape(len(tops), -1)
 
-    surface, refined = [], []
-    for dy in range(-r, r + 1):
-        for dx in range(-r, r + 1):
-            top, left = pad + gy + dy, pad + gx + dx
-            moved = padded[top: top + rows * side, left: left + cols * side]
-            num = F.avg_pool2d((ha * moved)[None, None], side)[0, 0]
-            energy_b = F.avg_pool2d(moved.square()[None, None], side)[0, 0]
-            surface.append((num / (energy_a * energy_b).sqrt().clamp_min(1e-12)).reshape(-1))
-            # the part of a pixel left, by one Lucas-Kanade step at this move: a(x) ~ b(x + move) + grad b . delta
-            # (exactly 0 for identical content, which a parabola through the correlation peak is not)
-            wide = padded[top - 1: top + rows * side + 1, left - 1: left + cols * side + 1]
-            grad_y = (wide[2:, 1:-1] - wide[:-2, 1:-1]) / 2
-            grad_x = (wide[1:-1, 2:] - wide[1:-1, :-2]) / 2
-            err = ha - moved
-            syy, sxx, sxy = pool(grad_y * grad_y), pool(grad_x * grad_x), pool(grad_y * grad_x)
-            ey, ex = pool(grad_y * err), pool(grad_x * err)
-            det = (syy * sxx - sxy * sxy).clamp_min(1e-12)
-            refined.append(torch.stack([(sxx * ey - sxy * ex) / det, (syy * ex - sxy * ey) / det], 1).clamp(-1, 1))
-    ncc = torch.stack(surface)  # (moves, regions)
-    peak, where = ncc.max(0)
-    best = torch.stack(refined)[where, torch.arange(rows * cols)]  # (regions, 2)
+    surface = pool(ha * moved) / (energy_a * pool(moved.square())).sqrt().clamp_min(1e-12)
+    # the part of a pixel left, by one Lucas-Kanade step at each move: a(x) ~ b(x + move) + grad b . delta
+    # (exactly 0 for identical content, which a parabola through the correlation peak is not)
+    grad_y = (wide[:, 2:, 1:-1] - wide[:, :-2, 1:-1]) / 2
+    grad_x = (wide[:, 1:-1, 2:] - wide[:, 1:-1, :-2]) / 2
+    err = ha - moved
+    syy, sxx, sxy = pool(grad_y * grad_y), pool(grad_x * grad_x), pool(grad_y * grad_x)
+    ey, ex = pool(grad_y * err), pool(grad_x * err)
+    det = (syy * sxx - sxy * sxy).clamp_min(1e-12)
+    refined = torch.stack([(sxx * ey - sxy * ex) / det, (syy * ex - sxy * ey) / det], 2).clamp(-1, 1)
+    peak, where = surface.max(0)  # over the moves, per region
+    best = refined[where, torch.arange(rows * cols)]  # (regions, 2)
     py, px = where // (2 * r + 1), where % (2 * r + 1)
     inside = (py > 0) & (py < 2 * r) & (px > 0) & (px < 2 * r)  # a peak at the search's edge may lie beyond it
-    ok = (peak >= _MIN_NCC) & (energy_a.reshape(-1) > 1e-5) & inside
+    ok = (peak >= _MIN_NCC) & (energy_a > 1e-5) & inside
     moves = torch.stack([gy + py - r + best[:, 0], gx + px - r + best[:, 1]], 1)
     gr, gc = torch.meshgrid(torch.arange(rows), torch.arange(cols), indexing="ij")
     centres = torch.stack([(gr.reshape(-1) + 0.5) * side - h / 2, (gc.reshape(-1) + 0.5) * side - w / 2], 1).float()
