@@ -1,9 +1,10 @@
 """What the pixel-first rule sees on ``vismemo calibrate``'s held-out pairs: per kind of pair, the share of the
 second image's tokens whose pixel hashes equal the first one's at the same place, over all tokens and over its
-distinctive ones (``core.pixel_first``), min and max, and the share of its distinctive tokens outside the one band of
-token rows its changes lie in (``band_share``; pairs whose changes lie in more than one band counted apart), apart
-for bands that start at the first row. The rule takes an alias when both of the first reach ``same_pixels`` (0.75),
-or the region share reaches ``REGION_SAME`` (``REGION_SAME_TOP``): this is what it has to separate (near-duplicates
+distinctive ones (``core.pixel_first``), min and max, and the share of its distinctive tokens outside the band or two
+bands of token rows its changes lie in (``band_share``; pairs whose changes lie in more bands counted apart), apart for
+one band that starts at the first row and for two bands. The rule takes an alias when both of the first reach
+``same_pixels`` (0.75), or the region share reaches ``REGION_SAME`` (``REGION_SAME_TOP``, ``REGION_SAME_TWO``): this
+is what it has to separate (near-duplicates
 from unrelated pages of one layout; ``same layout``: every pair of eight pages of each layout or style of the
 reader's pages).
 
@@ -19,7 +20,15 @@ from collections import defaultdict
 from pathlib import Path
 
 from vismemo_hf.bench.report import header, machine
-from vismemo_hf.core.pixel_first import MIN_SAME, REGION_SAME, REGION_SAME_TOP, band_share, distinctive
+from vismemo_hf.core.pixel_first import (
+    MAX_BANDS,
+    MIN_SAME,
+    REGION_SAME,
+    REGION_SAME_TOP,
+    REGION_SAME_TWO,
+    band_share,
+    distinctive,
+)
 from vismemo_hf.eval import calibrate, docpage, synthdoc
 from vismemo_hf.eval.docstream import reader_pages
 from vismemo_hf.eval.loading import load_model
@@ -56,7 +65,7 @@ def shares(name: str, seed: int, per_kind: int) -> dict:
             continue
         same, marked = ha == hb, distinctive(hb)
         out[what].append((float(same.float().mean()), float(same[marked].float().mean()) if marked.any() else 0.0,
-                          *(band_share(hb, ha, rows) or (None, None))))
+                          *(band_share(hb, ha, rows) or (None, None, None))))
     return dict(sorted(out.items()))
 
 
@@ -75,21 +84,22 @@ def main() -> int:
     lines = header("Pixel-first: shares of unchanged tokens per kind of pair", command, machine()) + [
         f"Held-out pairs of `vismemo calibrate` (seed {args.seed}). `all`: share of the tokens whose pixel hash is the "
         "first image's at the same place; `distinctive`: the same over the second image's distinctive tokens (a hash "
-        f"it shows once); `region`: the share of its distinctive tokens outside the one band of token rows its changes "
-        "lie in, `from the top` where the band starts at the first row (`not one band`: pairs whose changes lie in more "
-        "than one band, or none distinctive). The rule "
+        "it shows once); `region`: the share of its distinctive tokens outside the band (or two) of token rows its "
+        "changes lie in, `from the top` where one band starts at the first row (`none`: pairs whose changes lie in more "
+        f"than {MAX_BANDS} bands, or none distinctive). The rule "
         f"takes the first image as the alias when both of the first reach {MIN_SAME}, or the region share reaches "
-        f"{REGION_SAME} ({REGION_SAME_TOP} from the top). `same layout`: every pair of eight other pages of each "
-        "layout or style of the reader's pages.", ""]
+        f"{REGION_SAME} ({REGION_SAME_TOP} for one band from the top, {REGION_SAME_TWO} for two bands). `same layout`: "
+        "every pair of eight other pages of each layout or style of the reader's pages.", ""]
     for name in args.readers.split(","):
         lines += [f"## {name}", "", "| pair | pairs | all min | all max | distinctive min | distinctive max | "
-                  "region, band from the top | region, other bands | not one band |",
-                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+                  "region, one band from the top | region, one other band | region, two bands | none |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
         for what, rows in shares(name, args.seed, args.pairs_per_kind).items():
             lines.append(f"| {what} | {len(rows)} | {min(r[0] for r in rows):.2f} | {max(r[0] for r in rows):.2f} | "
                          f"{min(r[1] for r in rows):.2f} | {max(r[1] for r in rows):.2f} | "
-                         f"{_span([r[2] for r in rows if r[3] is True])} | "
-                         f"{_span([r[2] for r in rows if r[3] is False])} | {sum(r[3] is None for r in rows)} |")
+                         f"{_span([r[2] for r in rows if r[4] == 1 and r[3]])} | "
+                         f"{_span([r[2] for r in rows if r[4] == 1 and not r[3]])} | "
+                         f"{_span([r[2] for r in rows if r[4] == 2])} | {sum(r[4] is None for r in rows)} |")
         lines.append("")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text("\n".join(lines))

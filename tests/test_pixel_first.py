@@ -11,6 +11,7 @@ from vismemo_hf.core.features import token_grid
 from vismemo_hf.core.pixel_first import (
     REGION_SAME,
     REGION_SAME_TOP,
+    REGION_SAME_TWO,
     distinctive,
     encoder_tokens,
     pixel_changes,
@@ -53,9 +54,10 @@ def test_distinctive_and_pixel_changes():
 
 
 def test_a_region_changed_in_rows_of_its_own_is_an_edit_another_page_is_not():
-    """The region rule: changes in one band of token rows that leave enough of the distinctive tokens outside it
-    (an inverted row, an inserted one with the rows above it) are the candidate edited; another page of the same
-    background, a moved copy, changes in two bands, and a band from the top leaving little below it are not."""
+    """The region rule: changes in one or two bands of token rows that leave enough of the distinctive tokens outside
+    (an inverted row, an inserted one with the rows above it, two rows swapped) are the candidate edited; another page
+    of the same background, a moved copy, two bands leaving little between them, three bands, and a band from the top
+    leaving little below it are not."""
     rows = torch.arange(10 * 6) // 6  # 10 rows of 6 tokens
     page = torch.arange(1, 61)
     page[rows % 2 == 1] = 0  # every other row blank (not distinctive): 30 distinctive tokens in rows 0, 2, 4, 6, 8
@@ -73,12 +75,17 @@ def test_a_region_changed_in_rows_of_its_own_is_an_edit_another_page_is_not():
     other = page.clone()
     other[page > 0] += 5000  # another page of the same layout: text in every row differs
     moved = torch.roll(page, 1)
+    swapped = page.clone()
+    swapped[rows == 0], swapped[rows == 8] = page[rows == 8], page[rows == 0]  # two bands, 0.6 of the text between
+    assert region_share(swapped, page, rows) == 0.6 and region_changed(swapped, page, rows)
     two = page.clone()
-    two[(rows == 0) | (rows >= 6)] += 1000  # rows 0 and 6-8 changed, rows 2-4 untouched between: two bands
+    two[(rows == 0) | (rows >= 4)] += 1000  # rows 0 and 4-8 changed: two bands leaving 0.2 (< REGION_SAME_TWO)
+    three = page.clone()
+    three[(rows == 0) | (rows == 4) | (rows == 8)] += 1000  # three bands (two rows of text between them)
     top = page.clone()
     top[rows <= 6] += 1000  # a band from the first row leaving 0.2 of the text below it (< REGION_SAME_TOP)
-    assert REGION_SAME <= 0.2 < REGION_SAME_TOP
-    for copy_ in (other, moved, two, top):
+    assert REGION_SAME <= 0.2 < min(REGION_SAME_TOP, REGION_SAME_TWO)
+    for copy_ in (other, moved, two, three, top):
         assert region_share(copy_, page, rows) == 0.0
         assert pixel_changes(copy_, page, rows=rows) is None and not region_changed(copy_, page, rows)
     assert region_share(wide, page, None) == 0.0 and region_share(wide, page, rows[:-1]) == 0.0

@@ -27,21 +27,25 @@ def distinctive(hashes: torch.Tensor) -> torch.Tensor:
     return counts[inverse] == 1
 
 
-#: the least share of an image's distinctive tokens outside the one band of token rows its changes lie in, for a copy
+#: the least share of an image's distinctive tokens outside the band of token rows its changes lie in, for a copy
 #: changed in a region to be the candidate edited (``region_share``); ``REGION_SAME_TOP`` when the band starts at the
-#: first row. Another page of the same layout changes text in rows all over it: on the readers' pages it leaves at
-#: most 0.12 outside one band, which then starts at the first row, else at most 0.05; an inverted, tinted or covered
-#: region leaves 0.27-0.95 outside, an inserted row its rows above (0.11-0.50; ``results/lookup/pixel-shares.md``)
+#: first row, ``REGION_SAME_TWO`` when the changes lie in two bands (two rows swapped, two regions edited); more than
+#: ``MAX_BANDS`` bands are never a region. Another page of the same layout changes text in rows all over it: on the
+#: readers' pages it leaves at most 0.12 outside one band, which then starts at the first row, else at most 0.05, and at
+#: most 0.12 outside two; an inverted, tinted or covered region leaves 0.27-0.95 outside, an inserted row its rows above
+#: (0.11-0.50), two rows swapped or cells edited in two rows 0.68-0.84 (``results/lookup/pixel-shares.md``)
 REGION_SAME = 0.1
 REGION_SAME_TOP = 0.25
+REGION_SAME_TWO = 0.3
+MAX_BANDS = 2
 
 
-def band_share(mine: torch.Tensor, theirs: torch.Tensor, rows: torch.Tensor | None) -> tuple[float, bool] | None:
-    """(share of the image's distinctive tokens outside the band, whether the band starts at its first row of
-    distinctive tokens) when its changed distinctive tokens (hashes ``mine`` against ``theirs``) lie in one band of
-    token rows (``rows``: (N,) the row of each token; no row with an unchanged distinctive token and none changed
-    between two with changes; rows without distinctive tokens do not count); None when they do not, when nothing
-    distinctive changed, or when unknown."""
+def band_share(mine: torch.Tensor, theirs: torch.Tensor, rows: torch.Tensor | None) -> tuple[float, bool, int] | None:
+    """(share of the image's distinctive tokens outside the bands, whether the first band starts at its first row
+    of distinctive tokens, how many bands) when its changed distinctive tokens (hashes ``mine`` against ``theirs``)
+    lie in at most ``MAX_BANDS`` bands of token rows (``rows``: (N,) the row of each token; a band is a run of rows
+    with changes, bands are apart by rows with none; rows without distinctive tokens do not count); None when they
+    do not, when nothing distinctive changed, or when unknown."""
     if rows is None or mine.shape != theirs.shape or rows.shape != mine.shape:
         return None
     own = distinctive(mine)
@@ -52,27 +56,31 @@ def band_share(mine: torch.Tensor, theirs: torch.Tensor, rows: torch.Tensor | No
     bearing = torch.unique(rows[own])  # sorted rows with distinctive tokens
     touched = torch.isin(bearing, rows[own & (mine != theirs)])
     at = torch.nonzero(touched).flatten()
-    if not at.numel() or int(at[-1] - at[0]) + 1 != at.numel():
+    if not at.numel():
         return None
-    return int((own & ~torch.isin(rows, bearing[touched])).sum()) / n_own, int(at[0]) == 0
+    bands = 1 + int((at[1:] - at[:-1] > 1).sum())
+    if bands > MAX_BANDS:
+        return None
+    return int((own & ~torch.isin(rows, bearing[touched])).sum()) / n_own, int(at[0]) == 0, bands
 
 
 def region_share(mine: torch.Tensor, theirs: torch.Tensor, rows: torch.Tensor | None) -> float:
-    """``band_share``'s share when it reaches ``REGION_SAME`` (``REGION_SAME_TOP`` for a band from the first row),
-    else 0."""
-    band = band_share(mine, theirs, rows)
-    if band is None:
+    """``band_share``'s share when it reaches ``REGION_SAME`` (``REGION_SAME_TOP`` for one band from the first row,
+    ``REGION_SAME_TWO`` for two bands), else 0."""
+    found = band_share(mine, theirs, rows)
+    if found is None:
         return 0.0
-    share, top = band
-    return share if share >= (REGION_SAME_TOP if top else REGION_SAME) else 0.0
+    share, top, bands = found
+    need = REGION_SAME_TWO if bands > 1 else REGION_SAME_TOP if top else REGION_SAME
+    return share if share >= need else 0.0
 
 
 def pixel_changes(mine: torch.Tensor | None, theirs: torch.Tensor | None,
                   min_same: float = MIN_SAME, rows: torch.Tensor | None = None) -> torch.Tensor | None:
     """(N,) True at the tokens whose pixels differ from the candidate's, when the image is the candidate edited: at
     least ``min_same`` of its tokens, and of its distinctive tokens, show the candidate's pixels at the same place,
-    or (with the token ``rows`` known) its changes lie in one band of rows and the rest holds enough of its content
-    (``region_share``); else None (another image, a moved or re-encoded copy: the encoder-based stages decide)."""
+    or (with the token ``rows`` known) its changes lie in one or two bands of rows and the rest holds enough of its
+    content (``region_share``); else None (another image, a moved or re-encoded copy: the encoder-based stages decide)."""
     if mine is None or theirs is None or mine.shape != theirs.shape or not mine.numel():
         return None
     same = mine == theirs
@@ -86,7 +94,7 @@ def pixel_changes(mine: torch.Tensor | None, theirs: torch.Tensor | None,
 
 def region_changed(mine: torch.Tensor | None, theirs: torch.Tensor | None, rows: torch.Tensor | None) -> bool:
     """Whether the image is the candidate with a region changed beyond a local edit: more than ``LOCAL_CHANGE`` of
-    its distinctive tokens changed, all in one band of rows with enough of them outside it (``region_share``)."""
+    its distinctive tokens changed, all in one or two bands of rows with enough of them outside (``region_share``)."""
     if mine is None or theirs is None or mine.shape != theirs.shape or not mine.numel():
         return False
     own = distinctive(mine)
