@@ -3,8 +3,8 @@
 A new image that shows, token for token, the pixels of a stored one at the same places except in a few tokens is
 that image edited: the stored entry is its alias, the tokens whose pixels differ are what changed, and neither
 needs the vision tower to tell. So is one whose changes leave whole rows of tokens untouched that hold part of its
-content (``region_share``): a region changed (an inverted, tinted or inserted row, a popup, two rows swapped) in an image that is
-otherwise the stored one; another page, even of the same layout, changes text in nearly every row. With encoder
+content (``region_share``): a region changed (an inverted, tinted or inserted row, a popup, two rows swapped) in an
+image that is otherwise the stored one; another page, even of the same layout, changes text in nearly every row. With encoder
 reuse (a routing's ``reuses_encoder``) the tower then runs only for the changed tokens and the context its attention
 gives them (``encoder_tokens``), and every other token keeps the alias's encoder output.
 """

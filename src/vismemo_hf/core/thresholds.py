@@ -25,10 +25,15 @@ from vismemo_hf.core.pixel_first import MIN_SAME
 #: how far above the model's most similar unrelated reference pair an adaptive ``tau_fine`` is kept
 UNRELATED_MARGIN = 0.03
 #: an adaptive pixel stage (no calibration): ``tau_pixel`` this far above the most similar unrelated reference
-#: thumbnails, never below ``PIXEL_FLOOR``; candidates from a fine score of ``NEAR_FLOOR`` up get it
+#: thumbnails, never below ``PIXEL_FLOOR``; candidates from a fine score of ``NEAR_FLOOR`` up get it (the
+#: ``PIXEL_CANDIDATES`` best of them). 0: any candidate closer than an average unrelated image. A copy moved by part
+#: of a token can score below another page of its layout (the GLM stand-ins' shifted forms, ``vismemo calibrate``:
+#: 0.70 of them found with a floor of 0.3); the thumbnails, not the fine score, tell the two apart. The floor of
+#: ``tau_pixel``: the reference images hold no two forms of one style, which reach 0.93 on the tiny Qwen3-VL model
+#: (its calibrated preset's closest unrelated pair), where copies moved, zoomed or rescanned score 0.97 and more
 PIXEL_MARGIN = 0.03
-PIXEL_FLOOR = 0.92
-NEAR_FLOOR = 0.3
+PIXEL_FLOOR = 0.95
+NEAR_FLOOR = 0.0
 #: the coarse threshold adaptive thresholds use at most: the coarse stage only ranks candidates for the fine and
 #: pixel stages, which decide; at 0.8 it turned away most moved and rescanned copies (``vismemo calibrate``'s
 #: defaults row on both readers' held-out pairs), and unrelated pages of one layout pass it anyway
@@ -244,6 +249,16 @@ def _warps(hb: torch.Tensor, params: torch.Tensor) -> tuple[torch.Tensor, torch.
     return warped[:, 0], inside_y, inside_x
 
 
+def _interior(n: int, k: int) -> torch.Tensor:
+    """(n,) 1 on an axis of n thumbnail pixels away from its edges by half the high-pass kernel ``k`` and a pixel,
+    else 0: a copy moved by a few pixels shows a border its original has not (a strip filled white, a cut edge),
+    which the high pass turns into the strongest detail of a smooth image; all 1 when too little would be left."""
+    margin = k // 2 + 1
+    inside = torch.zeros(n)
+    inside[margin: n - margin] = 1.0
+    return inside if n - 2 * margin >= 4 else torch.ones(n)
+
+
 def _inside_sums(x: torch.Tensor, inside_y: torch.Tensor, inside_x: torch.Tensor) -> torch.Tensor:
     """(P,) sums of each (H, W) plane of ``x`` (P or 1 of them) over its warp's area (the outer product of the
     masks), without building the (P, H, W) mask."""
@@ -260,20 +275,22 @@ def aligned_similarity(a: torch.Tensor, b: torch.Tensor, per_token: int) -> tupl
     """The pixel stage of the fine lookup: the highest normalised cross-correlation of the high-passed thumbnails
     ``a`` (the request's) and ``b`` (a candidate's; (H, W) uint8 of ``per_token`` px per visual token) over ``b``
     zoomed by up to ``PIXEL_ZOOM`` either way and moved by up to one visual token, on the area both show (at least
-    ``MIN_OVERLAP``). Each zoom (steps of 0.5 %) takes its best move from one FFT cross-correlation; the three best
-    are refined on finer grids. Returns (similarity, the zoom it found: point x of ``a``, from the centre, shows
-    ``b``'s zoom * x); (-1, 1) when the thumbnails differ in shape."""
+    ``MIN_OVERLAP``) away from ``a``'s edges (``_interior``). Each zoom (steps of 0.5 %) takes its best move from one
+    FFT cross-correlation; the three best are refined on finer grids. Returns (similarity, the zoom it found: point
+    x of ``a``, from the centre, shows ``b``'s zoom * x); (-1, 1) when the thumbnails differ in shape."""
     if a.shape != b.shape or a.ndim != 2 or min(a.shape) < 4:
         return -1.0, 1.0
     h, w = a.shape
     k = 2 * (per_token // 2) + 3  # odd, a little wider than a token
     ha = _high_pass(a.float()[None, None] / 255, k)[0, 0]
     hb = _high_pass(b.float()[None, None] / 255, k)[0, 0]
+    rows, cols = _interior(h, k), _interior(w, k)
     zooms = torch.linspace(1 / PIXEL_ZOOM, PIXEL_ZOOM, _ZOOM_STEPS)
     warped, inside_y, inside_x = _warps(hb, torch.stack([zooms, torch.zeros_like(zooms), torch.zeros_like(zooms)], 1))
     warped = warped * (inside_y[:, :, None] * inside_x[:, None, :])
     size = (h + per_token, w + per_token)  # zero padding of a token: no move up to a token wraps around
-    corr = torch.fft.irfft2(torch.fft.rfft2(ha, s=size).conj() * torch.fft.rfft2(warped, s=size), s=size)
+    inner = ha * (rows[:, None] * cols[None, :])
+    corr = torch.fft.irfft2(torch.fft.rfft2(inner, s=size).conj() * torch.fft.rfft2(warped, s=size), s=size)
     m = per_token
     corr = torch.roll(corr, (m, m), (1, 2))[:, : 2 * m + 1, : 2 * m + 1].reshape(_ZOOM_STEPS, -1)
     peak, where = corr.max(1)
@@ -286,10 +303,11 @@ def aligned_similarity(a: torch.Tensor, b: torch.Tensor, per_token: int) -> tupl
     for _ in range(3):
         params = (best[:, None] + offsets[None] * steps).reshape(-1, 3)
         warped, inside_y, inside_x = _warps(hb, params)
+        overlap = inside_y.mean(1) * inside_x.mean(1)
+        inside_y, inside_x = inside_y * rows, inside_x * cols
         den = (_inside_sums(energy_a[None], inside_y, inside_x)
                * _inside_sums(warped.square(), inside_y, inside_x)).sqrt().clamp_min(1e-8)
         ncc = _inside_sums(ha * warped, inside_y, inside_x) / den
-        overlap = inside_y.mean(1) * inside_x.mean(1)
         ncc = torch.where(overlap >= MIN_OVERLAP, ncc, torch.full_like(ncc, -1.0)).reshape(len(best), -1)
         best = params.reshape(len(best), -1, 3)[torch.arange(len(best)), ncc.argmax(1)]
         if float(ncc.max()) > score:
