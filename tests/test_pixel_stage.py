@@ -60,6 +60,24 @@ def test_a_large_image_keeps_a_small_thumbnail():
     assert max(thumb.shape) <= THUMB_MAX and thumb.shape == (30 * thumb_per_token((30, 60)), 60 * thumb_per_token((30, 60)))
 
 
+def test_a_photo_moved_by_a_few_pixels_aligns_despite_the_border_it_shows():
+    """A smooth photo moved by 1-3 px shows a white strip its original has not; the high pass makes that edge its
+    strongest detail, so the alignment scores the interior only: the moved photo aligns (>= 0.97, above the derived
+    stage's floor), another photo of the kind does not come near."""
+    from vismemo_hf.core.images import synthetic_image
+    from vismemo_hf.core.thresholds import PIXEL_FLOOR
+    from vismemo_hf.eval import synthdoc
+
+    per = thumb_per_token((8, 8))
+    for seed in range(4):
+        photo = synthetic_image("photo", 900 + seed, size=(224, 224))
+        mine = _thumb(photo)
+        for dx in (1, 3):
+            assert aligned_similarity(_thumb(synthdoc.shift_image(photo, dx)), mine, per)[0] >= max(0.97, PIXEL_FLOOR)
+        other = synthetic_image("photo", 950 + seed, size=(224, 224))
+        assert aligned_similarity(_thumb(other), mine, per)[0] <= 0.6
+
+
 def test_aligned_similarity_finds_pages_moved_by_part_of_a_token_or_zoomed_and_not_other_pages():
     """A 2-3 px shift and 2.7 % / 4.7 % zooms (crops) of a page align (>= 0.85) at the zoom they were made with;
     another page of the same layout does not come near (<= 0.8); thumbnails of other shapes compare at -1."""
