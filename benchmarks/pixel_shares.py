@@ -65,7 +65,7 @@ def shares(name: str, seed: int, per_kind: int) -> dict:
             continue
         same, marked = ha == hb, distinctive(hb)
         out[what].append((float(same.float().mean()), float(same[marked].float().mean()) if marked.any() else 0.0,
-                          *(band_share(hb, ha, rows) or (None, None, None))))
+                          *(band_share(hb, ha, rows) or (None, None, None, None))[:3]))
     return dict(sorted(out.items()))
 
 

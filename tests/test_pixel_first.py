@@ -406,3 +406,19 @@ def test_after_another_long_text_the_edit_encodes_its_whole_image(qwen2):
     assert same.found_by == "pixels" and same.encoded_tokens < same.n_tokens
     longer = event("Here is the scanned form from the second office, please read it carefully: ")
     assert longer.found_by == "pixels" and longer.encoded_tokens == longer.n_tokens
+
+
+def test_one_distinctive_token_kept_is_no_region():
+    """A page with few distinctive tokens whose changes leave one of them outside the band (a share that would pass
+    REGION_SAME) is not the candidate edited; two kept are."""
+    from vismemo_hf.core.pixel_first import REGION_KEPT
+
+    rows = torch.arange(6 * 8) // 8
+    page = torch.zeros(48, dtype=torch.long)
+    page[[3, 11, 19, 27, 35, 43, 44, 45, 46, 47]] = torch.arange(1, 11)  # 10 distinctive tokens, rows 0-5
+    one = page.clone()
+    one[rows >= 1] += 100 * (page[rows >= 1] > 0)  # rows 1-5 changed: 1 of 10 kept (row 0)
+    assert REGION_KEPT == 2 and region_share(one, page, rows) == 0.0 and pixel_changes(one, page, rows=rows) is None
+    two = page.clone()
+    two[(rows >= 2) & (page > 0)] += 100  # rows 2-5 changed: 2 of 10 kept
+    assert region_share(two, page, rows) == 0.2 and pixel_changes(two, page, rows=rows) is not None

@@ -340,3 +340,23 @@ def test_inserted_rows_on_the_tiny_reader_answer_as_a_full_prefill():
                                           quiet=True)
     assert summary["insert-row"]["default"]["agreement"] == 1.0, [(r["plain"], r["prediction"]) for r in rows
                                                                   if not r["agree"]]
+
+
+def test_a_match_of_the_tokens_alone_needs_thumbnails_that_agree():
+    """The fine stage's match by its tokens is taken only when the thumbnails show one image (a page moved by a
+    few pixels or rescanned agrees, another page of its layout does not: the base reader's receipts matched by
+    their tokens alone); an image without thumbnails is not judged by them."""
+    from types import SimpleNamespace
+
+    from vismemo_hf.runtime.lookup import ENCODER_PIXEL_AGREE, _thumbnails_agree
+
+    assert ENCODER_PIXEL_AGREE <= 0.95
+    for i, layout in enumerate(docpage.LAYOUTS):
+        page = docpage.random_page(2**31 + 79_000 + i, layout=layout)
+        cached = _thumb(docpage.render(page))
+        for copy_, same in ((docpage.shift(page, 2, 1), True), (docpage.rescan(page, random.Random(i)), True),
+                            (docpage.random_page(2**31 + 79_500 + i, layout=layout), False)):
+            request = SimpleNamespace(thumbnail=lambda c=copy_: _thumb(docpage.render(c)))
+            assert _thumbnails_agree(request, cached, (16, 16)) is same, (layout, copy_)
+    assert _thumbnails_agree(SimpleNamespace(thumbnail=None), cached, (16, 16))
+    assert _thumbnails_agree(SimpleNamespace(thumbnail=lambda: cached), None, (16, 16))

@@ -316,6 +316,15 @@ def aligned_similarity(a: torch.Tensor, b: torch.Tensor, per_token: int) -> tupl
     return score, zoom
 
 
+#: the least aligned thumbnail similarity (``aligned_similarity``) of a candidate the fine stage matched by its
+#: tokens alone: another page of one layout can pass the tokens' rule (the base reader's receipts, aliased with
+#: 0.35-0.65 of it in ``benchmarks/stream_recall.py``'s streams, one of them reused), while a copy moved, rescanned,
+#: re-encoded, brightened or cropped scores 0.95 and more, and other pages of one layout or style at most 0.88
+#: (``vismemo calibrate``'s pairs of both readers); a copy that fails it is a miss (``runtime.lookup``;
+#: ``vismemo calibrate``'s rule counts it so)
+ENCODER_PIXEL_AGREE = 0.9
+
+
 #: the most a copy's parts may move against its centre (turned, zoomed, bent: ``local_drift``), in visual tokens, for
 #: its tokens to be reused from the cached image's; a copy warped further is found but computed in full
 MAX_DRIFT = 0.045

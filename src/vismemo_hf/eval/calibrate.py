@@ -38,6 +38,7 @@ from vismemo_hf.core.features import (
 from vismemo_hf.core.images import IMAGE_KINDS, synthetic_image
 from vismemo_hf.core.pixel_first import MIN_SAME, partly_changed, pixel_changes
 from vismemo_hf.core.thresholds import (
+    ENCODER_PIXEL_AGREE,
     LookupThresholds,
     aligned_similarity,
     best_shift,
@@ -233,6 +234,8 @@ def choose(rows: list[dict]) -> LookupThresholds:
 
 
 def _fine_passes(r: dict, thresholds: LookupThresholds, key: str = "fine") -> bool:
+    if key != "fine_raw" and r[key] >= thresholds.tau_fine and -1.0 < r["pixel"] < ENCODER_PIXEL_AGREE:
+        return False  # the lookup turns down a match of the tokens alone whose thumbnails disagree
     return thresholds.matches(r[key], thresholds.tau_fine, lambda: r["pixel"], r.get("partly", False))
 
 

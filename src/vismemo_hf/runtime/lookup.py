@@ -30,6 +30,7 @@ from vismemo_hf.core.features import (
 from vismemo_hf.core.pixel_first import encoder_tokens, partly_changed, pixel_changes
 from vismemo_hf.core.plan import HitKind, ImageFeatures
 from vismemo_hf.core.thresholds import (
+    ENCODER_PIXEL_AGREE,
     MAX_DRIFT,
     MAX_ZOOM_DRIFT,
     aligned_similarity,
@@ -595,6 +596,8 @@ def _approximate(adapter, match: ImageMatch, cache, get_image_features) -> Image
     if chosen is None:
         return match
     best, best_score, moved_by, pixel, zoom, thumb = chosen
+    if pixel is None and not _thumbnails_agree(match, thumb, hw):
+        return match  # the tower's tokens agree, the pixels do not: another page of the candidate's layout
     entry = store_call("read", lambda: cache.store.peek(best, owner), None)
     if not _usable(adapter, cache, entry, best, feats.grid):
         return match
@@ -612,6 +615,16 @@ def _approximate(adapter, match: ImageMatch, cache, get_image_features) -> Image
                    context_change=context_change(entry.context, match.context) if entry.prefix != match.prefix
                    else None,
                    aligned=zoom_drift(zoom, hw) <= MAX_ZOOM_DRIFT and drift <= MAX_DRIFT)
+
+
+
+def _thumbnails_agree(match: ImageMatch, thumb: torch.Tensor | None, hw: tuple[int, int]) -> bool:
+    """Whether the request's thumbnail shows the fine stage's candidate (``thumb``), aligned across its moves and
+    zooms, at least ``ENCODER_PIXEL_AGREE``; True when either has none (a family without thumbnails)."""
+    mine = match.thumbnail() if thumb is not None and match.thumbnail is not None else None
+    if mine is None:
+        return True
+    return aligned_similarity(mine, thumb, thumb_per_token(hw))[0] >= ENCODER_PIXEL_AGREE
 
 
 #: a copy with at most this share of its tokens' pixels changed (a local edit) is not checked for a warp: a turned
