@@ -13,6 +13,7 @@ from vismemo_hf.core.plan import ImageFeatures, WarmupSignals
 from vismemo_hf.core.thresholds import regional_cosines
 from vismemo_hf.eval import synthetic
 from vismemo_hf.policies.attend_deviate import AttendDeviatePolicy
+from vismemo_hf.runtime import lookup
 from vismemo_hf.runtime.lookup import _REFERENCES
 from vismemo_hf.store import blob
 from vismemo_hf.store.remote import _record
@@ -54,10 +55,17 @@ def test_a_candidate_with_three_matching_regions_and_one_unrelated_region_is_not
     cache = vismemo_hf.VisMemoCache(store=store, tau=tau, tau_fine=-1.0, store_misses=False, same_pixels=None)
     generate(model, build_inputs(processor, [patched]), cache, 1)
     assert cache.events[0].kind is HitKind.MISS
-    # control: with a tau every region passes, the same candidate is an alias
+    # control: with a tau every region passes, the same candidate is an alias (the thumbnail check, which turns
+    # down a page with a quadrant of noise, off: the coarse rule alone is under test)
+    with monkeypatch.context() as patch:
+        patch.setattr(lookup, "_thumbnails_agree", lambda *args: True)
+        cache = vismemo_hf.VisMemoCache(store=store, tau=low - 1e-3, tau_fine=-1.0, store_misses=False,
+                                        same_pixels=None)
+        generate(model, build_inputs(processor, [patched]), cache, 1)
+        assert cache.events[0].kind is HitKind.APPROXIMATE
     cache = vismemo_hf.VisMemoCache(store=store, tau=low - 1e-3, tau_fine=-1.0, store_misses=False, same_pixels=None)
     generate(model, build_inputs(processor, [patched]), cache, 1)
-    assert cache.events[0].kind is HitKind.APPROXIMATE
+    assert cache.events[0].kind is HitKind.MISS  # with it, the thumbnails disagree
     found = vismemo_hf.VisMemoCache(store=store, store_misses=False)  # the default finds it by its pixels
     generate(model, build_inputs(processor, [patched]), found, 1)
     assert found.events[0].found_by == "pixels"
