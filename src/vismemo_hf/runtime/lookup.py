@@ -559,8 +559,9 @@ def _approximate(adapter, match: ImageMatch, cache, get_image_features) -> Image
     (descriptors and token sketches, never its encoder output): the match as an approximate hit, or unchanged. Both
     stages compare embeddings centred by the model's reference means (``core/thresholds.py``); the fine stage also
     compares the candidate moved by a visual token (``best_shift``), and a moved match reuses its K/V at the moved
-    positions (``ImageFeatures.moved``). With a calibrated pixel stage, candidates just below the fine threshold
-    are also compared by their thumbnails, aligned across zooms and moves of part of a token (``_fine_stage``)."""
+    positions (``ImageFeatures.moved``). With a pixel stage (calibrated or derived), candidates below the fine
+    threshold are also compared by their thumbnails, aligned across zooms and moves of part of a token
+    (``_fine_stage``); a match of the tokens alone is taken only when the thumbnails agree (``_thumbnails_agree``)."""
     fp, owner = adapter.fingerprint, cache.owner(adapter.fingerprint)
     if not _approximate_lookup(adapter, cache):
         return match
@@ -615,7 +616,6 @@ def _approximate(adapter, match: ImageMatch, cache, get_image_features) -> Image
                    context_change=context_change(entry.context, match.context) if entry.prefix != match.prefix
                    else None,
                    aligned=zoom_drift(zoom, hw) <= MAX_ZOOM_DRIFT and drift <= MAX_DRIFT)
-
 
 
 def _thumbnails_agree(match: ImageMatch, thumb: torch.Tensor | None, hw: tuple[int, int]) -> bool:
