@@ -30,7 +30,7 @@ UNRELATED_MARGIN = 0.03
 #: of a token can score below another page of its layout (the GLM stand-ins' shifted forms, ``vismemo calibrate``:
 #: 0.70 of them found with a floor of 0.3); the thumbnails, not the fine score, tell the two apart. The floor of
 #: ``tau_pixel``: the reference images hold no two forms of one style, which reach 0.93 on the tiny Qwen3-VL model
-#: (its calibrated preset's closest unrelated pair), where copies moved, zoomed or rescanned score 0.97 and more
+#: (its calibrated preset's closest unrelated pair; ``results/lookup/tiny-qwen3_vl.md``)
 PIXEL_MARGIN = 0.03
 PIXEL_FLOOR = 0.95
 NEAR_FLOOR = 0.0
