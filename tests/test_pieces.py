@@ -85,6 +85,29 @@ def test_layers_with_one_layout_share_its_write_plans_and_settle_alike():
         writer.plan(torch.tensor([[1]]))
 
 
+def test_scattered_writes_land_where_their_columns_go_in_one_row_and_in_padded_rows():
+    """One row writes by copies along the slot axis, several rows by an indexed put: both put each column's K/V
+    in its slot and nothing elsewhere (pads of -1 write nothing)."""
+    from vismemo_hf.runtime.cache import VisMemoLayer
+
+    def written(layout, columns, batch):
+        layer = VisMemoLayer()
+        layer.open(torch.tensor(layout), 8)
+        k = torch.arange(batch * 8, dtype=torch.float32).view(batch, 1, 8, 1).expand(batch, 2, 8, 3).contiguous()
+        cols = torch.tensor(columns)
+        keys = torch.stack([k[b, :, cols[b].clamp(min=0)] for b in range(batch)])
+        out, values = layer.update(keys, keys + 100, columns=cols, contiguous=False)
+        want_keys, want_values = torch.zeros_like(out), torch.zeros_like(out)
+        for b in range(batch):
+            for slot, column in enumerate(layout[b]):
+                if column >= 0 and column in columns[b]:
+                    want_keys[b, :, slot], want_values[b, :, slot] = k[b, :, column], k[b, :, column] + 100
+        assert torch.equal(out, want_keys) and torch.equal(values, want_values)
+
+    written([[0, 1, 3, 4, 6, 7]], [[1, 4, 7]], 1)  # one row, gaps between its slots: the copy path
+    written([[0, 1, 3, 4, 6, 7], [0, 2, 3, 5, 6, -1]], [[1, 4, 7], [2, 6, -1]], 2)  # two rows, a pad
+
+
 def test_query_blocks_see_only_the_keys_their_rows_can():
     q = torch.arange(128)[None]
     mask = slot_mask(torch.arange(128)[None], q, None)

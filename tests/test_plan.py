@@ -94,3 +94,24 @@ def test_registry_rejects_unknown_names_and_options():
         get_policy("vismemo", colour="red")
     with pytest.raises(ValueError):
         get_policy("vismemo", recompute_ratio=1.5)
+
+
+def test_an_images_entropy_and_pixel_hashes_are_each_computed_on_first_use_and_once():
+    """A hit whose routing reads the pixel hashes alone (the default's) never pays for the entropy."""
+    calls = []
+
+    def entropy():
+        calls.append("entropy")
+        return torch.zeros(4)
+
+    def hashes():
+        calls.append("hashes")
+        return None  # unknown hashes are remembered too
+
+    image = ImageFeatures("a", (1, 4, 4), torch.randn(4, 8), pixel_features=(entropy, hashes))
+    assert image.patch_hashes is None and image.patch_hashes is None and calls == ["hashes"]
+    assert torch.equal(image.entropy, torch.zeros(4)) and image.entropy is image.entropy
+    assert calls == ["hashes", "entropy"]
+    given = ImageFeatures("b", (1, 4, 4), torch.randn(4, 8), patch_hashes=torch.arange(4),
+                          pixel_features=(entropy, hashes))
+    assert torch.equal(given.patch_hashes, torch.arange(4)) and calls == ["hashes", "entropy"]

@@ -11,12 +11,12 @@ import functools
 import hashlib
 import math
 import os
-import zlib
 from concurrent.futures import ThreadPoolExecutor
 from functools import lru_cache
 
 import torch
 import torch.nn.functional as F
+from crc32c import crc32c
 
 ENTROPY_BINS = 32
 #: width of a token sketch (the fine lookup stage's compact stand-in for a token's embedding)
@@ -82,10 +82,11 @@ def _hashers() -> ThreadPoolExecutor:
 
 
 def patch_hashes(pixels: torch.Tensor, merge: int) -> torch.Tensor:
-    """(N,) CRC-32 of each visual token's pixel bytes: equal pixels, equal hash."""
+    """(N,) CRC-32C of each visual token's pixel bytes: equal pixels, equal hash (CRC-32C, not zlib's CRC-32: x86
+    and ARM compute it with one instruction)."""
     data = pixels.detach().cpu().contiguous()
     rows = data.view(torch.uint8).reshape(data.shape[0] // (merge * merge), -1).numpy()
-    return torch.tensor([zlib.crc32(row) for row in rows], dtype=torch.int64)
+    return torch.tensor([crc32c(row) for row in rows], dtype=torch.int64)
 
 
 #: Rec. 601 luma weights of R, G and B

@@ -165,37 +165,41 @@ class ImagePlan:
         return cls(kind, n_tokens, 0, torch.arange(n_tokens), _index([]), _index([]), alias, fallback=fallback)
 
 
+#: a value computed on first use
+_LATER = object()
+
+
 class ImageFeatures:
     """What routing may know about an image without touching K/V: identity, encoder output, patch entropy and the
-    hash of each token's pixels. ``pixel_features``: computes (entropy, patch hashes) on first use instead (a miss
-    never needs them before its prefill, so they stay off the request's critical path). ``kv_tokens``: tokens whose
+    hash of each token's pixels. ``pixel_features``: what computes the entropy and the patch hashes, each on its
+    first use instead (a miss never needs them before its prefill, so they stay off the request's critical path,
+    and a hit whose routing reads the hashes alone never computes the entropy). ``kv_tokens``: tokens whose
     K/V the stored entry holds (a compressed entry, docs/METHOD.md §4); None: every token. ``rows``: what gives the
     row of each token (``token_rows``) when the tokens are not one row-major grid (the family adapter's
     ``token_rows``, given these features)."""
 
     def __init__(self, key: str, grid: tuple[int, int, int], embeds: torch.Tensor, entropy: torch.Tensor | None = None,
                  patch_hashes: torch.Tensor | None = None, kv_tokens: torch.Tensor | None = None,
-                 pixel_features: Callable[[], tuple[torch.Tensor, torch.Tensor | None]] | None = None,
+                 pixel_features: tuple[Callable[[], torch.Tensor], Callable[[], torch.Tensor | None]] | None = None,
                  rows: Callable[[ImageFeatures], torch.Tensor | None] | None = None) -> None:
         self.key, self.grid, self.embeds, self.kv_tokens = key, grid, embeds, kv_tokens
-        self._entropy, self._patch_hashes, self._pixel_features = entropy, patch_hashes, pixel_features
+        later = pixel_features is not None and patch_hashes is None
+        self._entropy, self._patch_hashes = entropy, _LATER if later else patch_hashes
+        self._pixel_features = pixel_features
         self._rows_of = rows
-
-    def _compute(self) -> None:
-        if self._pixel_features is not None:
-            self._entropy, self._patch_hashes = self._pixel_features()
-            self._pixel_features = None
 
     @property
     def entropy(self) -> torch.Tensor:
         """(N,) normalised patch entropy in [0, 1]."""
-        self._compute()
+        if self._entropy is None and self._pixel_features is not None:
+            self._entropy = self._pixel_features[0]()
         return self._entropy
 
     @property
     def patch_hashes(self) -> torch.Tensor | None:
         """(N,) int64 hash of each token's pixels (None when unknown)."""
-        self._compute()
+        if self._patch_hashes is _LATER:
+            self._patch_hashes = self._pixel_features[1]()
         return self._patch_hashes
 
     @property

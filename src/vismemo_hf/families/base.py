@@ -322,12 +322,12 @@ class ModelAdapter(VisionTower):
         return self.split_images(inputs["pixel_values"], self.image_geometry(inputs), None)
 
     def pixel_features(self, pixels: torch.Tensor, grid, hashes: torch.Tensor | None = None, extra=None):
-        """What computes an image's (patch entropy, token pixel hashes) when they are first needed (``hashes``:
-        already computed; ``extra``: ``split_images``' third item of the image)."""
+        """What computes an image's patch entropy and its token pixel hashes, each when first needed
+        (``ImageFeatures``; ``hashes``: already computed; ``extra``: ``split_images``' third item of the image)."""
         from vismemo_hf.core.features import patch_entropy
 
-        return lambda: (patch_entropy(pixels, **self.entropy_kwargs()),
-                        hashes if hashes is not None else self.patch_hashes(pixels, grid, extra))
+        return (lambda: patch_entropy(pixels, **self.entropy_kwargs()),
+                lambda: hashes if hashes is not None else self.patch_hashes(pixels, grid, extra))
 
     def patch_hashes(self, pixels: torch.Tensor, grid, extra=None) -> torch.Tensor | None:
         """(N,) hash of each visual token's pixels (``core.features.patch_hashes``), or None (no token grid)."""

@@ -18,6 +18,7 @@ What differs from the generic adapter:
 
 from __future__ import annotations
 
+import functools
 import struct
 from dataclasses import dataclass
 from typing import ClassVar
@@ -32,7 +33,7 @@ LLAVA_TEMPLATE = QWEN2_TEMPLATE.replace("<|vision_start|><|image_pad|><|vision_e
 #: the offline processor's geometry (``configs/models/tiny.yaml``'s tower: 56-pixel tiles of 14-pixel patches)
 TILE, PATCH = 56, 14
 PINPOINTS = [[56, 56], [56, 112], [112, 56], [112, 112], [112, 168], [168, 112], [168, 168]]
-#: a newline token's pixel hash: the bits of -1.0 as a float64 (no packed CRC-32, a value >= 0, has them)
+#: a newline token's pixel hash: the bits of -1.0 as a float64 (no packed CRC-32C, a value >= 0, has them)
 NEWLINE = struct.unpack("<q", struct.pack("<d", -1.0))[0]  # plain bytes: no tensor at import (meta device contexts)
 
 
@@ -130,7 +131,7 @@ class LlavaOnevisionAdapter(QwenAdapter):
         return getattr(self.model.config, "vision_feature_select_strategy", "full") == "full"
 
     def patch_hashes(self, pixels: torch.Tensor, grid, extra=None) -> torch.Tensor | None:
-        """(N,) int64: the bits of each token's packed patch CRC-32 (exact for a token that shows one patch,
+        """(N,) int64: the bits of each token's packed patch CRC-32C (exact for a token that shows one patch,
         a mix of its patches' for a downsampled one), ``NEWLINE`` at the newline tokens; None when unknown."""
         if extra is None or not self._packs_patches() or pixels.dim() != 4:
             return None
@@ -141,17 +142,18 @@ class LlavaOnevisionAdapter(QwenAdapter):
         return packed.view(torch.int64) if packed.numel() == grid[2] else None
 
     def pixel_features(self, pixels: torch.Tensor, grid, hashes=None, extra=None):
-        def compute():
-            known = hashes if hashes is not None else self.patch_hashes(pixels, grid, extra)
-            if known is None:
-                return torch.zeros(grid[2]), None
+        known = functools.cache(lambda: hashes if hashes is not None else self.patch_hashes(pixels, grid, extra))
+
+        def entropy():
+            if known() is None:
+                return torch.zeros(grid[2])
             from vismemo_hf.core.features import patch_entropy
 
             p, c = self.vision_config.patch_size, pixels.shape[1]
-            entropy = patch_entropy(self._patch_rows(pixels), channels=c, temporal_patch=1, patch=p, merge=1,
-                                    image_mean=self.image_mean, image_std=self.image_std)
-            return self._packed(entropy.reshape(pixels.shape[0], -1), extra, 0.0).float(), known
-        return compute
+            values = patch_entropy(self._patch_rows(pixels), channels=c, temporal_patch=1, patch=p, merge=1,
+                                   image_mean=self.image_mean, image_std=self.image_std)
+            return self._packed(values.reshape(pixels.shape[0], -1), extra, 0.0).float()
+        return entropy, known
 
     def token_rows(self, features) -> torch.Tensor | None:
         """The base view's rows of patches, then one row per run of tokens ended by a newline."""

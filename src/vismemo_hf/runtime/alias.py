@@ -254,7 +254,7 @@ class AliasReader:
                 keys, values = f.keys[at], f.values[at]
             else:
                 idx = self._memoised(("index", id(idx), f.keys.device), (idx,), lambda idx=idx, f=f: idx.to(f.keys.device))
-                keys, values = f.keys[at][:, idx], f.values[at][:, idx]
+                keys, values = f.keys[at].index_select(1, idx), f.values[at].index_select(1, idx)
             per_row[m.row].append((keys.to(device, non_blocking=True), values.to(device, non_blocking=True),
                                    i, tokens))
         if not any(per_row):

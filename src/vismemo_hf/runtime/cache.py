@@ -74,9 +74,15 @@ class VisMemoLayer(DynamicLayer):
             self.keys[:, :, s0:s1] = keys.to(self.keys.dtype)
             self.values[:, :, s0:s1] = values.to(self.values.dtype)
             return
-        _, rows, slots, where = plan
+        _, rows, slots, where, every = plan
         device = self.keys.device
         rows, slots, where = rows.to(device), slots.to(device), where.to(device)
+        if self.keys.shape[0] == 1:  # one row: copies along the slot axis (several times faster than index_put)
+            if not every:
+                keys, values = keys.index_select(2, where), values.index_select(2, where)
+            self.keys.index_copy_(2, slots, keys.to(self.keys.dtype))
+            self.values.index_copy_(2, slots, values.to(self.values.dtype))
+            return
         self.keys[rows, :, slots] = keys[rows, :, where].to(self.keys.dtype)
         self.values[rows, :, slots] = values[rows, :, where].to(self.values.dtype)
 

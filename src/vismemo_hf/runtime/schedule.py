@@ -154,10 +154,10 @@ class SlotWriter:
 
     ``columns`` (B, S): the request column of each slot, sorted, -1 padded. ``plan(columns)`` says where K/V of
     request ``columns`` (B, T) go: ``("run", s0, s1)`` (one row into consecutive slots: a copy) or
-    ``("scatter", rows, slots, where)``; it is kept per columns tensor, so that the layers, which write the same
-    tensors (a layout's queries, a reused set), read no tensor value after the first of them. ``settled`` is the
-    layout once the prefill wrote some of those plans: unwritten slots empty (-1), or None when every column is
-    held in order (the plain layout)."""
+    ``("scatter", rows, slots, where, every)`` (``every``: ``where`` names every written column, in order); it is
+    kept per columns tensor, so that the layers, which write the same tensors (a layout's queries, a reused set),
+    read no tensor value after the first of them. ``settled`` is the layout once the prefill wrote some of those
+    plans: unwritten slots empty (-1), or None when every column is held in order (the plain layout)."""
 
     def __init__(self, columns: torch.Tensor, length: int) -> None:
         self.columns, self.length = columns, length
@@ -193,7 +193,7 @@ class SlotWriter:
         else:
             rows, slots, where = rows[ok], slots[ok], where[ok]
         device = self.columns.device  # moved once: every layer with this layout writes them
-        return ("scatter", on_device(rows, device), on_device(slots, device), on_device(where, device))
+        return ("scatter", on_device(rows, device), on_device(slots, device), on_device(where, device), not pads)
 
     def settled(self, written: list[tuple]) -> torch.Tensor | None:
         key = tuple(id(p) for p in written)

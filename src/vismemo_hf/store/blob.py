@@ -39,7 +39,7 @@ from vismemo_hf.core.features import THUMB_MAX
 from vismemo_hf.store.entry import Entry
 
 MAGIC = b"VMEM"
-LAYOUT_VERSION = 6
+LAYOUT_VERSION = 7
 _FIELDS = struct.Struct("<4sHBB" + "I" * 13 + "q32s64s16sQQ16s16s16s16s16s")  # the MAC last (zeros while computed)
 MAC_BYTES = 16
 SEALED = 32  # header flag: MACs in place of checksums
