@@ -148,8 +148,25 @@ def thumbnail(pixels: torch.Tensor, grid: tuple[int, int, int], *, channels: int
     luma = luma.clamp(0, 1)
     bh, bw = h // merge, w // merge
     image = luma.reshape(bh, bw, merge, merge, patch, patch).permute(0, 2, 4, 1, 3, 5).reshape(h * patch, w * patch)
-    shape = thumbnail_shape(grid, merge)
-    step = h * patch / shape[0]  # image px per thumbnail px
+    return _shrunk(image, thumbnail_shape(grid, merge))
+
+
+def view_thumbnail(view: torch.Tensor, hw: tuple[int, int], *, image_mean, image_std) -> torch.Tensor:
+    """``thumbnail`` of one normalised (C, H, W) view of an image laid over ``hw`` visual tokens (LLaVA-OneVision's
+    base view: the whole image at the tower's tile size)."""
+    channels = view.shape[0]
+    weights = _luma_weights(channels)
+    scale = weights * torch.as_tensor(image_std, dtype=torch.float32)
+    bias = float((weights * torch.as_tensor(image_mean, dtype=torch.float32)).sum())
+    x = view.detach().cpu().float()
+    luma = (sum(x[c] * float(scale[c]) for c in range(channels)) + bias).clamp(0, 1)
+    per = thumb_per_token(hw)
+    return _shrunk(luma, (hw[0] * per, hw[1] * per))
+
+
+def _shrunk(image: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
+    """(H, W) luma in [0, 1] -> the ``shape`` uint8 thumbnail: averaged down, blurred, averaged to ``shape``."""
+    step = image.shape[0] / shape[0]  # image px per thumbnail px
     pre = max(1, int(step) // 2)  # averaged down to about twice the thumbnail first: the blur stays cheap
     image = F.adaptive_avg_pool2d(image[None, None], (image.shape[0] // pre, image.shape[1] // pre))[0, 0]
     image = _blur(image, THUMB_BLUR * step / pre)  # band-limited: a warp of it resamples it faithfully

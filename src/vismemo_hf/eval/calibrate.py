@@ -197,7 +197,8 @@ def score_pairs(adapter, get_image_features, pair_list, reference, desc: str = "
             "fine": fine_score(ea, eb, ga, adapter.merge, token_mean, adapter.max_shift)[0],
             "fine_sketch": best_shift(centred_sketches(token_sketch(ea), token_mean),
                                       centred_sketches(token_sketch(eb), token_mean), hw, adapter.max_shift)[0],
-            "pixel": aligned_similarity(thumbs[2 * i][0], thumbs[2 * i + 1][0], thumb_per_token(hw))[0]
+            "pixel": aligned_similarity(thumbs[2 * i][0], thumbs[2 * i + 1][0],
+                                        thumb_per_token(adapter.thumbnail_hw(ga)))[0]
             if thumbs[2 * i][0] is not None and thumbs[2 * i + 1][0] is not None else -1.0,
             "pixel_first": thumbs[2 * i][1] is not None and thumbs[2 * i + 1][1] is not None
             and pixel_changes(thumbs[2 * i + 1][1], thumbs[2 * i][1], MIN_SAME, thumbs[2 * i + 1][2]) is not None,

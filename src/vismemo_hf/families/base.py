@@ -21,7 +21,7 @@ from typing import ClassVar
 import torch
 from transformers.modeling_outputs import BaseModelOutputWithPooling
 
-from vismemo_hf.core.features import thumbnail_shape, token_grid
+from vismemo_hf.core.features import thumb_per_token, token_grid
 
 # Processor normalisation of each family (needed to recover pixels for patch entropy).
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
@@ -367,6 +367,19 @@ class ModelAdapter(VisionTower):
 
         return functools.cache(lambda: thumbnail(pixels, grid, **self.entropy_kwargs()))
 
+    def thumbnail_hw(self, grid) -> tuple[int, int]:
+        """(rows, columns) of the visual tokens an image's thumbnail spans (its pixels per token set the pixel stage's
+        moves and margins, ``core.features.thumb_per_token``): the image's token grid."""
+        from vismemo_hf.core.features import token_grid
+
+        return token_grid(tuple(grid), self.merge)[1:]
+
+    def thumbnail_size(self, grid) -> tuple[int, int]:
+        """(H, W) of an image's thumbnail (``thumbnail_of``)."""
+        h, w = self.thumbnail_hw(grid)
+        per = thumb_per_token((h, w))
+        return h * per, w * per
+
     # -- the language model's computation (the only place that names its modules) -----------------------
     def _rope_function(self):
         """The modeling module's own ``apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim)`` (half or interleaved
@@ -484,7 +497,7 @@ class ModelAdapter(VisionTower):
                 entry.kv_tokens.numel() == 0 or int(entry.kv_tokens.max()) < n)), "stored token indices"),
             (0 <= entry.offset < getattr(text, "max_position_embeddings", 2**31), f"offset {entry.offset}"),
             (entry.entropy.shape == (n,) and bool(torch.isfinite(entry.entropy).all()), "patch entropy"),
-            (entry.thumbnail is None or tuple(entry.thumbnail.shape) == thumbnail_shape(grid, self.merge),
+            (entry.thumbnail is None or tuple(entry.thumbnail.shape) == self.thumbnail_size(grid),
              f"thumbnail {None if entry.thumbnail is None else tuple(entry.thumbnail.shape)}"),
         ]
         return next((why for ok, why in checks if not ok), None)

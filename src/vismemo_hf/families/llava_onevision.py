@@ -12,7 +12,8 @@ What differs from the generic adapter:
   its patches' values, a newline token has its own constant), so an approximate hit knows which tokens changed and
   their reading rows (the base view's rows, then each tile row up to its newline). A copy is matched in place only
   (``movable = False``: a move of the page is no move along the packed run) and only with an alias of the same
-  packing (``same_layout``: newlines at the same tokens). No thumbnail: no pixel stage; the whole image is encoded.
+  packing (``same_layout``: newlines at the same tokens). The pixel stage aligns the base view's thumbnail (the
+  whole image at the tile size); the whole image is encoded.
 * Positions are 1-D: a cached key moves by the text's delta only, an ordinary RoPE rotation over halves.
 """
 
@@ -174,7 +175,20 @@ class LlavaOnevisionAdapter(QwenAdapter):
             bool(((mine == NEWLINE) == (theirs == NEWLINE)).all())
 
     def thumbnail_of(self, pixels: torch.Tensor, grid, extra=None):
-        return None
+        """The base view's thumbnail (the whole image at the tile size, ``core.features.view_thumbnail``): what the
+        pixel stage aligns; None without the tiles."""
+        if extra is None or pixels.dim() != 4:
+            return None
+        from vismemo_hf.core.features import view_thumbnail
+
+        hw = self.thumbnail_hw(grid)
+        return functools.cache(lambda: view_thumbnail(pixels[0], hw, image_mean=self.image_mean,
+                                                      image_std=self.image_std))
+
+    def thumbnail_hw(self, grid) -> tuple[int, int]:
+        """The base view's patches (its tokens: the first ``_per_tile`` of the run)."""
+        side = self.vision_config.image_size // self.vision_config.patch_size
+        return side, side
 
     def image_processor(self, min_tokens: int = 4, max_tokens: int = 1024):
         """The model's tiling (its tower's tile size and ``image_grid_pinpoints``) and normalisation."""

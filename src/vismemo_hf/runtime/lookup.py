@@ -593,11 +593,12 @@ def _approximate(adapter, match: ImageMatch, cache, get_image_features) -> Image
         scored.append((*best_shift(mine, centred_sketches(other, reference.token_mean), hw, adapter.max_shift), key,
                        thumb))
     match = replace(match, lookup_bytes=read)
-    chosen = _fine_stage(scored, thresholds, thresholds.tau_fine, match.thumbnail, hw)
+    thumb_hw = adapter.thumbnail_hw(feats.grid)
+    chosen = _fine_stage(scored, thresholds, thresholds.tau_fine, match.thumbnail, thumb_hw)
     if chosen is None:
         return match
     best, best_score, moved_by, pixel, zoom, thumb = chosen
-    if pixel is None and not _thumbnails_agree(match, thumb, hw):
+    if pixel is None and not _thumbnails_agree(match, thumb, thumb_hw):
         return match  # the tower's tokens agree, the pixels do not: another page of the candidate's layout
     entry = store_call("read", lambda: cache.store.peek(best, owner), None)
     if not _usable(adapter, cache, entry, best, feats.grid):
@@ -607,7 +608,7 @@ def _approximate(adapter, match: ImageMatch, cache, get_image_features) -> Image
         return match  # as many tokens, other places (``ModelAdapter.same_layout``)
     if pixel is not None and partly_changed(feats.patch_hashes, alias.patch_hashes):
         return match  # the pixel stage is for copies changed everywhere a little (``core.pixel_first``)
-    drift = local_drift(match.thumbnail(), thumb, thumb_per_token(hw)) if thumb is not None and \
+    drift = local_drift(match.thumbnail(), thumb, thumb_per_token(thumb_hw)) if thumb is not None and \
         match.thumbnail is not None and _changed_share(feats, alias) > UNWARPED_SHARE else 0.0
     store_call("index", lambda: cache.store.note_pixels(entry.key, entry.patch_hashes), None)
     return replace(match, kind=HitKind.APPROXIMATE, alias=alias, found_by="thumbnail" if pixel is not None else "encoder",
@@ -615,7 +616,7 @@ def _approximate(adapter, match: ImageMatch, cache, get_image_features) -> Image
                    prefix_changed=entry.prefix != match.prefix, drift=drift,
                    context_change=context_change(entry.context, match.context) if entry.prefix != match.prefix
                    else None,
-                   aligned=zoom_drift(zoom, hw) <= MAX_ZOOM_DRIFT and drift <= MAX_DRIFT)
+                   aligned=zoom_drift(zoom, thumb_hw) <= MAX_ZOOM_DRIFT and drift <= MAX_DRIFT)
 
 
 def _thumbnails_agree(match: ImageMatch, thumb: torch.Tensor | None, hw: tuple[int, int]) -> bool:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from vismemo_hf.core.features import region_descriptors, thumb_per_token, token_grid
+from vismemo_hf.core.features import region_descriptors, thumb_per_token
 from vismemo_hf.core.images import IMAGE_KINDS, reference_images
 from vismemo_hf.core.thresholds import ModelReference, aligned_similarity, fine_score
 
@@ -47,6 +47,6 @@ def model_reference(adapter, get_image_features) -> ModelReference:
                              adapter.max_shift)[0]
                  for i, j in pairs]
     thumbs = thumbnails(adapter, images)
-    pixel = [aligned_similarity(thumbs[i], thumbs[j], thumb_per_token(token_grid(encoded[i][1], adapter.merge)[1:]))[0]
+    pixel = [aligned_similarity(thumbs[i], thumbs[j], thumb_per_token(adapter.thumbnail_hw(encoded[i][1])))[0]
              for i, j in pairs if thumbs[i] is not None and thumbs[j] is not None]
     return ModelReference(descriptors.mean((0, 1)), token_mean, max(unrelated), max(pixel) if pixel else None)
