@@ -157,6 +157,35 @@ def test_llava_images_of_as_many_tokens_in_other_rows_are_never_aliased():
     assert events[2].alias == events[0].key
 
 
+def test_llava_copies_changed_everywhere_a_little_are_found_by_the_base_views_thumbnail():
+    """LLaVA-OneVision's thumbnail is its base view's (the whole image at the tile size): a darker copy, whose every
+    token hash changed, is an approximate hit found by the pixel stage with the default thresholds; another page of
+    the same kind and size is not."""
+    from PIL import ImageEnhance
+
+    from vismemo_hf import HitKind, VisMemoCache, VisMemoStore
+    from vismemo_hf.core.images import synthetic_image
+    from vismemo_hf.families import ModelAdapter
+
+    model, processor = tiny_model("llava_onevision")
+    vismemo_hf.enable(model)
+    adapter = ModelAdapter.for_model(model)
+    image = synthetic_image("screen", 3)
+    (pixels, grid, extra), = _llava_images(adapter, [image])
+    thumb = adapter.thumbnail_of(pixels, grid, extra)()
+    assert thumb.dtype == torch.uint8 and tuple(thumb.shape) == adapter.thumbnail_size(grid)
+    events = {}
+    for name, other in (("darker", ImageEnhance.Brightness(image).enhance(0.9)), ("other", synthetic_image("screen", 4))):
+        store = VisMemoStore()
+        for shown in (image, other):
+            cache = VisMemoCache(store=store)
+            with torch.no_grad():
+                model.generate(**build_inputs(processor, [shown]), cache=cache, max_new_tokens=1, do_sample=False)
+        events[name] = cache.events[0]
+    assert events["darker"].kind is HitKind.APPROXIMATE and events["darker"].found_by == "thumbnail"
+    assert events["other"].kind is HitKind.MISS
+
+
 def test_every_family_module_imports_under_a_meta_device():
     """transformers' own tests build models under ``torch.device("meta")``; the registry may be imported first there
     (``tests/compat/vismemo_compat.py``), so no family module computes a tensor value at import (a fresh process)."""
