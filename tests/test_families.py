@@ -164,6 +164,7 @@ def test_llava_copies_changed_everywhere_a_little_are_found_by_the_base_views_th
     from PIL import ImageEnhance
 
     from vismemo_hf import HitKind, VisMemoCache, VisMemoStore
+    from vismemo_hf.core.features import thumbnail_shape
     from vismemo_hf.core.images import synthetic_image
     from vismemo_hf.families import ModelAdapter
 
@@ -173,7 +174,7 @@ def test_llava_copies_changed_everywhere_a_little_are_found_by_the_base_views_th
     image = synthetic_image("screen", 3)
     (pixels, grid, extra), = _llava_images(adapter, [image])
     thumb = adapter.thumbnail_of(pixels, grid, extra)()
-    assert thumb.dtype == torch.uint8 and tuple(thumb.shape) == adapter.thumbnail_size(grid)
+    assert thumb.dtype == torch.uint8 and tuple(thumb.shape) == thumbnail_shape(adapter.thumbnail_hw(grid))
     events = {}
     for name, other in (("darker", ImageEnhance.Brightness(image).enhance(0.9)), ("other", synthetic_image("screen", 4))):
         store = VisMemoStore()

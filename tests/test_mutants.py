@@ -15,7 +15,7 @@ from transformers import DynamicCache
 
 import vismemo_hf
 from vismemo_hf import HitKind, VisMemoCache, VisMemoStore
-from vismemo_hf.core.features import THUMB_BLUR, scoped, thumb_per_token, thumbnail, thumbnail_shape
+from vismemo_hf.core.features import THUMB_BLUR, scoped, thumb_per_token, thumbnail, thumbnail_shape, token_grid
 from vismemo_hf.eval import synthetic
 from vismemo_hf.store import blob
 
@@ -71,7 +71,7 @@ def _thumb(luma: torch.Tensor) -> torch.Tensor:
     pixels, grid = _pixels(luma)
     thumb = thumbnail(pixels, grid, channels=1, temporal_patch=1, patch=PATCH, merge=MERGE, image_mean=(0.0,),
                       image_std=(1.0,))
-    assert tuple(thumb.shape) == thumbnail_shape(grid, MERGE)
+    assert tuple(thumb.shape) == thumbnail_shape(token_grid(grid, MERGE)[1:])
     return thumb.float() / 255
 
 

@@ -250,7 +250,7 @@ def test_a_header_claiming_a_huge_thumbnail_is_refused_and_a_misshapen_one_does_
     generate(model, build_inputs(processor, [pages["base"]]), cache, 1)
     store.flush()
     stored = store.peek(cache.events[0].key, cache.owner(adapter.fingerprint))
-    assert tuple(stored.thumbnail.shape) == thumbnail_shape(stored.grid, adapter.merge)
+    assert tuple(stored.thumbnail.shape) == thumbnail_shape(adapter.thumbnail_hw(stored.grid))
     assert adapter.entry_problem(stored, stored.grid) is None
     w = stored.thumbnail.shape[1]
     assert "thumbnail" in adapter.entry_problem(replace(stored, thumbnail=stored.thumbnail[:, : w - 1]), stored.grid)

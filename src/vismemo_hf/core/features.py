@@ -148,7 +148,7 @@ def thumbnail(pixels: torch.Tensor, grid: tuple[int, int, int], *, channels: int
     luma = luma.clamp(0, 1)
     bh, bw = h // merge, w // merge
     image = luma.reshape(bh, bw, merge, merge, patch, patch).permute(0, 2, 4, 1, 3, 5).reshape(h * patch, w * patch)
-    return _shrunk(image, thumbnail_shape(grid, merge))
+    return _shrunk(image, thumbnail_shape(token_grid(grid, merge)[1:]))
 
 
 def view_thumbnail(view: torch.Tensor, hw: tuple[int, int], *, image_mean, image_std) -> torch.Tensor:
@@ -160,8 +160,7 @@ def view_thumbnail(view: torch.Tensor, hw: tuple[int, int], *, image_mean, image
     bias = float((weights * torch.as_tensor(image_mean, dtype=torch.float32)).sum())
     x = view.detach().cpu().float()
     luma = (sum(x[c] * float(scale[c]) for c in range(channels)) + bias).clamp(0, 1)
-    per = thumb_per_token(hw)
-    return _shrunk(luma, (hw[0] * per, hw[1] * per))
+    return _shrunk(luma, thumbnail_shape(hw))
 
 
 def _shrunk(image: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
@@ -188,11 +187,10 @@ def thumb_per_token(hw: tuple[int, int]) -> int:
     return max(1, min(THUMB_PER_TOKEN, THUMB_MAX // max(hw)))
 
 
-def thumbnail_shape(grid: tuple[int, int, int], merge: int) -> tuple[int, int]:
-    """(H, W) of the thumbnail of an image of ``grid``."""
-    _, h, w = token_grid(grid, merge)
-    per = thumb_per_token((h, w))
-    return h * per, w * per
+def thumbnail_shape(hw: tuple[int, int]) -> tuple[int, int]:
+    """(H, W) of the thumbnail laid over ``hw`` visual tokens."""
+    per = thumb_per_token(hw)
+    return hw[0] * per, hw[1] * per
 
 
 def region_descriptors(embeds: torch.Tensor, grid: tuple[int, int, int], merge: int) -> torch.Tensor:

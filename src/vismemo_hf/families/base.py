@@ -10,6 +10,7 @@ is written against what the transformers VLMs share (``model.visual``, ``model.l
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib
 import json
@@ -21,7 +22,7 @@ from typing import ClassVar
 import torch
 from transformers.modeling_outputs import BaseModelOutputWithPooling
 
-from vismemo_hf.core.features import thumb_per_token, token_grid
+from vismemo_hf.core.features import thumbnail, thumbnail_shape, token_grid
 
 # Processor normalisation of each family (needed to recover pixels for patch entropy).
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
@@ -361,24 +362,11 @@ class ModelAdapter(VisionTower):
 
     def thumbnail_of(self, pixels: torch.Tensor, grid, extra=None):
         """What computes an image's (H, W) uint8 thumbnail once (the pixel stage, the store), or None."""
-        import functools
-
-        from vismemo_hf.core.features import thumbnail
-
         return functools.cache(lambda: thumbnail(pixels, grid, **self.entropy_kwargs()))
 
     def thumbnail_hw(self, grid) -> tuple[int, int]:
-        """(rows, columns) of the visual tokens an image's thumbnail spans (its pixels per token set the pixel stage's
-        moves and margins, ``core.features.thumb_per_token``): the image's token grid."""
-        from vismemo_hf.core.features import token_grid
-
+        """(rows, columns) of the tokens the thumbnail spans (its pixels per token: ``thumb_per_token``)."""
         return token_grid(tuple(grid), self.merge)[1:]
-
-    def thumbnail_size(self, grid) -> tuple[int, int]:
-        """(H, W) of an image's thumbnail (``thumbnail_of``)."""
-        h, w = self.thumbnail_hw(grid)
-        per = thumb_per_token((h, w))
-        return h * per, w * per
 
     # -- the language model's computation (the only place that names its modules) -----------------------
     def _rope_function(self):
@@ -497,7 +485,7 @@ class ModelAdapter(VisionTower):
                 entry.kv_tokens.numel() == 0 or int(entry.kv_tokens.max()) < n)), "stored token indices"),
             (0 <= entry.offset < getattr(text, "max_position_embeddings", 2**31), f"offset {entry.offset}"),
             (entry.entropy.shape == (n,) and bool(torch.isfinite(entry.entropy).all()), "patch entropy"),
-            (entry.thumbnail is None or tuple(entry.thumbnail.shape) == self.thumbnail_size(grid),
+            (entry.thumbnail is None or tuple(entry.thumbnail.shape) == thumbnail_shape(self.thumbnail_hw(grid)),
              f"thumbnail {None if entry.thumbnail is None else tuple(entry.thumbnail.shape)}"),
         ]
         return next((why for ok, why in checks if not ok), None)
