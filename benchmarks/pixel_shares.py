@@ -17,9 +17,8 @@ import argparse
 import itertools
 import sys
 from collections import defaultdict
-from pathlib import Path
 
-from vismemo_hf.bench.report import header, machine
+from vismemo_hf.bench.report import header, machine, write
 from vismemo_hf.core.pixel_first import (
     MAX_BANDS,
     MIN_SAME,
@@ -101,9 +100,7 @@ def main() -> int:
                          f"{_span([r[2] for r in rows if r[4] == 1 and not r[3]])} | "
                          f"{_span([r[2] for r in rows if r[4] == 2])} | {sum(r[4] is None for r in rows)} |")
         lines.append("")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text("\n".join(lines))
-    print("\n".join(lines))
+    write(lines, args.out)
     return 0
 
 

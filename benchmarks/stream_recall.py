@@ -14,10 +14,9 @@ Writes results/lookup/stream-recall.md.
 import argparse
 import sys
 from collections import Counter, defaultdict
-from pathlib import Path
 
 from vismemo_hf import VisMemoCache, VisMemoStore, enable
-from vismemo_hf.bench.report import header, machine
+from vismemo_hf.bench.report import header, machine, write
 from vismemo_hf.bench.table1 import heldout_streams
 from vismemo_hf.eval.docstream import reader_pages
 from vismemo_hf.eval.loading import load_model
@@ -75,9 +74,7 @@ def main() -> int:
             lines.append(f"| {kind} | {c['requests']} | {c['approximate'] / c['requests']:.2f} | {c['exact']} | "
                          f"{c['miss']} | {c['by pixels']} | {c['by thumbnail']} | {c['by encoder']} | {c['fallback']} |")
         lines.append("")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text("\n".join(lines))
-    print("\n".join(lines))
+    write(lines, args.out)
     return 0
 
 

@@ -18,13 +18,12 @@ import copy
 import random
 import sys
 from collections import Counter
-from pathlib import Path
 
 from PIL import Image, ImageDraw, ImageEnhance, ImageFilter, ImageOps
 from transformers import DynamicCache
 
 from vismemo_hf import VisMemoCache, VisMemoStore, enable
-from vismemo_hf.bench.report import header, machine
+from vismemo_hf.bench.report import header, machine, write
 from vismemo_hf.eval.docstream import reader_pages
 from vismemo_hf.eval.loading import load_model
 from vismemo_hf.eval.quality import answer
@@ -180,9 +179,7 @@ def main() -> int:
                   f"{total['by pixels']} | {total['by thumbnail']} | {total['by encoder']} | {total['fallback']} | "
                   f"{total['reused']} | {total['agree'] / total['requests']:.3f} | "
                   f"{total['reused agree']}/{total['reused']} |", ""]
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text("\n".join(lines))
-    print("\n".join(lines))
+    write(lines, args.out)
     return 0
 
 

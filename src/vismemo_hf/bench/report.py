@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import platform
+from pathlib import Path
 
 import torch
 
@@ -28,3 +29,10 @@ def machine(device: str = "cpu", note: str = "") -> str:
 def header(title: str, cmd: str, mach: str) -> list[str]:
     """The first lines of a markdown report."""
     return [f"# {title}", "", f"Command: `{cmd}`  ", f"Machine: {mach}", ""]
+
+
+def write(lines: list[str], out: str | Path) -> None:
+    """Write a markdown report (its folder made if missing) and print it."""
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out).write_text("\n".join(lines))
+    print("\n".join(lines))

@@ -141,11 +141,7 @@ def thumbnail(pixels: torch.Tensor, grid: tuple[int, int, int], *, channels: int
     images): what the lookup's pixel stage aligns (``core.thresholds.aligned_similarity``; docs/METHOD.md §1)."""
     _, h, w = grid
     x = pixels[: h * w].detach().cpu().reshape(-1, channels, temporal_patch, patch, patch)[:, :, 0]
-    weights = _luma_weights(channels)
-    scale = weights * torch.as_tensor(image_std, dtype=torch.float32)
-    bias = float((weights * torch.as_tensor(image_mean, dtype=torch.float32)).sum())
-    luma = sum(x[:, c].float() * float(scale[c]) for c in range(channels)) + bias  # linear: no RGB image is made
-    luma = luma.clamp(0, 1)
+    luma = _luma(x, 1, image_mean, image_std)
     bh, bw = h // merge, w // merge
     image = luma.reshape(bh, bw, merge, merge, patch, patch).permute(0, 2, 4, 1, 3, 5).reshape(h * patch, w * patch)
     return _shrunk(image, thumbnail_shape(token_grid(grid, merge)[1:]))
@@ -154,13 +150,17 @@ def thumbnail(pixels: torch.Tensor, grid: tuple[int, int, int], *, channels: int
 def view_thumbnail(view: torch.Tensor, hw: tuple[int, int], *, image_mean, image_std) -> torch.Tensor:
     """``thumbnail`` of one normalised (C, H, W) view of an image laid over ``hw`` visual tokens (LLaVA-OneVision's
     base view: the whole image at the tower's tile size)."""
-    channels = view.shape[0]
+    return _shrunk(_luma(view.detach().cpu(), 0, image_mean, image_std), thumbnail_shape(hw))
+
+
+def _luma(x: torch.Tensor, dim: int, image_mean, image_std) -> torch.Tensor:
+    """Luma in [0, 1] of normalised pixels ``x`` whose channels lie along ``dim`` (that axis dropped); linear in the
+    normalised values: no RGB image is made."""
+    channels = x.shape[dim]
     weights = _luma_weights(channels)
     scale = weights * torch.as_tensor(image_std, dtype=torch.float32)
     bias = float((weights * torch.as_tensor(image_mean, dtype=torch.float32)).sum())
-    x = view.detach().cpu().float()
-    luma = (sum(x[c] * float(scale[c]) for c in range(channels)) + bias).clamp(0, 1)
-    return _shrunk(luma, thumbnail_shape(hw))
+    return (sum(x.select(dim, c).float() * float(scale[c]) for c in range(channels)) + bias).clamp(0, 1)
 
 
 def _shrunk(image: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:

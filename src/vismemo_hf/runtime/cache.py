@@ -77,7 +77,7 @@ class VisMemoLayer(DynamicLayer):
         _, rows, slots, where, every = plan
         device = self.keys.device
         rows, slots, where = rows.to(device), slots.to(device), where.to(device)
-        if self.keys.shape[0] == 1:  # one row: copies along the slot axis (several times faster than index_put)
+        if self.keys.shape[0] == 1:  # one row: a copy along the slot axis, cheaper than an indexed put over two axes
             if not every:
                 keys, values = keys.index_select(2, where), values.index_select(2, where)
             self.keys.index_copy_(2, slots, keys.to(self.keys.dtype))
