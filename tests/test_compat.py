@@ -149,6 +149,28 @@ def test_set_attn_implementation_after_enable_stays_correct(family):
         _close(ours, plain)
 
 
+def test_weights_edited_in_place_between_requests_are_seen_and_checked_once_per_forward(monkeypatch):
+    """The weights are checked as a forward begins (one pass over the parameters, not one per lookup, read and write
+    of the request), and an in-place edit before the next request makes its entries another model's."""
+    from vismemo_hf.families import base
+
+    model, twin, processor = _pair()
+    inputs = build_inputs(processor, [synthetic.page(6)])
+    store = _hit_store(model, processor, synthetic.page(6))
+    checks = []
+    signature = base._weights_signature
+    monkeypatch.setattr(base, "_weights_signature", lambda params: checks.append(1) or signature(params))
+    with torch.no_grad():
+        hit = vismemo_hf.VisMemoCache(store=store)
+        model(**inputs, cache=hit, use_cache=True)
+        assert hit.events[0].kind is HitKind.EXACT and len(checks) == 1
+        for p in list(model.parameters())[-1:]:
+            p.mul_(0.5)
+        edited = vismemo_hf.VisMemoCache(store=store)
+        model(**inputs, cache=edited, use_cache=True)
+    assert edited.events[0].kind is HitKind.MISS  # other weights: other fingerprint
+
+
 @pytest.mark.parametrize("family", OPERATED)
 def test_a_deepcopy_computes_with_its_own_weights_and_never_hits_the_originals_entries(family):
     model, twin, processor = _pair(family)

@@ -214,6 +214,7 @@ class ModelAdapter(VisionTower):
     _fingerprint: str | None = field(default=None, repr=False)
     _signature: tuple | None = field(default=None, repr=False)
     _params: tuple | None = field(default=None, repr=False)  # the model's parameters (``enable`` refreshes them)
+    _held: int = field(default=0, repr=False)  # forwards in progress (``hold_fingerprint``)
 
     # -- what a family file declares ----------------------------------------------------------------------
     #: the ``model_type`` values this adapter serves (its config class is looked up in ``transformers``)
@@ -261,13 +262,23 @@ class ModelAdapter(VisionTower):
     def fingerprint(self) -> str:
         """``model_fingerprint`` of the weights as they are now: recomputed after any weight changes (loading, an
         in-place edit, a copy's own tensors), so that entries of other weights are never served. A parameter
-        object replaced by another is seen after ``enable(model)`` again."""
+        object replaced by another is seen after ``enable(model)`` again. While forwards are in progress
+        (``hold_fingerprint``) it is the value checked when the first of them began."""
+        if self._held > 0 and self._fingerprint is not None:
+            return self._fingerprint
         if self._params is None:
             self._params = tuple(self.model.parameters())
         signature = _weights_signature(self._params)
         if signature != self._signature:
             self._fingerprint, self._signature = model_fingerprint(self.model), signature
         return self._fingerprint
+
+    def hold_fingerprint(self, held: bool) -> None:
+        """A forward begins (True) or ends (False): the weights are checked once as it begins, not at each of its
+        lookups, reads and writes (a check reads every parameter's address and version: ~0.1 ms per decoder layer)."""
+        if held:
+            _ = self.fingerprint
+        self._held = max(0, self._held + (1 if held else -1))
 
     # -- parts -----------------------------------------------------------------------------
     @property

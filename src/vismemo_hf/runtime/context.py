@@ -81,6 +81,8 @@ def current(cache=None) -> ForwardContext | None:
 
 def open_forward(cache, attention_mask: torch.Tensor | None, adapter=None) -> ForwardContext:
     ctx = ForwardContext(cache, adapter=adapter, attention_mask=attention_mask, first_event=len(cache.events))
+    if adapter is not None:
+        adapter.hold_fingerprint(True)
     ctx.token = _CURRENT.set(ctx)
     return ctx
 
@@ -90,5 +92,9 @@ def close_forward(ctx: ForwardContext, new_tokens: int) -> None:
     elapsed = (time.perf_counter() - ctx.started) * 1e3
     for event in ctx.cache.events[ctx.first_event:]:
         event.timings["prefill"] = elapsed
-    ctx.cache.advance(new_tokens)
-    _CURRENT.reset(ctx.token)
+    try:
+        ctx.cache.advance(new_tokens)
+    finally:
+        if ctx.adapter is not None:
+            ctx.adapter.hold_fingerprint(False)
+        _CURRENT.reset(ctx.token)
