@@ -3,22 +3,25 @@ page after it saw the page unchanged (approximate hit, found by which stage, com
 miss) and whether its answer is plain transformers' on the same request.
 
 Each page of a reader's own stream kind (a held-out seed) is asked about once unchanged (stored), then once changed
-by one of ``CHANGES`` (global edits a scanner, viewer or annotator makes: contrast, gamma, blur, sharpening, grey
-scale, a small zoom or turn, a watermark, a stamp, a strike-through, a highlighter, a border, posterisation), the
+by one of ``CHANGES`` (global edits a scanner, viewer, messenger or annotator makes: contrast, gamma, blur of 0.6 to
+1.5 px, sharpening, JPEG recompression, sensor noise, grey scale, a small zoom or turn, a watermark, a stamp, a
+strike-through, a highlighter, a border, posterisation; ``--changes`` picks some of them), the
 same question, a fresh store per pair. Agreement: the whole greedy answer (8 new tokens) equals the answer of a
 never-enabled copy of the weights on the changed page.
 
-    python benchmarks/unseen_changes.py --readers vismemo-docqa-tiny,vismemo-docqa-base --pages 12 --seed 7100
+    python benchmarks/unseen_changes.py --readers vismemo-docqa-tiny,vismemo-docqa-base --pages 20 --seed 7100
 
 Writes results/quality/unseen-changes.md.
 """
 
 import argparse
 import copy
+import io
 import random
 import sys
 from collections import Counter
 
+import numpy as np
 from PIL import Image, ImageDraw, ImageEnhance, ImageFilter, ImageOps
 from transformers import DynamicCache
 
@@ -82,6 +85,20 @@ def _highlight(image: Image.Image, rng: random.Random) -> Image.Image:
     return out
 
 
+def _jpeg(image: Image.Image, quality: int) -> Image.Image:
+    """Saved and read back as a JPEG (a re-sent screenshot, a messenger's recompression)."""
+    buffer = io.BytesIO()
+    image.convert("RGB").save(buffer, "JPEG", quality=quality)
+    return Image.open(io.BytesIO(buffer.getvalue())).convert("RGB")
+
+
+def _noise(image: Image.Image, rng: random.Random) -> Image.Image:
+    """Sensor noise: every pixel moved by up to 4 grey levels."""
+    pixels = np.asarray(image.convert("RGB"), dtype=np.int16)
+    noise = np.random.default_rng(rng.randrange(2**31)).integers(-4, 5, pixels.shape)
+    return Image.fromarray(np.clip(pixels + noise, 0, 255).astype(np.uint8))
+
+
 def _border(image: Image.Image, rng: random.Random) -> Image.Image:
     """A 2-pixel grey frame in place of the outer pixels."""
     w, h = image.size
@@ -92,7 +109,11 @@ CHANGES = {
     "contrast 0.85": lambda im, rng: ImageEnhance.Contrast(im).enhance(0.85),
     "gamma 1.3": lambda im, rng: im.point(lambda v: round(255 * (v / 255) ** 1.3)),
     "blur 0.6 px": lambda im, rng: im.filter(ImageFilter.GaussianBlur(0.6)),
+    "blur 0.8 px": lambda im, rng: im.filter(ImageFilter.GaussianBlur(0.8)),
     "blur 1.0 px": lambda im, rng: im.filter(ImageFilter.GaussianBlur(1.0)),
+    "blur 1.5 px": lambda im, rng: im.filter(ImageFilter.GaussianBlur(1.5)),
+    "JPEG quality 50": lambda im, rng: _jpeg(im, 50),
+    "noise 4 levels": _noise,
     "sharpen": lambda im, rng: im.filter(ImageFilter.SHARPEN),
     "grey scale": lambda im, rng: ImageOps.grayscale(im).convert("RGB"),
     "saturation 0.6": lambda im, rng: ImageEnhance.Color(im).enhance(0.6),
@@ -121,17 +142,18 @@ class _Changed:
         return getattr(self._request, name)
 
 
-def measure(name: str, pages: int, seed: int) -> dict:
+def measure(name: str, pages: int, seed: int, kinds: list[str]) -> dict:
     model, processor = load_model(name)
     plain = copy.deepcopy(model)  # the same weights, never enabled
     enable(model)
     _, stream = reader_pages(name, "auto")
     requests = [r for r in stream(seed, n_bases=pages) if r.intended == "miss"][:pages]
     rng = random.Random(seed)
-    rows = {kind: Counter() for kind in CHANGES}
+    rows = {kind: Counter() for kind in kinds}
     for request in requests:
         original = request.image().convert("RGB")
-        for kind, change in CHANGES.items():
+        for kind in kinds:
+            change = CHANGES[kind]
             changed = _Changed(request, change(original, rng))
             store = VisMemoStore()
             answer(model, processor, _Changed(request, original), VisMemoCache(store=store), 1)
@@ -155,8 +177,13 @@ def main() -> int:
     parser.add_argument("--readers", default="vismemo-docqa-tiny,vismemo-docqa-base")
     parser.add_argument("--pages", type=int, default=12)
     parser.add_argument("--seed", type=int, default=7100)
+    parser.add_argument("--changes", default="all", help="comma-separated names of CHANGES, or all")
     parser.add_argument("--out", default="results/quality/unseen-changes.md")
     args = parser.parse_args()
+    kinds = list(CHANGES) if args.changes == "all" else args.changes.split(",")
+    unknown = [k for k in kinds if k not in CHANGES]
+    if unknown:
+        parser.error(f"unknown changes {unknown}; known: {', '.join(CHANGES)}")
     command = "python benchmarks/unseen_changes.py " + " ".join(sys.argv[1:])
     lines = header("Page changes the project's streams and tests do not make (default thresholds and policy)", command,
                    machine()) + [
@@ -169,7 +196,7 @@ def main() -> int:
                   "by encoder | fallback | reused | agree | reused agree |",
                   "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
         total = Counter()
-        for kind, c in measure(name, args.pages, args.seed).items():
+        for kind, c in measure(name, args.pages, args.seed, kinds).items():
             total.update(c)
             lines.append(f"| {kind} | {c['requests']} | {c['approximate']} | {c['exact']} | {c['miss']} | "
                          f"{c['by pixels']} | {c['by thumbnail']} | {c['by encoder']} | {c['fallback']} | "

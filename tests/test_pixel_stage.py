@@ -143,8 +143,9 @@ def test_the_thumbnail_travels_in_the_checked_lookup_section(sealed):
 
 
 def test_on_the_base_reader_shifted_and_zoomed_pages_are_found_and_a_zoomed_one_is_computed_in_full():
-    """Through the reader's calibrated preset: a page moved by 3 px is a hit that reuses most of the page (or, found
-    by the pixel stage with its tokens deviating past ``drift_deviation``, is computed in full); a page
+    """Through the reader's calibrated preset: a page moved by 3 px is a hit that reuses the tokens that did not
+    deviate (or, changed everywhere past ``drift_deviation`` or ``max_recompute_ratio``, is computed in full), with
+    plain transformers' answer; a page
     zoomed by 4.7 % (a crop), which the token rule misses, is found by the pixel stage and computed in full (its
     answer and first-token probabilities those of plain transformers); another page of the layout is a miss."""
     from transformers import DynamicCache
@@ -182,17 +183,16 @@ def test_on_the_base_reader_shifted_and_zoomed_pages_are_found_and_a_zoomed_one_
             if event.pixel_score is not None:
                 pixel_hits += 1
                 assert event.pixel_score >= preset.tau_pixel and event.score < preset.tau_fine
-            if name == "shift":  # reuses most of the page, or deviates past drift_deviation: computed in full
-                assert event.reused >= 128 or (event.fallback == "changed" and event.pixel_score is not None), \
-                    (layout, event)
-                shifted += event.fallback == "changed"
+            plain, _, plain_logprobs, _, _ = answer(model, processor, request, DynamicCache(), 6)
+            assert prediction == plain, (layout, name, prediction, plain)
+            if name == "shift":  # reuses what did not deviate, or (changed everywhere past the bounds) is computed
+                assert event.reused > 0 or event.fallback == "changed", (layout, event)
+                shifted += event.reused > 0
                 continue
             assert event.pixel_score is not None and event.recomputed == event.n_tokens, (layout, event)
-            plain, _, plain_logprobs, _, _ = answer(model, processor, request, DynamicCache(), 6)
-            assert prediction == plain, (layout, prediction, plain)
             assert float((logprobs.exp() - plain_logprobs.exp()).abs().max()) <= 1e-3
     assert pixel_hits >= 6  # every zoom and some shifts: what the token rule alone misses
-    assert shifted <= 1  # the ui page moved by 3 px, whose reuse changed its answer
+    assert shifted >= len(docpage.LAYOUTS) // 2, shifted  # most moved pages still reuse part of their K/V
 
 
 def test_the_pixel_stage_aligns_at_most_two_near_candidates_best_first(monkeypatch):

@@ -99,6 +99,12 @@ class AttendDeviatePolicy(RoutingPolicy):
     #: much as its median, and past this bound the tiny reader's answers changed on pages moved by 1-3 pixels. None:
     #: never
     drift_deviation: float | None = 0.1
+    #: a copy changed everywhere (as for ``drift_deviation``) below that bound recomputes every token whose deviation
+    #: exceeds ``min_deviation``, not ``outlier_factor`` x its median: the median measures how much its content
+    #: changed, not a noise floor, and reused tokens that deviate a few times it changed answers on blurred and
+    #: sharpened pages (``benchmarks/unseen_changes.py``); past ``max_recompute_ratio`` it is computed in full.
+    #: False: outliers against the median, as for a local edit
+    drift_absolute: bool = True
     #: a local edit's reading-order dependents: the tokens after each token whose pixels changed, in its token row,
     #: are recomputed with it (``reading_dependents``): ``"row"`` (the rest of the row), a count, or 0 (none)
     dependents: int | str = "row"
@@ -142,13 +148,20 @@ class AttendDeviatePolicy(RoutingPolicy):
     def prefetch_tokens(self, image: ImageFeatures, alias: ImageFeatures) -> torch.Tensor:
         return torch.arange(image.n_tokens)  # every token not recomputed is reused
 
-    def select(self, deviation: torch.Tensor, attention: torch.Tensor, n: int) -> torch.Tensor:
-        """R, sorted: deviation first (outliers past the budget, capped), then attention."""
+    def select(self, deviation: torch.Tensor, attention: torch.Tensor, n: int,
+               threshold: float | None = None) -> torch.Tensor | None:
+        """R, sorted: deviation first (outliers past ``threshold``, by default ``outlier_factor`` x the median, at
+        least ``min_deviation``; capped), then attention. None: an absolute ``threshold`` with more outliers than the
+        cap (the image is computed in full)."""
         budget = self.budget(self.recompute_ratio, n)
         by_deviation = self.budget(self.deviation_share * self.recompute_ratio, n)
-        threshold = max(self.outlier_factor * float(deviation.median()), self.min_deviation)
-        outliers = int((deviation > threshold).sum())
         cap = max(self.budget(self.max_recompute_ratio, n), budget)
+        absolute = threshold is not None
+        if threshold is None:
+            threshold = max(self.outlier_factor * float(deviation.median()), self.min_deviation)
+        outliers = int((deviation > threshold).sum())
+        if absolute and outliers > cap:
+            return None
         chosen, _ = split_by_score(deviation, torch.arange(n), min(max(by_deviation, outliers), cap))
         free = torch.ones(n, dtype=torch.bool)
         free[chosen] = False
@@ -189,11 +202,14 @@ class AttendDeviatePolicy(RoutingPolicy):
         if self.miss_deviation is not None and float(deviation.median()) > self.miss_deviation:
             return ImagePlan.full(HitKind.APPROXIMATE, n, alias.key, fallback="changed")  # changed everywhere
         by_pixels = self.pixel_recompute(image, alias)
-        if self.drift_deviation is not None and not by_pixels and self.changed_everywhere(image, alias) and \
-                float(deviation.median()) > self.drift_deviation:
+        everywhere = not by_pixels and self.changed_everywhere(image, alias)
+        if self.drift_deviation is not None and everywhere and float(deviation.median()) > self.drift_deviation:
             return ImagePlan.full(HitKind.APPROXIMATE, n, alias.key, fallback="changed")
         attention = warmup_score(signals, n)
-        recompute = [self.select(deviation, attention, n), *by_pixels]
+        chosen = self.select(deviation, attention, n, self.min_deviation if everywhere and self.drift_absolute else None)
+        if chosen is None:
+            return ImagePlan.full(HitKind.APPROXIMATE, n, alias.key, fallback="changed")
+        recompute = [chosen, *by_pixels]
         probes = None
         if signals.prefix_changed and self.prefix_routing == "check":  # the alias was computed after another context
             context = self.context_recompute(signals, n)
