@@ -116,6 +116,27 @@ def _weights_signature(params: tuple) -> tuple:
     return tuple((p.data_ptr(), p._version) for p in params)
 
 
+@dataclass
+class WeightsIdentity:
+    """``model_fingerprint`` of a model's weights, worked out again only when a parameter moved or was written in
+    place (``_weights_signature``); while forwards are in progress (``held``) the value checked as the first began."""
+
+    value: str | None = None
+    signature: tuple | None = None
+    params: tuple | None = None  # the model's parameters (``enable`` lists them again)
+    held: int = 0
+
+    def of(self, model) -> str:
+        if self.held > 0 and self.value is not None:
+            return self.value
+        if self.params is None:
+            self.params = tuple(model.parameters())
+        signature = _weights_signature(self.params)
+        if signature != self.signature:
+            self.value, self.signature = model_fingerprint(model), signature
+        return self.value
+
+
 
 class VisionTower:
     """What the runtime and the benchmarks need of a family's vision tower: its calls (whole images, some of an
@@ -211,10 +232,7 @@ class ModelAdapter(VisionTower):
     family: str
     image_mean: tuple = field(default=CLIP_MEAN)
     image_std: tuple = field(default=CLIP_STD)
-    _fingerprint: str | None = field(default=None, repr=False)
-    _signature: tuple | None = field(default=None, repr=False)
-    _params: tuple | None = field(default=None, repr=False)  # the model's parameters (``enable`` refreshes them)
-    _held: int = field(default=0, repr=False)  # forwards in progress (``hold_fingerprint``)
+    _weights: WeightsIdentity = field(default_factory=WeightsIdentity, repr=False)
 
     # -- what a family file declares ----------------------------------------------------------------------
     #: the ``model_type`` values this adapter serves (its config class is looked up in ``transformers``)
@@ -260,25 +278,16 @@ class ModelAdapter(VisionTower):
 
     @property
     def fingerprint(self) -> str:
-        """``model_fingerprint`` of the weights as they are now: recomputed after any weight changes (loading, an
-        in-place edit, a copy's own tensors), so that entries of other weights are never served. A parameter
-        object replaced by another is seen after ``enable(model)`` again. While forwards are in progress
-        (``hold_fingerprint``) it is the value checked when the first of them began."""
-        if self._held > 0 and self._fingerprint is not None:
-            return self._fingerprint
-        if self._params is None:
-            self._params = tuple(self.model.parameters())
-        signature = _weights_signature(self._params)
-        if signature != self._signature:
-            self._fingerprint, self._signature = model_fingerprint(self.model), signature
-        return self._fingerprint
+        """``model_fingerprint`` of the weights as they are now (``WeightsIdentity``): entries of other weights are
+        never served. A parameter object replaced by another is seen after ``enable(model)`` again."""
+        return self._weights.of(self.model)
 
     def hold_fingerprint(self, held: bool) -> None:
         """A forward begins (True) or ends (False): the weights are checked once as it begins, not at each of its
         lookups, reads and writes (a check reads every parameter's address and version: ~0.1 ms per decoder layer)."""
         if held:
-            _ = self.fingerprint
-        self._held = max(0, self._held + (1 if held else -1))
+            self._weights.of(self.model)
+        self._weights.held = max(0, self._weights.held + (1 if held else -1))
 
     # -- parts -----------------------------------------------------------------------------
     @property

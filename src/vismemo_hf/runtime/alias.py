@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import logging
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
 
 from vismemo_hf.core.plan import HitKind
 from vismemo_hf.runtime.schedule import on_device
+from vismemo_hf.runtime.stream import LayerArrival, StreamOps, stream_layers, streams_for
 from vismemo_hf.store.store import store_call
 from vismemo_hf.store.tiers import token_rows
 
@@ -28,12 +29,21 @@ _POOL = ThreadPoolExecutor(max_workers=2, thread_name_prefix="vismemo-fetch")
 
 @dataclass
 class FetchedKV:
-    """Alias K/V read for some tokens (sorted) from ``first_layer`` on; keys already at this request's offset."""
+    """Alias K/V read for some tokens (sorted) from ``first_layer`` on; keys already at this request's offset. A read
+    streamed layer by layer (``arrival``) fills ``keys`` / ``values`` while the prefill runs: ``layer(at)`` waits for
+    its layer."""
 
     tokens: torch.Tensor
     first_layer: int
     keys: torch.Tensor  # (L - first_layer, H, T, D)
     values: torch.Tensor
+    arrival: LayerArrival | None = None
+
+    def layer(self, at: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(K, V) (H, T, D) of the ``at``-th read layer, once it is in place."""
+        if self.arrival is not None and not self.arrival.wait(at):
+            raise RuntimeError(f"vismemo: alias K/V of read layer {at} could not be brought to the device")
+        return self.keys[at], self.values[at]
 
     def covers(self, tokens: torch.Tensor) -> bool:
         return bool(torch.isin(tokens, self.tokens).all())
@@ -49,6 +59,7 @@ class _Reads:
     fetched: FetchedKV | None = None
     asked: bool = False  # a read was started
     pending: object | None = None  # a background read
+    streaming: object | None = None  # a streamed read still bringing layers (its future: the read's ms)
     reuse_index: torch.Tensor | None = None  # position of each of the plan's reused tokens in ``fetched``
     restored: tuple | None = None  # (FetchedKV, tokens, positions) of masked tokens given back for decoding
     bytes: int = 0
@@ -78,37 +89,78 @@ class AliasReader:
         return hit[1]
 
     # -- reading -----------------------------------------------------------------------------------------
-    def _read(self, i: int, tokens: torch.Tensor, first_layer: int, offset: int):
-        """(FetchedKV or None, ms): the alias K/V of ``tokens`` (sorted) at layers >= ``first_layer``."""
+    def _host_kv(self, i: int, tokens: torch.Tensor, first_layer: int) -> torch.Tensor | None:
+        """The alias's stored K/V of ``tokens`` (sorted) at layers >= ``first_layer``: (T, L', 2, H, D), or None."""
         m = self.matches[i]
-        t0 = time.perf_counter()
         try:
             rows = m.alias.stored_rows(tokens)  # rows of the stored K/V (fewer than tokens in a compressed entry)
         except ValueError as err:  # a token the alias does not hold: nothing to reuse (a miss, never an error)
             logger.warning("vismemo: %s", err)
-            return None, (time.perf_counter() - t0) * 1e3
+            return None
         if m.kind is HitKind.EXACT:
             kv = token_rows(m.alias_entry.kv, rows)[:, first_layer:]
         else:
             kv = store_call("read", lambda: self.store.get_tokens(m.alias.key, self.owner, rows,
                                                                   first_layer), None)
+        if kv is None or kv.shape[:2] != (tokens.numel(), self.adapter.num_layers - first_layer):
+            return None
+        self._reads[i].bytes += kv.numel() * kv.element_size()
+        return kv
+
+    def _read(self, i: int, tokens: torch.Tensor, first_layer: int, offset: int):
+        """(FetchedKV or None, ms): the alias K/V of ``tokens`` (sorted) at layers >= ``first_layer``."""
+        m = self.matches[i]
+        t0 = time.perf_counter()
+        kv = self._host_kv(i, tokens, first_layer)
         fetched = None
-        if kv is not None and kv.shape[:2] == (tokens.numel(), self.adapter.num_layers - first_layer):
-            self._reads[i].bytes += kv.numel() * kv.element_size()
+        if kv is not None:
             kv = self._to_layers(kv, first_layer)
             keys = self._moved(kv[:, :, 0].permute(1, 2, 0, 3), offset - m.alias_offset, m.alias.shift)  # (L', H, T, D)
             fetched = FetchedKV(tokens, first_layer, keys, kv[:, :, 1].permute(1, 2, 0, 3))
         return fetched, (time.perf_counter() - t0) * 1e3
 
+    def _streamed(self, i: int, tokens: torch.Tensor, first_layer: int, offset: int, device: torch.device,
+                  ops: StreamOps, published: Future) -> float:
+        """On the fetch thread: read the alias K/V, publish a ``FetchedKV`` whose layers arrive one by one on
+        ``device`` (``runtime.stream``), then bring them there. Returns the read's ms."""
+        m = self.matches[i]
+        t0 = time.perf_counter()
+        try:
+            kv = self._host_kv(i, tokens, first_layer)
+        except BaseException as err:
+            published.set_exception(err)
+            raise
+        if kv is None:
+            published.set_result(None)
+            return (time.perf_counter() - t0) * 1e3
+        keys_in, values_in = kv[:, :, 0].permute(1, 2, 0, 3), kv[:, :, 1].permute(1, 2, 0, 3)  # (L', H, T, D) views
+        delta, shift = offset - m.alias_offset, m.alias.shift
+        here = not ops.brings(kv.device, device)
+        arrival = LayerArrival(keys_in.shape[0], ops)
+        with ops.side():
+            keys = keys_in if here and delta == 0 and shift == (0, 0) else \
+                torch.empty(keys_in.shape, dtype=kv.dtype, device=device)
+            values = values_in if here else torch.empty(values_in.shape, dtype=kv.dtype, device=device)
+        for made in {id(t): t for t in (keys, values) if t is not keys_in and t is not values_in}.values():
+            ops.keep(made)
+        published.set_result(FetchedKV(tokens, first_layer, keys, values, arrival))
+        stream_layers(keys_in, values_in, device, lambda k: self._moved(k, delta, shift), arrival,
+                      None if keys is keys_in else keys, None if values is values_in else values)
+        return (time.perf_counter() - t0) * 1e3
+
+    def _one_device(self, first_layer: int) -> torch.device | None:
+        """The device every layer from ``first_layer`` on computes on (None: several, or the meta device)."""
+        devices = {torch.device(self.adapter.layer_device(layer))
+                   for layer in range(first_layer, self.adapter.num_layers)}
+        device = next(iter(devices)) if len(devices) == 1 else None
+        return None if device is None or device.type == "meta" else device
+
     def _to_layers(self, kv: torch.Tensor, first_layer: int) -> torch.Tensor:
         """``kv`` on the accelerator its layers compute on, in one copy, when they all compute on one: sliced per
         layer on the host, every layer's keys and values would be gathered there and copied apart (two synchronous
         copies a layer on a GPU). Layers on several devices, or on the host, take their slices as they are."""
-        devices = {self.adapter.layer_device(layer) for layer in range(first_layer, self.adapter.num_layers)}
-        if len(devices) != 1:
-            return kv
-        device = torch.device(next(iter(devices)))
-        if device.type in ("cpu", "meta") or kv.device == device:
+        device = self._one_device(first_layer)
+        if device is None or device.type == "cpu" or kv.device == device:
             return kv
         return kv.to(device, non_blocking=True)
 
@@ -123,11 +175,18 @@ class AliasReader:
         timings[name] = timings.get(name, 0.0) + ms
 
     def fetch(self, i: int, tokens: torch.Tensor, first_layer: int, offset: int, background: bool = False) -> bool:
-        """Read now, or (``background``) start reading on the fetch thread so that the read overlaps warmup."""
+        """Read now, or (``background``) start reading on the fetch thread so that the read overlaps warmup: the
+        read K/V then arrive layer by layer (``runtime.stream``) when every layer computes on one device."""
         reads = self._reads[i]
         reads.asked = True
         if background:
-            reads.pending = _POOL.submit(self._read, i, tokens, first_layer, offset)
+            device = self._one_device(first_layer)
+            if device is None:
+                reads.pending = _POOL.submit(self._read, i, tokens, first_layer, offset)
+                return True
+            published: Future = Future()
+            reads.pending = (published, _POOL.submit(self._streamed, i, tokens, first_layer, offset, device,
+                                                     streams_for(device), published))
             return True
         reads.fetched, ms = self._read(i, tokens, first_layer, offset)
         self._add_time(i, "fetch", ms)
@@ -135,14 +194,19 @@ class AliasReader:
         return reads.fetched is not None
 
     def wait(self, i: int) -> bool:
-        """Finish a background read (the time still spent waiting is ``fetch_wait``); False: a read was asked for
-        and gave nothing."""
+        """Finish a background read, or (streamed) wait until its first layers can be asked for (the time still
+        spent waiting is ``fetch_wait``); False: a read was asked for and gave nothing."""
         reads = self._reads[i]
         if reads.pending is not None:
             t0 = time.perf_counter()
-            reads.fetched, ms = reads.pending.result()
+            if isinstance(reads.pending, tuple):  # streamed: the layers arrive as the prefill goes
+                published, work = reads.pending
+                reads.fetched = published.result()
+                reads.streaming = work
+            else:
+                reads.fetched, ms = reads.pending.result()
+                self._add_time(i, "fetch", ms)
             reads.pending = None
-            self._add_time(i, "fetch", ms)
             self._add_time(i, "fetch_wait", (time.perf_counter() - t0) * 1e3)
         return reads.fetched is not None or not reads.asked
 
@@ -173,19 +237,19 @@ class AliasReader:
         f = self._reads[i].fetched
         if f is None or f.first_layer > layer or not f.covers(stored):
             return None
-        at = layer - f.first_layer
+        keys, values = f.layer(layer - f.first_layer)
         if stored.numel() < m.n_tokens:
             if fill is None:
                 return None
             pos = f.positions(stored)
             out = tuple(x.clone() for x in fill)
-            out[0][:, stored.to(out[0].device)] = f.keys[at][:, pos].to(out[0].device, out[0].dtype)
-            out[1][:, stored.to(out[1].device)] = f.values[at][:, pos].to(out[1].device, out[1].dtype)
+            out[0][:, stored.to(out[0].device)] = keys[:, pos].to(out[0].device, out[0].dtype)
+            out[1][:, stored.to(out[1].device)] = values[:, pos].to(out[1].device, out[1].dtype)
             return out
         if f.tokens.numel() == m.n_tokens:  # every token, in order: no gather
-            return f.keys[at], f.values[at]
+            return keys, values
         pos = f.positions(stored)
-        return f.keys[at][:, pos], f.values[at][:, pos]
+        return keys[:, pos], values[:, pos]
 
     # -- per-layer gather ---------------------------------------------------------------------------------
     def reused(self, layer: int, plans: dict, batch: int):
@@ -249,12 +313,10 @@ class AliasReader:
             if picked is None or picked[1].numel() == 0:
                 continue
             f, tokens, idx = picked
-            at = layer - f.first_layer
-            if idx.numel() == f.tokens.numel():  # every read token, in order: no gather
-                keys, values = f.keys[at], f.values[at]
-            else:
+            keys, values = f.layer(layer - f.first_layer)
+            if idx.numel() != f.tokens.numel():  # not every read token in order: a gather
                 idx = self._memoised(("index", id(idx), f.keys.device), (idx,), lambda idx=idx, f=f: idx.to(f.keys.device))
-                keys, values = f.keys[at].index_select(1, idx), f.values[at].index_select(1, idx)
+                keys, values = keys.index_select(1, idx), values.index_select(1, idx)
             per_row[m.row].append((keys.to(device, non_blocking=True), values.to(device, non_blocking=True),
                                    i, tokens))
         if not any(per_row):
@@ -292,4 +354,14 @@ class AliasReader:
         return self._reads[i].bytes
 
     def timings(self, i: int) -> dict:
-        return dict(self._reads[i].timings)
+        """``fetch``: the read's ms (a streamed read's once it has brought every layer); ``fetch_wait``: the time
+        the prefill waited for it (its layers included)."""
+        reads = self._reads[i]
+        out = dict(reads.timings)
+        arrival = reads.fetched.arrival if reads.fetched is not None else None
+        if reads.streaming is not None and arrival is not None and arrival.ready(len(reads.fetched.keys) - 1) and \
+                not arrival.failed:  # every layer in place: the read returns at once
+            out["fetch"] = out.get("fetch", 0.0) + reads.streaming.result()
+        if arrival is not None and arrival.waited_ms:
+            out["fetch_wait"] = out.get("fetch_wait", 0.0) + arrival.waited_ms
+        return out

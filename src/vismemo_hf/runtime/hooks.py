@@ -226,7 +226,7 @@ def enable(model: ModelT, *, image_mean: Sequence[float] | None = None,
     if previous is not None:
         refreshed = ModelAdapter.for_model(model, image_mean=image_mean, image_std=image_std)
         previous.image_mean, previous.image_std = refreshed.image_mean, refreshed.image_std
-        previous._params = None  # parameters are listed again
+        previous._weights.params = None  # parameters are listed again
         return model
     adapter = ModelAdapter.for_model(model, image_mean=image_mean, image_std=image_std)
     attention.register()
