@@ -143,7 +143,7 @@ def test_the_mask_threshold_follows_the_images_token_count(n):
 def test_deviation_outliers_beyond_max_recompute_ratio_are_not_recomputed():
     n = 100
     policy = AttendDeviatePolicy(recompute_ratio=0.2, deviation_share=1.0, max_recompute_ratio=0.3, mask_below=0.0,
-                                 drift_deviation=None, drift_absolute=False)
+                                 drift_deviation=None, drift_min_deviation=None)
     deviation = torch.full((n,), 0.1)
     outliers = torch.arange(0, n, 2)[:45]  # 45 % of the tokens deviate 100x the median
     deviation[outliers] = 10.0 + torch.arange(45).float()  # distinct, so the cap keeps the largest
@@ -161,14 +161,14 @@ def test_an_image_whose_median_deviation_passes_miss_deviation_is_computed_in_fu
     """Outliers are measured against the image's median; when the median itself is high (another image altogether)
     the default computes every token instead of reusing what is not an outlier."""
     n = 100
-    policy = AttendDeviatePolicy(mask_below=0.0, drift_deviation=None, drift_absolute=False)
+    policy = AttendDeviatePolicy(mask_below=0.0, drift_deviation=None, drift_min_deviation=None)
     deviation = torch.full((n,), median)
     deviation[:10] = 10.0  # a few tokens deviate far more
     signals = WarmupSignals(attention=torch.full((1, 1, 1, n), 1 / n), key_deviation=deviation[None],
                             value_deviation=torch.zeros(1, n))
     plan = policy.plan(_features(n), _features(n), torch.arange(n), signals)
     assert plan.complete is full and (full or plan.recompute.numel() == 10)
-    never = AttendDeviatePolicy(mask_below=0.0, miss_deviation=None, drift_deviation=None, drift_absolute=False).plan(
+    never = AttendDeviatePolicy(mask_below=0.0, miss_deviation=None, drift_deviation=None, drift_min_deviation=None).plan(
         _features(n), _features(n), torch.arange(n), signals)
     assert never.recompute.numel() == 10
 
@@ -177,17 +177,17 @@ def _hashed(n, hashes):
     return ImageFeatures("k", (1, 2, 2 * n), torch.randn(n, 8), torch.zeros(n), patch_hashes=hashes)
 
 
-@pytest.mark.parametrize("median", [0.005, 0.05, 0.2])
+@pytest.mark.parametrize("median", [0.001, 0.05, 0.2])
 def test_a_copy_changed_everywhere_recomputes_every_deviating_token_or_is_computed_in_full(median):
     """A copy whose every token shows other pixels (moved by part of a token, rescanned, blurred) is computed in full
-    when its median deviation passes ``drift_deviation``; below it, every token deviating past ``min_deviation`` is
-    recomputed (its median measures how much its content changed, not a noise floor), and the copy is computed in
+    when its median deviation passes ``drift_deviation``; below it, every token deviating past ``drift_min_deviation``
+    is recomputed (its median measures how much its content changed, not a noise floor), and the copy is computed in
     full when those pass ``max_recompute_ratio``. A local edit with the same deviations takes outliers against the
     median as before, and unknown pixels count as changed everywhere."""
     n = 100
     deviation = torch.full((n,), median)
     deviation[:5] = 10.0
-    deviation[5:35] = 3 * median  # past min_deviation at every median, within outlier_factor x the median
+    deviation[5:35] = 3.5 * median  # past drift_min_deviation at every median, within outlier_factor x the median
     signals = WarmupSignals(attention=torch.full((1, 1, 1, n), 1 / n), key_deviation=deviation[None],
                             value_deviation=torch.zeros(1, n))
     alias = _hashed(n, torch.arange(n))
@@ -196,18 +196,20 @@ def test_a_copy_changed_everywhere_recomputes_every_deviating_token_or_is_comput
     policy = AttendDeviatePolicy(mask_below=0.0, dependents=0)
     for image in (moved, _features(n)):
         plan = policy.plan(image, alias, torch.arange(n), signals)
-        assert plan.complete is (median > policy.min_deviation)
+        assert plan.complete is (median > policy.drift_min_deviation)
         assert plan.complete or plan.recompute.tolist() == list(range(35))
         assert plan.fallback == ("changed" if plan.complete else None)
     local = policy.plan(edited, alias, torch.arange(n), signals)
     assert not local.complete and local.recompute.tolist() == list(range(5))
-    relative = AttendDeviatePolicy(mask_below=0.0, dependents=0, drift_absolute=False).plan(
+    relative = AttendDeviatePolicy(mask_below=0.0, dependents=0, drift_min_deviation=None).plan(
         moved, alias, torch.arange(n), signals)
     assert relative.complete is (median > policy.drift_deviation)
     assert relative.complete or relative.recompute.tolist() == list(range(5))
-    off = AttendDeviatePolicy(mask_below=0.0, drift_deviation=None, drift_absolute=False).plan(
+    off = AttendDeviatePolicy(mask_below=0.0, drift_deviation=None, drift_min_deviation=None).plan(
         moved, alias, torch.arange(n), signals)
     assert not off.complete and off.recompute.numel() == 5
+    with pytest.raises(ValueError, match="drift_min_deviation"):
+        AttendDeviatePolicy(drift_min_deviation=-1.0)
     with pytest.raises(ValueError, match="drift_deviation"):
         AttendDeviatePolicy(drift_deviation=-1.0)
 

@@ -104,15 +104,28 @@ def timed_generate(model, inputs, cache, new_tokens: int) -> dict:
     return out
 
 
+def new_store(store_device: str) -> VisMemoStore:
+    """A store keeping decoded entries on ``store_device``, or (``"disk"``) only on disk, in a temporary directory
+    removed with the store: what reading an alias from the disk tier costs."""
+    if store_device != "disk":
+        return VisMemoStore(device=store_device)
+    import tempfile
+
+    folder = tempfile.TemporaryDirectory(prefix="vismemo-bench-")
+    store = VisMemoStore(device_bytes=0, disk_dir=folder.name)
+    store.bench_folder = folder  # removed when the store is
+    return store
+
+
 def _cases(model, plain, miss_in, edit_in, seeded: VisMemoStore, policies, store_device: str = "cpu",
            unstored_miss: bool = False):
     """(kind, policy) -> what runs it: ``(model, inputs, cache factory)``; ``unstored_miss`` adds a miss that stores
     nothing (``store_misses=False``), which tells what writing a miss's entry costs."""
     cases = {("plain", "-"): (plain, miss_in, lambda: None),
-             ("miss", "-"): (model, miss_in, lambda: VisMemoCache(store=VisMemoStore(device=store_device))),
+             ("miss", "-"): (model, miss_in, lambda: VisMemoCache(store=new_store(store_device))),
              ("exact", "-"): (model, miss_in, lambda: VisMemoCache(store=seeded))}
     if unstored_miss:
-        cases[("miss", "not stored")] = (model, miss_in, lambda: VisMemoCache(store=VisMemoStore(device=store_device),
+        cases[("miss", "not stored")] = (model, miss_in, lambda: VisMemoCache(store=new_store(store_device),
                                                                              store_misses=False))
     for policy in policies:  # store_misses off: a complete plan would store the edited page and make it exact
         cases[("approximate", policy)] = (model, edit_in, lambda p=policy: VisMemoCache(store=seeded, policy=p,
@@ -142,7 +155,7 @@ def run(model, plain, processor, lengths, policies, repeats: int, new_tokens: in
     for n in lengths:
         base, edited = page_pair(n, model)
         miss_in, edit_in = request_inputs(processor, base), request_inputs(processor, edited)
-        seeded = VisMemoStore(device=store_device)
+        seeded = new_store(store_device)
         timed_generate(model, miss_in, VisMemoCache(store=seeded), 1)  # the alias entry every hit reads
         seeded.flush()
         cases = _cases(model, plain, miss_in, edit_in, seeded, policies, store_device, unstored_miss)

@@ -23,8 +23,10 @@ policy therefore:
    deviation exceeds ``miss_deviation``: the page changed everywhere (an alias that is another image altogether),
    and outliers measured against that median would reuse most of it stale; near-duplicates move a few tokens, and
    their median stays near 0 (``tests/test_rules.py``, rule 9). A copy changed everywhere a little (moved by part
-   of a token, rescanned: no token's pixels kept) is computed in full from a lower median, ``drift_deviation``:
-   its reused tokens deviate about as much as the median, and past it answers changed;
+   of a token, rescanned, blurred, sharpened: no region of its pixels kept) is computed in full from a lower
+   median, ``drift_deviation``; below it, its outliers are every token deviating past ``drift_min_deviation``
+   (its median measures how much its content changed, not a noise floor), and past ``max_recompute_ratio`` of them
+   it is computed in full;
 6. recomputes, with every token whose pixels changed in a local edit (at most ``local_share`` of the image), the
    tokens after it in its token row (``dependents``): the rest of a number, word or record reads it in later
    layers, where its deviation does not show at the warmup (``tests/test_context.py``); when a larger region
@@ -100,11 +102,11 @@ class AttendDeviatePolicy(RoutingPolicy):
     #: never
     drift_deviation: float | None = 0.1
     #: a copy changed everywhere (as for ``drift_deviation``) below that bound recomputes every token whose deviation
-    #: exceeds ``min_deviation``, not ``outlier_factor`` x its median: the median measures how much its content
-    #: changed, not a noise floor, and reused tokens that deviate a few times it changed answers on blurred and
-    #: sharpened pages (``benchmarks/unseen_changes.py``); past ``max_recompute_ratio`` it is computed in full.
-    #: False: outliers against the median, as for a local edit
-    drift_absolute: bool = True
+    #: exceeds this, not ``outlier_factor`` x its median: the median measures how much its content changed, not a
+    #: noise floor, and tokens reused at up to 0.01 changed digits on brightened, blurred and sharpened pages of the
+    #: base reader (``benchmarks/unseen_changes.py``); past ``max_recompute_ratio`` it is computed in full. None:
+    #: outliers against the median, as for a local edit
+    drift_min_deviation: float | None = 0.003
     #: a local edit's reading-order dependents: the tokens after each token whose pixels changed, in its token row,
     #: are recomputed with it (``reading_dependents``): ``"row"`` (the rest of the row), a count, or 0 (none)
     dependents: int | str = "row"
@@ -135,6 +137,8 @@ class AttendDeviatePolicy(RoutingPolicy):
             raise ValueError("miss_deviation must be >= 0 or None")
         if self.drift_deviation is not None and not self.drift_deviation >= 0:
             raise ValueError("drift_deviation must be >= 0 or None")
+        if self.drift_min_deviation is not None and not self.drift_min_deviation >= 0:
+            raise ValueError("drift_min_deviation must be >= 0 or None")
         if not (self.dependents == "row" or (isinstance(self.dependents, int) and self.dependents >= 0)):
             raise ValueError(f"dependents must be 'row' or a count >= 0, got {self.dependents!r}")
         if not 0.0 <= self.local_share <= 1.0:
@@ -206,7 +210,7 @@ class AttendDeviatePolicy(RoutingPolicy):
         if self.drift_deviation is not None and everywhere and float(deviation.median()) > self.drift_deviation:
             return ImagePlan.full(HitKind.APPROXIMATE, n, alias.key, fallback="changed")
         attention = warmup_score(signals, n)
-        chosen = self.select(deviation, attention, n, self.min_deviation if everywhere and self.drift_absolute else None)
+        chosen = self.select(deviation, attention, n, self.drift_min_deviation if everywhere else None)
         if chosen is None:
             return ImagePlan.full(HitKind.APPROXIMATE, n, alias.key, fallback="changed")
         recompute = [chosen, *by_pixels]
