@@ -509,8 +509,8 @@ def _add_bench(sub) -> None:
     p.add_argument("--repeats", type=positive, default=3, help="timed rounds")
     p.add_argument("--new-tokens", type=positive, default=32, help="tokens of every timed generate")
     p.add_argument("--long-tokens", type=nonnegative, default=256, help="tokens of one longer generate per kind (0: none)")
-    p.add_argument("--store-device", default="cpu", help="where the stores keep decoded entries: cpu, a device, disk (the disk tier alone), or "
-                                                          "model (the model's device)")
+    p.add_argument("--store-device", default="cpu", help="where the stores keep decoded entries: cpu, a device, "
+                                                          "model (the model's device), or disk (the disk tier alone)")
     p.add_argument("--unstored-miss", action="store_true", help="also a miss that stores nothing (what writing a "
                                                                 "miss's entry costs)")
     _device_options(p)
