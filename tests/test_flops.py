@@ -128,7 +128,8 @@ def test_entry_sizes_at_the_real_geometries():
     sizes = {name: entry_bytes(config, 4096) for name, config in real_configs().items()}
     assert sizes["qwen3-vl-8b"] == (36 * 2 * 8 * 128 * 4096 * 2, 27 * 2 * 4096 * 4 * 1152 * 2)
     assert sizes["qwen2.5-vl-7b"][1] == 4 * 2 * 4096 * 4 * 1280 * 2  # its 4 full-attention blocks only
-    assert sizes["glm-4.6v-flash"][1] == 0 and sizes["llava-onevision-7b"][1] == 0  # no encoder reuse there
+    assert sizes["glm-4.6v-flash"][1] == 24 * 2 * 4096 * 4 * 1536 * 2  # its 24 blocks, all full attention
+    assert sizes["llava-onevision-7b"][1] == 0  # no encoder reuse there
 
 
 def test_the_head_faithful_stand_in_keeps_the_real_head_geometry():

@@ -25,7 +25,7 @@ from vismemo_hf.store.pixels import CROWDED, SAMPLE, PixelIndex
 
 from conftest import _enabled_tiny, build_inputs, generate, stored
 
-PARTIAL = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"]
+PARTIAL = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm4v", "glm46v"]
 SIZE = (336, 252)  # 12 x 9 visual tokens of 28 px
 
 
@@ -206,7 +206,7 @@ def test_encode_tokens_keeps_each_tokens_place(family):
 
 
 def test_families_without_a_partial_tower_say_so():
-    model, processor = _enabled_tiny("glm4v")
+    model, processor = _enabled_tiny("llava_onevision")
     assert not model._vismemo.partial_encoder
     assert model._vismemo.encode_tokens(None, []) is None
 

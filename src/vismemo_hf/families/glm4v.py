@@ -8,6 +8,8 @@
   sections cover those dimensions only.
 * Its chat format and processors (``Glm4vProcessor``, ``Glm46VProcessor``; the pixel budget counts both frames of a
   temporal patch).
+* Its tower interpolates a learned position embedding over the whole image's grid: a partial encode
+  (``encode_tokens``) calls the tower itself with the whole grids and the subset's positions, and splits its output.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from typing import ClassVar
 import torch
 
 from vismemo_hf.families.base import ModelAdapter, tower_flops
+from vismemo_hf.families.lending import LendingTower, subset_patches
 
 GLM_TEMPLATE = (
     "[gMASK]<sop>{% for message in messages %}<|{{ message['role'] }}|>\n"
@@ -33,7 +36,7 @@ IMAGE, VIDEO = 1, 2
 
 
 @dataclass
-class Glm4vAdapter(ModelAdapter):
+class Glm4vAdapter(LendingTower, ModelAdapter):
     model_types: ClassVar[tuple[str, ...]] = ("glm4v",)
     title: ClassVar[str] = "GLM-4.1V"
     processor_class: ClassVar[str] = "Glm4vProcessor"
@@ -46,6 +49,21 @@ class Glm4vAdapter(ModelAdapter):
     #: the token that ends an answer (a GLM reply ends where the next user turn would begin)
     eos_token: ClassVar[str] = "<|user|>"
     chat_template: ClassVar[str] = GLM_TEMPLATE
+
+    def encode_tokens(self, get_image_features, items, lent=None):
+        """As ``ModelAdapter.encode_tokens``: the tokens' patch rows go through the tower as one sequence per image,
+        with the positions they have in the whole image precomputed (``transformers.vision_utils``) and the whole
+        images' grids, over which the tower interpolates its position embedding; so the tower is called itself and
+        its output split here. Images of one frame only. ``lent``: as ``QwenAdapter.encode_tokens``."""
+        if not items or any(grid[0] != 1 for _, grid, _ in items):
+            return None
+        rows, positions, lengths = subset_patches(items, self.merge)
+        visual, device = self.base.visual, items[0][0].device
+        grids = torch.tensor([tuple(grid) for _, grid, _ in items], device=device)
+        with self.lending(items, lent):
+            out = visual(rows.type(visual.dtype), grid_thw=grids, return_dict=True, position_ids=positions.to(device),
+                         cu_seqlens=torch.tensor(lengths, dtype=torch.int32, device=device))
+        return [(e, None) for e in out.pooler_output.split([t.numel() for _, _, t in items])]
 
     def image_mask(self, input_ids: torch.Tensor, token_types: torch.Tensor | None = None) -> torch.Tensor:
         placeholders = input_ids == self.image_token_id

@@ -13,6 +13,7 @@ import torch
 
 from vismemo_hf.core.rope import rerotate, turn
 from vismemo_hf.families.base import ModelAdapter, tower_flops
+from vismemo_hf.families.lending import LendingTower, subset_patches
 
 # The chat template of Qwen2-VL / Qwen2.5-VL (a default system turn); Qwen3-VL's has none.
 QWEN2_TEMPLATE = (
@@ -30,11 +31,11 @@ QWEN2_TEMPLATE = (
 
 
 @dataclass
-class QwenAdapter(ModelAdapter):
-    """What the Qwen-VL families share: keys turned over halves of the head dimension."""
+class QwenAdapter(LendingTower, ModelAdapter):
+    """What the Qwen-VL families share: keys turned over halves of the head dimension, a tower that encodes some
+    of an image's tokens (``LendingTower``)."""
 
     chat_template: ClassVar[str] = QWEN2_TEMPLATE
-    partial_encoder: ClassVar[bool] = True
 
     def encode_tokens(self, get_image_features, items, lent=None):
         """As ``ModelAdapter.encode_tokens``: the tokens' patch rows go through the tower as one sequence per image,
@@ -42,58 +43,17 @@ class QwenAdapter(ModelAdapter):
         precomputed (``transformers.vision_utils``); the tower is told a grid of the subset's size only so that it
         splits its output per image. Images of one frame only. ``lent``: per image, an alias's tower K/V
         (``families.tower_kv``), whose other patches the wanted ones attend to at every full-attention block."""
-        from transformers.vision_utils import get_vision_position_ids
-
-        from vismemo_hf.families import tower_kv
-
         if not items or any(grid[0] != 1 for _, grid, _ in items):
             return None
-        unit = self.merge**2
+        rows, positions, lengths = subset_patches(items, self.merge)
         device = items[0][0].device
-        rows, positions, grids, lengths = [], [], [], [0]
-        for pixels, grid, tokens in items:
-            patch_rows = (tokens.to(torch.long)[:, None] * unit + torch.arange(unit)).reshape(-1)
-            positions.append(get_vision_position_ids(torch.tensor([grid]), self.merge)[patch_rows])
-            rows.append(pixels[patch_rows.to(pixels.device)])
-            grids.append((1, self.merge, self.merge * tokens.numel()))
-            lengths.append(lengths[-1] + patch_rows.numel())
-        inputs = {"position_ids": torch.cat(positions).to(device),
+        grids = [(1, self.merge, self.merge * tokens.numel()) for _, _, tokens in items]
+        inputs = {"position_ids": positions.to(device),
                   "cu_seqlens": torch.tensor(lengths, dtype=torch.int32, device=device),
                   **self.subset_inputs(items, device)}
-        if lent is None:
-            out = get_image_features(torch.cat(rows), torch.tensor(grids, device=device), return_dict=True, **inputs)
-            return self.split_encoded(out)
-        kept = []
-        for (_, _, tokens), kv in zip(items, lent):
-            others = torch.ones(kv.shape[2] // unit, dtype=torch.bool)
-            others[tokens.to(torch.long).cpu()] = False
-            kept.append((kv, (torch.nonzero(others).flatten()[:, None] * unit + torch.arange(unit)).reshape(-1)))
-        with tower_kv.lend(self.base.visual, kept):
-            out = get_image_features(torch.cat(rows), torch.tensor(grids, device=device), return_dict=True, **inputs)
+        with self.lending(items, lent):
+            out = get_image_features(rows, torch.tensor(grids, device=device), return_dict=True, **inputs)
         return self.split_encoded(out)
-
-    def encode_capturing(self, get_image_features, pixel_values, grids):
-        """``encode``, and each image's tower K/V (``families.tower_kv.capture``) for later partial encodes; (outputs,
-        None) when the tower runs flash attention (whose fused kernel has no place to lend K/V to)."""
-        from vismemo_hf.families import tower_kv
-
-        if not tower_kv.can_capture(self.base.visual):
-            return self.encode(get_image_features, pixel_values, grids), None
-        with tower_kv.capture(self.base.visual, self.tower_order(grids)) as kvs:
-            out = self.encode(get_image_features, pixel_values, grids)
-        return out, kvs
-
-    def tower_order(self, grids) -> list[torch.Tensor | None]:
-        """Per image, the patch order its full-attention blocks see (None: its own)."""
-        return [None] * len(grids)
-
-    def lendable(self, tower: torch.Tensor | None, patches: int) -> bool:
-        """Whether ``tower`` (an entry's tower K/V) fits this tower for an image of ``patches`` patches and is
-        finite: anything else (another model's, a damaged entry's) is never lent."""
-        from vismemo_hf.families import tower_kv
-
-        return tower is not None and tuple(tower.shape) == tower_kv.expected_shape(self.base.visual, patches) and \
-            bool(torch.isfinite(tower).all())
 
     def subset_inputs(self, items, device) -> dict:
         """What else the tower precomputes from the grid, for the tokens of ``items`` (``encode_tokens``)."""
@@ -106,28 +66,6 @@ class QwenAdapter(ModelAdapter):
         if shift == (0, 0):
             return keys
         return turn(keys, *self.turn((0, -shift[0], -shift[1])))
-
-    @staticmethod
-    def _lending(vision) -> tuple[int, int]:
-        """(full-attention blocks, their width)."""
-        width = getattr(vision, "embed_dim", None) or vision.hidden_size  # Qwen2-VL: embed_dim; hidden_size: out
-        full = getattr(vision, "fullatt_block_indexes", None)
-        return (len(full) if full is not None else vision.depth), width
-
-    @classmethod
-    def lent_flops(cls, vision, encoded: int, patches: int) -> float:
-        """Each full-attention block: the encoded patches' queries over the other patches' lent keys."""
-        if not cls.partial_encoder:
-            return 0.0
-        blocks, width = cls._lending(vision)
-        return blocks * 4 * encoded * (patches - encoded) * width
-
-    @classmethod
-    def tower_kv_values(cls, vision, patches: int) -> int:
-        if not cls.partial_encoder:
-            return 0
-        blocks, width = cls._lending(vision)
-        return blocks * 2 * patches * width
 
     @classmethod
     def merger_flops(cls, vision, patches: int, width: int, mergers: int = 1) -> float:
