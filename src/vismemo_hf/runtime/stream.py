@@ -32,6 +32,9 @@ class StreamOps:
         """Whether K/V on ``source`` are copied to ``device`` (else the consumer reads them where they are)."""
         return torch.device(source) != torch.device(device)
 
+    def begin(self) -> None:
+        """On the fetch thread, after the read: the side stream's work follows what the read queued."""
+
     def side(self):
         """The context the copies of one layer run in."""
         return contextlib.nullcontext()
@@ -62,6 +65,9 @@ class CudaStreams(StreamOps):
         self.device = device
         self.consumer = torch.cuda.current_stream(device)
         self.stream = torch.cuda.Stream(device)
+
+    def begin(self) -> None:
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))  # a device tier's gather, queued there
 
     def side(self):
         return torch.cuda.stream(self.stream)
@@ -133,6 +139,7 @@ def stream_layers(keys_in: torch.Tensor, values_in: torch.Tensor, device: torch.
     thread; any error fails the arrival (the consumer then computes the image) and is raised again there."""
     ops = arrival.ops
     try:
+        ops.begin()
         for at in range(keys_in.shape[0]):
             with ops.side():
                 if keys_out is not None:
