@@ -4,13 +4,14 @@
 #   1. vismemo bench latency: TTFT (with its stages, fetch_wait among them), decoding step and whole generate at 32
 #      and 128 new tokens, 1K and 4K visual tokens, with the TTFT floors (encoder included) of every kind; the
 #      stores keep decoded entries in host memory (the default);
-#   2. the same for the default routing with the stores' entries on the GPU (--store-device model): gpu/store-on-gpu;
+#   2. the same for the default routing with the stores' entries on the GPU (--store-device model): gpu/store-on-gpu,
+#      and on the disk tier alone (--store-device disk; fetch_wait of a read from disk): gpu/store-on-disk;
 #   3. vismemo bench overhead: host syncs per kind at 4 and 36 layers (also CUDA's own count and its callers), fixed
 #      cost per layer, share of a hit's prefill outside the kernels: gpu/overhead.
 # Writes under the folder given as $1 (default results/perf/gpu). Each step has its own time limit (LATENCY_S,
-# STORE_S, OVERHEAD_S seconds) so that one that runs long leaves the others theirs; the latency reports are rewritten
-# after each length, so a step cut short keeps the lengths it finished. At most the three limits (7.5 minutes) plus
-# the model builds.
+# STORE_S, DISK_S, OVERHEAD_S seconds) so that one that runs long leaves the others theirs; the latency reports are
+# rewritten after each length, so a step cut short keeps the lengths it finished. At most the four limits (7.8
+# minutes) plus the model builds.
 set -uo pipefail
 out=${1:-results/perf/gpu}
 py=${PYTHON:-python3}
@@ -20,12 +21,15 @@ fi
 "$py" -c "import torch, transformers, vismemo_hf; print('torch', torch.__version__, 'transformers', transformers.__version__, \
 torch.cuda.get_device_name(0))"
 common=(--preset qwen3-vl-8b --dtype bfloat16 --device cuda)
-timeout "${LATENCY_S:-240}" "$py" -m vismemo_hf.cli -q bench latency "${common[@]}" --lengths 1024,4096 \
+timeout "${LATENCY_S:-210}" "$py" -m vismemo_hf.cli -q bench latency "${common[@]}" --lengths 1024,4096 \
     --policies attend-deviate,vismemo,cacheblend --repeats 2 --new-tokens 32 --long-tokens 128 --unstored-miss --out "$out" \
     || echo "bench latency stopped (status $?)"
 timeout "${STORE_S:-90}" "$py" -m vismemo_hf.cli -q bench latency "${common[@]}" --lengths 1024,4096 \
     --policies attend-deviate --repeats 2 --new-tokens 32 --long-tokens 0 --store-device model \
     --out "$out/store-on-gpu" || echo "bench latency (store on the GPU) stopped (status $?)"
-timeout "${OVERHEAD_S:-120}" "$py" -m vismemo_hf.cli -q bench overhead "${common[@]}" --layers 4,36 \
+timeout "${DISK_S:-60}" "$py" -m vismemo_hf.cli -q bench latency "${common[@]}" --lengths 4096 \
+    --policies attend-deviate --repeats 1 --new-tokens 8 --long-tokens 0 --store-device disk \
+    --out "$out/store-on-disk" || echo "bench latency (store on disk) stopped (status $?)"
+timeout "${OVERHEAD_S:-110}" "$py" -m vismemo_hf.cli -q bench overhead "${common[@]}" --layers 4,36 \
     --lengths 1024,4096 --policies attend-deviate --repeats 3 --out "$out/overhead" \
     || echo "bench overhead stopped (status $?)"

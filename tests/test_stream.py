@@ -127,3 +127,26 @@ def test_a_hit_read_layer_by_layer_answers_as_one_read_at_once(tiny, pages, monk
 
 def test_streams_for_picks_the_host_schedule_without_an_accelerator():
     assert type(stream.streams_for(torch.device("cpu"))) is StreamOps
+
+
+def test_the_latency_benchmarks_disk_store_serves_hits_from_the_disk_tier_and_is_removed_with_the_store(qwen2, pages):
+    """``vismemo bench latency --store-device disk``: the alias is read from the disk tier alone (what its
+    ``fetch_wait`` measures), and the temporary folder goes with the store."""
+    import gc
+    import os
+
+    from vismemo_hf.bench.latency import new_store
+
+    model, processor = qwen2
+    store = new_store("disk")
+    folder = store.bench_folder.name
+    generate(model, build_inputs(processor, [pages["base"]]), vismemo_hf.VisMemoCache(store=store), 1)
+    store.flush()
+    cache = vismemo_hf.VisMemoCache(store=store, policy="cacheblend")
+    generate(model, build_inputs(processor, [pages["edit"]]), cache, 1)
+    assert cache.events[0].kind is HitKind.APPROXIMATE and "fetch_wait" in cache.events[0].timings
+    hits = store.stats()["hits_by_tier"]
+    assert hits["disk"] >= 1 and sum(hits.values()) == hits["disk"], hits
+    del store, cache
+    gc.collect()
+    assert not os.path.exists(folder)
