@@ -25,7 +25,7 @@ from vismemo_hf.store.pixels import CROWDED, SAMPLE, PixelIndex
 
 from conftest import _enabled_tiny, build_inputs, generate, stored
 
-PARTIAL = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm4v", "glm46v"]
+PARTIAL = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm4v", "glm46v", "glm4v_moe"]
 SIZE = (336, 252)  # 12 x 9 visual tokens of 28 px
 
 
