@@ -29,8 +29,10 @@ class StreamOps:
     the fetch thread, no events)."""
 
     def brings(self, source: torch.device, device: torch.device) -> bool:
-        """Whether K/V on ``source`` are copied to ``device`` (else the consumer reads them where they are)."""
-        return torch.device(source) != torch.device(device)
+        """Whether K/V on ``source`` are copied to ``device`` (else the consumer reads them where they are; a device
+        named without its index is the current one of its type)."""
+        source, device = torch.device(source), torch.device(device)
+        return source.type != device.type or None not in (source.index, device.index) and source.index != device.index
 
     def begin(self) -> None:
         """On the fetch thread, after the read: the side stream's work follows what the read queued."""
