@@ -22,6 +22,7 @@ import sys
 from collections import Counter
 
 import numpy as np
+import yaml
 from PIL import Image, ImageDraw, ImageEnhance, ImageFilter, ImageOps
 from transformers import DynamicCache
 
@@ -142,7 +143,7 @@ class _Changed:
         return getattr(self._request, name)
 
 
-def measure(name: str, pages: int, seed: int, kinds: list[str]) -> dict:
+def measure(name: str, pages: int, seed: int, kinds: list[str], options: dict | None = None) -> dict:
     model, processor = load_model(name)
     plain = copy.deepcopy(model)  # the same weights, never enabled
     enable(model)
@@ -157,7 +158,7 @@ def measure(name: str, pages: int, seed: int, kinds: list[str]) -> dict:
             changed = _Changed(request, change(original, rng))
             store = VisMemoStore()
             answer(model, processor, _Changed(request, original), VisMemoCache(store=store), 1)
-            cache = VisMemoCache(store=store)
+            cache = VisMemoCache(store=store, **(options or {}))
             tokens = answer(model, processor, changed, cache, 8)[1]
             reference = answer(plain, processor, changed, DynamicCache(), 8)[1]
             event, c = cache.events[0], rows[kind]
@@ -178,14 +179,19 @@ def main() -> int:
     parser.add_argument("--pages", type=int, default=12)
     parser.add_argument("--seed", type=int, default=7100)
     parser.add_argument("--changes", default="all", help="comma-separated names of CHANGES, or all")
+    parser.add_argument("--policy-options", default="", help="the default policy's options for the changed pages, "
+                                                             "comma-separated name=value (e.g. drift_min_deviation=0.01)")
     parser.add_argument("--out", default="results/quality/unseen-changes.md")
     args = parser.parse_args()
     kinds = list(CHANGES) if args.changes == "all" else args.changes.split(",")
     unknown = [k for k in kinds if k not in CHANGES]
     if unknown:
         parser.error(f"unknown changes {unknown}; known: {', '.join(CHANGES)}")
+    options = {k: yaml.safe_load(v) for k, v in (o.split("=", 1) for o in args.policy_options.split(",") if o)}
     command = "python benchmarks/unseen_changes.py " + " ".join(sys.argv[1:])
-    lines = header("Page changes the project's streams and tests do not make (default thresholds and policy)", command,
+    given = ", ".join(f"{k}={v}" for k, v in options.items())
+    policy = f"; the default policy with {given}" if options else " and policy"
+    lines = header(f"Page changes the project's streams and tests do not make (default thresholds{policy})", command,
                    machine()) + [
         f"Each of {args.pages} pages of the reader's stream kind (seed {args.seed}) stored unchanged, then asked "
         "again changed, one fresh store per pair. `reused`: approximate hits that reused K/V (no fallback); "
@@ -196,7 +202,7 @@ def main() -> int:
                   "by encoder | fallback | reused | agree | reused agree |",
                   "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
         total = Counter()
-        for kind, c in measure(name, args.pages, args.seed, kinds).items():
+        for kind, c in measure(name, args.pages, args.seed, kinds, options).items():
             total.update(c)
             lines.append(f"| {kind} | {c['requests']} | {c['approximate']} | {c['exact']} | {c['miss']} | "
                          f"{c['by pixels']} | {c['by thumbnail']} | {c['by encoder']} | {c['fallback']} | "

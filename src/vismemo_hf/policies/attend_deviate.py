@@ -103,8 +103,8 @@ class AttendDeviatePolicy(RoutingPolicy):
     drift_deviation: float | None = 0.1
     #: a copy changed everywhere (as for ``drift_deviation``) below that bound recomputes every token whose deviation
     #: exceeds this, not ``outlier_factor`` x its median: the median measures how much its content changed, not a
-    #: noise floor, and tokens reused at up to 0.01 changed digits on brightened, blurred and sharpened pages of the
-    #: base reader (``benchmarks/unseen_changes.py``); past ``max_recompute_ratio`` it is computed in full. None:
+    #: noise floor, and tokens reused at up to 0.01 changed digits on brightened and blurred pages of the base reader
+    #: (``results/quality/unseen-changes-drift-0.01.md``); past ``max_recompute_ratio`` it is computed in full. None:
     #: outliers against the median, as for a local edit
     drift_min_deviation: float | None = 0.003
     #: a local edit's reading-order dependents: the tokens after each token whose pixels changed, in its token row,
