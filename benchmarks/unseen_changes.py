@@ -151,6 +151,7 @@ def measure(name: str, pages: int, seed: int, kinds: list[str], options: dict | 
     requests = [r for r in stream(seed, n_bases=pages) if r.intended == "miss"][:pages]
     rng = random.Random(seed)
     rows = {kind: Counter() for kind in kinds}
+    differ: list = []  # (change, question, the page's answer, the hit's, plain transformers')
     for request in requests:
         original = request.image().convert("RGB")
         for kind in kinds:
@@ -159,9 +160,11 @@ def measure(name: str, pages: int, seed: int, kinds: list[str], options: dict | 
             store = VisMemoStore()
             answer(model, processor, _Changed(request, original), VisMemoCache(store=store), 1)
             cache = VisMemoCache(store=store, **(options or {}))
-            tokens = answer(model, processor, changed, cache, 8)[1]
-            reference = answer(plain, processor, changed, DynamicCache(), 8)[1]
+            said, tokens = answer(model, processor, changed, cache, 8)[:2]
+            plain_said, reference = answer(plain, processor, changed, DynamicCache(), 8)[:2]
             event, c = cache.events[0], rows[kind]
+            if tokens != reference and str(event.kind) == "approximate" and event.fallback is None:
+                differ.append((kind, request.question, request.answers[0], said, plain_said))
             c["requests"] += 1
             c[str(event.kind)] += 1
             c["agree"] += tokens == reference
@@ -170,7 +173,7 @@ def measure(name: str, pages: int, seed: int, kinds: list[str], options: dict | 
                 c["fallback"] += event.fallback is not None
                 c["reused agree"] += event.fallback is None and tokens == reference
                 c["reused"] += event.fallback is None
-    return rows
+    return rows, differ
 
 
 def main() -> int:
@@ -202,7 +205,8 @@ def main() -> int:
                   "by encoder | fallback | reused | agree | reused agree |",
                   "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
         total = Counter()
-        for kind, c in measure(name, args.pages, args.seed, kinds, options).items():
+        rows, differ = measure(name, args.pages, args.seed, kinds, options)
+        for kind, c in rows.items():
             total.update(c)
             lines.append(f"| {kind} | {c['requests']} | {c['approximate']} | {c['exact']} | {c['miss']} | "
                          f"{c['by pixels']} | {c['by thumbnail']} | {c['by encoder']} | {c['fallback']} | "
@@ -212,6 +216,11 @@ def main() -> int:
                   f"{total['by pixels']} | {total['by thumbnail']} | {total['by encoder']} | {total['fallback']} | "
                   f"{total['reused']} | {total['agree'] / total['requests']:.3f} | "
                   f"{total['reused agree']}/{total['reused']} |", ""]
+        if differ:
+            lines += ["Reused hits whose answer differs from plain transformers' (the page's own answer next to both):", "",
+                      "| change | question | the page's | the hit's | plain transformers' |",
+                      "| --- | --- | --- | --- | --- |"]
+            lines += [f"| {k} | {q} | {a} | {ours} | {theirs} |" for k, q, a, ours, theirs in differ] + [""]
     write(lines, args.out)
     return 0
 
