@@ -97,6 +97,44 @@ def test_aligned_similarity_finds_pages_moved_by_part_of_a_token_or_zoomed_and_n
     assert zoom_drift(1.0, (16, 16)) == 0 and zoom_drift(1.05, (16, 32)) == pytest.approx(0.8)
 
 
+def test_a_search_asked_for_a_decision_decides_as_the_full_search_and_stops_early(monkeypatch):
+    """``aligned_similarity(..., hopeless_below=T, enough=T)`` is on the same side of T as the full search for
+    copies moved by part of a pixel, zoomed, turned, rescanned and for other pages of the layout, at the thresholds
+    the lookup asks (the derived pixel stage's floor, the encoder stage's agreement) and around them; without them it
+    is the full search; a hopeless candidate is not refined. FFTs take lengths of small prime factors."""
+    from PIL import ImageFilter
+
+    from vismemo_hf.core.thresholds import ENCODER_PIXEL_AGREE, PIXEL_FLOOR, fast_size
+
+    assert [fast_size(n) for n in (1, 7, 119, 120, 121, 167)] == [1, 8, 120, 120, 125, 180]
+    per = thumb_per_token((16, 16))
+    page = docpage.random_page(2**31 + 79_000, layout="form")
+    image = docpage.render(page).convert("RGB")
+    mine = _thumb(image)
+    w, h = image.size
+    changed = [docpage.render(docpage.shift(page, 3, 2)), docpage.render(docpage.rotate(page, 1.0)),
+               docpage.render(docpage.rescale(page, 1.02)), image.filter(ImageFilter.GaussianBlur(1.0)),
+               image.transform(image.size, Image.AFFINE, (1, 0, 2, 0, 1, 1), fillcolor=(255, 255, 255)),
+               docpage.render(docpage.random_page(2**31 + 79_001, layout="form")),
+               docpage.render(docpage.random_page(2**31 + 79_002, layout="table"))]
+    for other in changed:
+        theirs = _thumb(other)
+        full = aligned_similarity(theirs, mine, per)[0]
+        for t in (ENCODER_PIXEL_AGREE, PIXEL_FLOOR, 0.6, 0.8, 0.97, full - 0.002, full + 0.002):
+            quick = aligned_similarity(theirs, mine, per, hopeless_below=t, enough=t)[0]
+            assert (quick >= t) == (full >= t), (t, full, quick)
+            assert aligned_similarity(theirs, mine, per, hopeless_below=t)[0] == full or full < t
+    from vismemo_hf.core import thresholds
+
+    warps = []
+    original = thresholds._warps
+    monkeypatch.setattr(thresholds, "_warps", lambda hb, params: warps.append(len(params)) or original(hb, params))
+    aligned_similarity(_thumb(changed[-2]), mine, per)
+    full, warps[:] = sum(warps), []
+    assert aligned_similarity(_thumb(changed[-2]), mine, per, hopeless_below=PIXEL_FLOOR)[0] < PIXEL_FLOOR
+    assert sum(warps) * 4 < full  # the zoom search and the lattice's three alignments, no refinement
+
+
 def test_pixel_thresholds_go_together_and_the_pixel_stage_runs_only_just_below_tau_fine(tmp_path):
     with pytest.raises(ValueError, match="go together"):
         LookupThresholds(tau_pixel=0.9)
@@ -200,7 +238,7 @@ def test_the_pixel_stage_aligns_at_most_two_near_candidates_best_first(monkeypat
 
     calls, passing = [], {1}
 
-    def align(mine, thumb, per):
+    def align(mine, thumb, per, hopeless_below=None, enough=None):
         calls.append(int(thumb[0, 0]))
         return (0.99 if int(thumb[0, 0]) in passing else 0.5), 1.0
 

@@ -271,13 +271,55 @@ def zoom_drift(zoom: float, hw: tuple[int, int]) -> float:
     return abs(zoom - 1.0) * max(hw) / 2
 
 
-def aligned_similarity(a: torch.Tensor, b: torch.Tensor, per_token: int) -> tuple[float, float]:
+def fast_size(n: int) -> int:
+    """The smallest length >= ``n`` whose only prime factors are 2, 3 and 5 (an FFT of it is fast; a prime length
+    such as 119 is several times slower)."""
+    while True:
+        m = n
+        for p in (2, 3, 5):
+            while m % p == 0:
+                m //= p
+        if m == 1:
+            return n
+        n += 1
+
+
+#: the most the refinement of ``aligned_similarity`` was seen to add to the score of the best whole-pixel and
+#: whole-zoom-step alignment, over the reference image's own loss of similarity when moved by half a pixel both ways
+#: (``_half_pixel_loss``): 0.74 (copies moved by 2, 10 and 14 image pixels, a quarter to half a thumbnail pixel off
+#: the lattice, on both readers' pages; every other change 0.6 or less); a search asked only whether a score is
+#: reached stops when even this much more, with a margin, falls short
+REFINE_GAIN = 1.5
+REFINE_SLACK = 0.02
+
+
+def _half_pixel_loss(ha: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor) -> float:
+    """1 minus the normalised correlation of the high-passed thumbnail ``ha`` with itself moved by half a pixel
+    along both axes, on its interior (``rows``, ``cols``): what an alignment off by the lattice's worst half pixel
+    loses on this image (sharp glyphs lose more than smooth shading)."""
+    h, w = ha.shape
+    moved, inside_y, inside_x = _warps(ha, torch.tensor([[1.0, 1.0 / h, 1.0 / w]]))
+    inside_y, inside_x = inside_y * rows, inside_x * cols
+    den = (_inside_sums(ha.square()[None], inside_y, inside_x)
+           * _inside_sums(moved.square(), inside_y, inside_x)).sqrt().clamp_min(1e-8)
+    return 1.0 - float(_inside_sums(ha * moved, inside_y, inside_x) / den)
+
+
+def aligned_similarity(a: torch.Tensor, b: torch.Tensor, per_token: int, hopeless_below: float | None = None,
+                       enough: float | None = None) -> tuple[float, float]:
     """The pixel stage of the fine lookup: the highest normalised cross-correlation of the high-passed thumbnails
     ``a`` (the request's) and ``b`` (a candidate's; (H, W) uint8 of ``per_token`` px per visual token) over ``b``
     zoomed by up to ``PIXEL_ZOOM`` either way and moved by up to one visual token, on the area both show (at least
     ``MIN_OVERLAP``) away from ``a``'s edges (``_interior``). Each zoom (steps of 0.5 %) takes its best move from one
     FFT cross-correlation; the three best are refined on finer grids. Returns (similarity, the zoom it found: point
-    x of ``a``, from the centre, shows ``b``'s zoom * x); (-1, 1) when the thumbnails differ in shape."""
+    x of ``a``, from the centre, shows ``b``'s zoom * x); (-1, 1) when the thumbnails differ in shape.
+
+    A caller that only asks whether the similarity reaches a value lets the search stop once the answer is known:
+    ``hopeless_below`` -- the three best whole-pixel alignments score below it by more than refinement can add
+    (``REFINE_GAIN`` times ``_half_pixel_loss`` plus ``REFINE_SLACK``): another page of a layout, most of a miss's
+    candidates, costs a fifth of a full search; ``enough`` -- a score reaches it (exact: refining only raises the
+    score). Either way the similarity returned is the best found so far, on the same side of the value as the full
+    search's; the zoom is that alignment's."""
     if a.shape != b.shape or a.ndim != 2 or min(a.shape) < 4:
         return -1.0, 1.0
     h, w = a.shape
@@ -288,30 +330,45 @@ def aligned_similarity(a: torch.Tensor, b: torch.Tensor, per_token: int) -> tupl
     zooms = torch.linspace(1 / PIXEL_ZOOM, PIXEL_ZOOM, _ZOOM_STEPS)
     warped, inside_y, inside_x = _warps(hb, torch.stack([zooms, torch.zeros_like(zooms), torch.zeros_like(zooms)], 1))
     warped = warped * (inside_y[:, :, None] * inside_x[:, None, :])
-    size = (h + per_token, w + per_token)  # zero padding of a token: no move up to a token wraps around
+    size = (fast_size(h + per_token), fast_size(w + per_token))  # padding of a token: no move up to it wraps around
     inner = ha * (rows[:, None] * cols[None, :])
     corr = torch.fft.irfft2(torch.fft.rfft2(inner, s=size).conj() * torch.fft.rfft2(warped, s=size), s=size)
     m = per_token
     corr = torch.roll(corr, (m, m), (1, 2))[:, : 2 * m + 1, : 2 * m + 1].reshape(_ZOOM_STEPS, -1)
     peak, where = corr.max(1)
-    best = torch.tensor([[float(zooms[i]), 2 * (int(where[i]) // (2 * m + 1) - m) / h,
-                          2 * (int(where[i]) % (2 * m + 1) - m) / w] for i in peak.argsort(descending=True)[:3]])
+    top = peak.argsort(descending=True)[:3]
+    at = where[top]
+    best = torch.stack([zooms[top], 2 * (at // (2 * m + 1) - m).float() / h, 2 * (at % (2 * m + 1) - m).float() / w], 1)
     steps = torch.tensor([float(zooms[1] - zooms[0]) / 2, 2 / h, 2 / w])
     offsets = torch.stack(torch.meshgrid(*[torch.arange(-1.0, 2.0)] * 3, indexing="ij"), -1).reshape(-1, 3)
     energy_a = ha.square()
-    score, zoom = -1.0, 1.0
-    for _ in range(3):
-        params = (best[:, None] + offsets[None] * steps).reshape(-1, 3)
+
+    def scores(params: torch.Tensor) -> torch.Tensor:  # (P,) normalised correlation of each alignment, -1 if too small
         warped, inside_y, inside_x = _warps(hb, params)
         overlap = inside_y.mean(1) * inside_x.mean(1)
         inside_y, inside_x = inside_y * rows, inside_x * cols
         den = (_inside_sums(energy_a[None], inside_y, inside_x)
                * _inside_sums(warped.square(), inside_y, inside_x)).sqrt().clamp_min(1e-8)
         ncc = _inside_sums(ha * warped, inside_y, inside_x) / den
-        ncc = torch.where(overlap >= MIN_OVERLAP, ncc, torch.full_like(ncc, -1.0)).reshape(len(best), -1)
+        return torch.where(overlap >= MIN_OVERLAP, ncc, torch.full_like(ncc, -1.0))
+
+    if hopeless_below is not None or enough is not None:
+        lattice = scores(best)
+        score, zoom = float(lattice.max()), float(best[int(lattice.argmax()), 0])
+        if enough is not None and score >= enough:
+            return score, zoom
+        if hopeless_below is not None and \
+                score + REFINE_GAIN * _half_pixel_loss(ha, rows, cols) + REFINE_SLACK < hopeless_below:
+            return score, zoom
+    score, zoom = -1.0, 1.0
+    for _ in range(3):
+        params = (best[:, None] + offsets[None] * steps).reshape(-1, 3)
+        ncc = scores(params).reshape(len(best), -1)
         best = params.reshape(len(best), -1, 3)[torch.arange(len(best)), ncc.argmax(1)]
         if float(ncc.max()) > score:
             score, zoom = float(ncc.max()), float(best[int(ncc.max(1).values.argmax()), 0])
+        if enough is not None and score >= enough:
+            break
         steps = steps / 2
     return score, zoom
 
@@ -373,7 +430,7 @@ def _region_moves(a: torch.Tensor, b: torch.Tensor, per_token: int) -> tuple[tor
     hb = _high_pass(b.float()[None, None] / 255, k)[0, 0]
     h, w = a.shape
     m = per_token
-    size = (h + per_token, w + per_token)  # zero padding of a token: no move up to a token wraps around
+    size = (fast_size(h + per_token), fast_size(w + per_token))  # padding of a token: no move up to it wraps around
     corr = torch.fft.irfft2(torch.fft.rfft2(hb, s=size) * torch.fft.rfft2(ha, s=size).conj(), s=size)
     corr = torch.roll(corr, (m, m), (0, 1))[: 2 * m + 1, : 2 * m + 1]
     gy, gx = divmod(int(corr.argmax()), corr.shape[1])

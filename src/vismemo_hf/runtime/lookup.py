@@ -625,7 +625,8 @@ def _thumbnails_agree(match: ImageMatch, thumb: torch.Tensor | None, hw: tuple[i
     mine = match.thumbnail() if thumb is not None and match.thumbnail is not None else None
     if mine is None:
         return True
-    return aligned_similarity(mine, thumb, thumb_per_token(hw))[0] >= ENCODER_PIXEL_AGREE
+    return aligned_similarity(mine, thumb, thumb_per_token(hw), hopeless_below=ENCODER_PIXEL_AGREE,
+                              enough=ENCODER_PIXEL_AGREE)[0] >= ENCODER_PIXEL_AGREE
 
 
 #: a copy with at most this share of its tokens' pixels changed (a local edit) is not checked for a warp: a turned
@@ -659,7 +660,7 @@ def _fine_stage(scored: list, thresholds, tau_fine: float, thumbnail, hw) -> tup
     near = [c for c in scored if thresholds.near(c[0], tau_fine) and c[3] is not None][:PIXEL_CANDIDATES]
     mine = thumbnail() if near and thumbnail is not None else None
     for score, shift, key, thumb in near if mine is not None else ():
-        pixel, zoom = aligned_similarity(mine, thumb, thumb_per_token(hw))
+        pixel, zoom = aligned_similarity(mine, thumb, thumb_per_token(hw), hopeless_below=thresholds.tau_pixel)
         if thresholds.matches(score, tau_fine, lambda p=pixel: p):
             return key, score, shift, pixel, zoom, thumb
     return None
