@@ -422,3 +422,43 @@ def test_one_distinctive_token_kept_is_no_region():
     two = page.clone()
     two[(rows >= 2) & (page > 0)] += 100  # rows 2-5 changed: 2 of 10 kept
     assert region_share(two, page, rows) == 0.2 and pixel_changes(two, page, rows=rows) is not None
+
+
+@pytest.mark.parametrize("change", ["insert row", "swap rows"])
+def test_llava_onevision_finds_a_changed_region_in_both_its_views_by_its_pixels(change):
+    """LLaVA-OneVision's tokens show the image twice (the base view, then the tile rows): its region rule judges
+    both on one scale of heights (``hash_rows``), so a row inserted or two rows swapped are one or two bands, found
+    by the pixel-first stage and recomputed from the first changed token on, as on the Qwen-VL grids (counted per
+    view, two swapped rows were four bands, and such copies missed); another page of the layout is not found."""
+    import random
+
+    from vismemo_hf.eval import synthdoc
+    from vismemo_hf.eval.calibrate import _insert_row
+
+    model, processor = _enabled_tiny("llava_onevision")
+    adapter = model._vismemo
+    page = synthdoc.random_form(31, style=synthdoc.STYLES[0])
+    base = synthdoc.render(page)
+    changed = _insert_row(base, synthdoc.render(synthdoc.random_form(32)), random.Random(3)) \
+        if change == "insert row" else synthdoc.render(synthdoc.swap_rows(page, 0, synthdoc.ROWS - 1))
+    (old, grid, extra), (new, _, extra_new) = _llava_views(adapter, [base, changed])
+    hashes, theirs = adapter.patch_hashes(new, grid, extra_new), adapter.patch_hashes(old, grid, extra)
+    heights, rows = adapter.hash_rows(hashes, grid), adapter.token_rows(type("F", (), {"patch_hashes": hashes}))
+    side = adapter.thumbnail_hw(grid)[0]
+    tiles = rows >= side
+    assert torch.equal(heights[~tiles], rows[~tiles]) and int(heights[tiles].min()) == 0
+    assert int(heights[tiles].max()) == side - 1 and bool((heights[tiles][1:] >= heights[tiles][:-1]).all())
+    assert region_changed(hashes, theirs, heights)
+    store = stored(model, processor, base)
+    event = _event(model, processor, store, changed, store_misses=False)
+    assert event.kind is HitKind.APPROXIMATE and event.found_by == "pixels"
+    first = int(torch.nonzero(hashes != theirs)[0])
+    assert set(range(first, event.n_tokens)) <= set(event.plan.recompute.tolist())
+    other = _event(model, processor, store, synthdoc.render(synthdoc.random_form(33, style=synthdoc.STYLES[0])),
+                   store_misses=False)
+    assert other.found_by != "pixels"
+
+
+def _llava_views(adapter, images):
+    processor = adapter.image_processor()
+    return [adapter.processed_images(processor(images=[im], return_tensors="pt"))[0] for im in images]

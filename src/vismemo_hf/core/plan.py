@@ -176,17 +176,19 @@ class ImageFeatures:
     and a hit whose routing reads the hashes alone never computes the entropy). ``kv_tokens``: tokens whose
     K/V the stored entry holds (a compressed entry, docs/METHOD.md §4); None: every token. ``rows``: what gives the
     row of each token (``token_rows``) when the tokens are not one row-major grid (the family adapter's
-    ``token_rows``, given these features)."""
+    ``token_rows``, given these features); ``heights``: what gives their heights on one scale of rows
+    (``token_heights``; the adapter's ``hash_rows``, given the patch hashes and the grid)."""
 
     def __init__(self, key: str, grid: tuple[int, int, int], embeds: torch.Tensor, entropy: torch.Tensor | None = None,
                  patch_hashes: torch.Tensor | None = None, kv_tokens: torch.Tensor | None = None,
                  pixel_features: tuple[Callable[[], torch.Tensor], Callable[[], torch.Tensor | None]] | None = None,
-                 rows: Callable[[ImageFeatures], torch.Tensor | None] | None = None) -> None:
+                 rows: Callable[[ImageFeatures], torch.Tensor | None] | None = None,
+                 heights: Callable[[torch.Tensor, tuple[int, int, int]], torch.Tensor] | None = None) -> None:
         self.key, self.grid, self.embeds, self.kv_tokens = key, grid, embeds, kv_tokens
         later = pixel_features is not None and patch_hashes is None
         self._entropy, self._patch_hashes = entropy, _LATER if later else patch_hashes
         self._pixel_features = pixel_features
-        self._rows_of = rows
+        self._rows_of, self._heights_of = rows, heights
 
     @property
     def entropy(self) -> torch.Tensor:
@@ -219,6 +221,14 @@ class ImageFeatures:
         own (LLaVA-OneVision's base view and tile rows, each ended by a newline token)."""
         rows = self._rows_of(self) if self._rows_of is not None else None
         return rows if rows is not None else torch.arange(self.n_tokens) // self.token_hw[1]
+
+    @property
+    def token_heights(self) -> torch.Tensor:
+        """(N,) the height of each visual token on one scale of rows for the whole image, what a changed region's
+        band of rows is judged on (``core.pixel_first.region_changed``): ``token_rows``, unless the tokens show the
+        image more than once (LLaVA-OneVision's base view and tiles, ``hash_rows`` of its adapter)."""
+        hashes = self.patch_hashes if self._heights_of is not None else None
+        return self._heights_of(hashes, self.grid) if hashes is not None else self.token_rows
 
     def stored(self, tokens: torch.Tensor) -> torch.Tensor:
         """Boolean over ``tokens``: those whose K/V the stored entry holds."""

@@ -22,6 +22,7 @@ from __future__ import annotations
 import functools
 import struct
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import ClassVar
 
 import torch
@@ -166,6 +167,21 @@ class LlavaOnevisionAdapter(QwenAdapter):
         ended = torch.zeros(hashes.numel(), dtype=torch.long)
         ended[1:] = (hashes[:-1] == NEWLINE).long().cumsum(0)  # newlines before each token (none in the base view)
         return torch.where(at < self._per_tile, at // side, side + ended)
+
+    def hash_rows(self, hashes: torch.Tensor, grid) -> torch.Tensor:
+        """The height of each token on one scale for both views (the pixel-first region rule,
+        ``core.pixel_first.region_share``): the base view's rows of patches, and each tile row mapped to the base
+        view row at its height (the packed tile rows, unpadded, span the image's height as the base view does). A
+        changed region then shows as one band of rows, not as one in each view: two rows swapped, counted apart,
+        were four bands and never a region."""
+        rows = self.token_rows(SimpleNamespace(patch_hashes=hashes))
+        side = self.vision_config.image_size // self.vision_config.patch_size
+        tiled = rows >= side
+        if not bool(tiled.any()):
+            return rows
+        count = int(rows[tiled].max()) - side + 1  # the tile rows
+        mapped = (((rows - side).to(torch.float64) + 0.5) * side / count).floor().long().clamp(0, side - 1)
+        return torch.where(tiled, mapped, rows)
 
     def same_layout(self, image, alias) -> bool:
         """Both packings known and their newlines at the same tokens (an image of another size or tiling can

@@ -186,7 +186,7 @@ class AttendDeviatePolicy(RoutingPolicy):
             return []
         n = image.n_tokens
         mine, theirs, rows = image.patch_hashes, alias.patch_hashes, image.token_rows
-        region = region_changed(mine, theirs, rows)
+        region = region_changed(mine, theirs, image.token_heights)  # one band per region, whatever the views
         if int(changed.sum()) <= self.local_share * n and not region:  # with dependents 0: themselves
             return [torch.nonzero(reading_dependents(changed, rows, self.dependents)).flatten()]
         if region or partly_changed(mine, theirs):

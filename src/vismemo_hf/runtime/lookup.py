@@ -350,7 +350,7 @@ def lookup_request(adapter, cache, input_ids, pixel_values, grids, get_image_fea
             store_call("index", lambda e=entry: cache.store.note_pixels(e.key, e.patch_hashes), None)
         else:
             embeds, deepstack, tower = encodings[i]
-            feats = ImageFeatures(keys[i], grid_list[j], embeds, rows=adapter.token_rows,
+            feats = ImageFeatures(keys[i], grid_list[j], embeds, rows=adapter.token_rows, heights=adapter.hash_rows,
                                   pixel_features=adapter.pixel_features(pixels[j], grid_list[j], hashes[i], extras[j]))
             host_embeds = embeds.detach().float().cpu()
             match = ImageMatch(row, start, feats, embeds, deepstack, region_descriptors(host_embeds, grid_list[j], merge),
