@@ -52,7 +52,7 @@ def measure(name: str, bases: int, seed: int, rounds: int) -> dict:
 
     for request in requests[:3]:  # warm-up
         ttft(plain, request, DynamicCache())
-    before = plain_alone(plain, processor, requests[0])
+    alone = plain_alone(plain, processor, requests[0])
     rows = defaultdict(list)  # label -> (enabled ms, plain ms, lookup ms)
     totals = [0.0, 0.0]
     for _ in range(rounds):
@@ -68,7 +68,7 @@ def measure(name: str, bases: int, seed: int, rounds: int) -> dict:
             totals[1] += (before + after) / 2
     after = plain_alone(plain, processor, requests[0])  # the last round's store still alive
     return {"rows": rows, "requests": len(requests), "total_ratio": totals[0] / totals[1],
-            "visual_tokens": cache.events[0].n_tokens, "plain_before": before, "plain_after": after, "store": store}
+            "visual_tokens": cache.events[0].n_tokens, "plain_before": alone, "plain_after": after, "store": store}
 
 
 def plain_alone(plain, processor, request, rounds: int = 5) -> tuple[float, float]:
