@@ -30,12 +30,18 @@ def background_thread() -> None:
 
 
 def background_priority() -> None:
-    """Run the calling thread (and the threads it starts, such as its own OpenMP team) below the threads that serve
-    requests: building and writing a miss's entry then takes the CPU that the decoding steps leave, instead of
-    slowing them (measured on a 2-core host: a 4,096-token entry written while the miss decodes). Where a thread's
-    priority cannot be set (not Linux, a sandbox refusing it) nothing changes."""
+    """Run the calling thread (and the threads it starts) only on CPU time the threads that serve requests leave:
+    Linux's ``SCHED_IDLE`` policy for this thread, else a nice increment of ``NICE``. Building and writing a miss's
+    entry then waits for the decoding steps instead of slowing them (measured on a 2-core host: a 4,096-token entry
+    written while the miss decodes). Where neither can be set (not Linux, a sandbox refusing it) nothing changes."""
+    tid = threading.get_native_id()
     try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), min(19, os.getpriority(os.PRIO_PROCESS, 0) + NICE))
+        os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
+        return
+    except (AttributeError, OSError):
+        pass
+    try:
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, 0) + NICE))
     except (AttributeError, OSError):
         pass
 
