@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import torch
@@ -19,13 +19,13 @@ import torch
 from vismemo_hf.core.plan import HitKind
 from vismemo_hf.runtime.schedule import on_device
 from vismemo_hf.runtime.stream import LayerArrival, StreamOps, stream_layers, streams_for
-from vismemo_hf.store.background import one_torch_thread
+from vismemo_hf.store.background import torch_pool
 from vismemo_hf.store.store import store_call
 from vismemo_hf.store.tiers import token_rows
 
 logger = logging.getLogger(__name__)
 
-_POOL = ThreadPoolExecutor(max_workers=2, thread_name_prefix="vismemo-fetch", initializer=one_torch_thread)
+_POOL = torch_pool("vismemo-fetch", 2)
 
 
 @dataclass

@@ -49,3 +49,9 @@ def background_priority() -> None:
 def background_pool(name: str, workers: int = 1) -> ThreadPoolExecutor:
     """A pool of ``workers`` background threads named ``name`` (``background_thread``)."""
     return ThreadPoolExecutor(max_workers=workers, thread_name_prefix=name, initializer=background_thread)
+
+
+def torch_pool(name: str, workers: int) -> ThreadPoolExecutor:
+    """A pool of ``workers`` threads named ``name`` that serve requests (reads ahead of the layers that need them): at
+    the serving threads' priority, torch on one thread each (``one_torch_thread``)."""
+    return ThreadPoolExecutor(max_workers=workers, thread_name_prefix=name, initializer=one_torch_thread)

@@ -31,12 +31,11 @@ import time
 import zlib
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
 from vismemo_hf.store import blob
-from vismemo_hf.store.background import background_pool, one_torch_thread
+from vismemo_hf.store.background import background_pool, torch_pool
 from vismemo_hf.store.entry import Entry
 from vismemo_hf.store.ranges import BlobReader
 from vismemo_hf.store.tiers.base import BYTES, PUBLISH, News, TierBase, TierUnavailable
@@ -325,8 +324,7 @@ class RemoteTier(_ShardGuard, TierBase):
         self._bad_shards: set[int] = set()  # shards skipped until the link comes back (``_ShardGuard``)
         self._next_refresh = 0.0
         self._writer = background_pool("vismemo-remote")
-        self._readers = ThreadPoolExecutor(max_workers=self.read_threads, thread_name_prefix="vismemo-remote-read",
-                                           initializer=one_torch_thread)
+        self._readers = torch_pool("vismemo-remote-read", self.read_threads)
         self._pending: list = []
         self._state = threading.RLock()
         self.seal = seal
