@@ -272,8 +272,8 @@ def zoom_drift(zoom: float, hw: tuple[int, int]) -> float:
 
 
 def fast_size(n: int) -> int:
-    """The smallest length >= ``n`` whose only prime factors are 2, 3 and 5 (an FFT of it is fast; a prime length
-    such as 119 is several times slower)."""
+    """The smallest length >= ``n`` whose only prime factors are 2, 3 and 5 (an FFT of it is fast; one of a length
+    with larger factors, such as 119 = 7 x 17, is several times slower)."""
     while True:
         m = n
         for p in (2, 3, 5):
@@ -284,11 +284,12 @@ def fast_size(n: int) -> int:
         n += 1
 
 
-#: the most the refinement of ``aligned_similarity`` was seen to add to the score of the best whole-pixel and
-#: whole-zoom-step alignment, over the reference image's own loss of similarity when moved by half a pixel both ways
-#: (``_half_pixel_loss``): 0.74 (copies moved by 2, 10 and 14 image pixels, a quarter to half a thumbnail pixel off
-#: the lattice, on both readers' pages; every other change 0.6 or less); a search asked only whether a score is
-#: reached stops when even this much more, with a margin, falls short
+#: what the refinement of ``aligned_similarity`` may add to the score of the best whole-pixel and whole-zoom-step
+#: alignment, over the request's own loss of similarity when moved by half a pixel both ways (``_half_pixel_loss``):
+#: at most 0.83 seen (copies moved by 2, 10 and 14 image pixels, a quarter to half a thumbnail pixel off the lattice;
+#: a page turned by a degree 0.52, one scrolled 0.19; zooms, rescans, global changes 0.11 or less;
+#: ``benchmarks/pixel_refine.py``, ``results/lookup/pixel-refine.md``); a search asked only whether a score is reached
+#: stops when even this much more, with a margin, falls short
 REFINE_GAIN = 1.5
 REFINE_SLACK = 0.02
 
