@@ -66,7 +66,8 @@ def measure(name: str, bases: int, seed: int, rounds: int) -> dict:
             rows[served(event)].append((enabled, (before + after) / 2, event.timings.get("lookup", 0.0)))
             totals[0] += enabled
             totals[1] += (before + after) / 2
-    after = plain_alone(plain, processor, requests[0])  # the last round's store still alive
+    store.flush()  # its last entries written: the threads alive and idle, as between a server's requests
+    after = plain_alone(plain, processor, requests[0])
     return {"rows": rows, "requests": len(requests), "total_ratio": totals[0] / totals[1],
             "visual_tokens": cache.events[0].n_tokens, "plain_before": alone, "plain_after": after, "store": store}
 
