@@ -20,10 +20,9 @@ from collections import defaultdict
 from pathlib import Path
 
 import torch
-from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).parent))
-from unseen_changes import CHANGES  # noqa: E402
+from unseen_changes import CHANGES, _zoom  # noqa: E402
 
 from vismemo_hf.bench.report import header, machine, write  # noqa: E402
 from vismemo_hf.core import thresholds as T  # noqa: E402
@@ -42,17 +41,6 @@ def lattice_and_refined(a: torch.Tensor, b: torch.Tensor, per: int) -> tuple[flo
     ha = T._high_pass(a.float()[None, None] / 255, k)[0, 0]
     loss = T._half_pixel_loss(ha, T._interior(a.shape[0], k), T._interior(a.shape[1], k))
     return lattice, refined, loss
-
-
-def moved(image: Image.Image, dx: int) -> Image.Image:
-    return image.transform(image.size, Image.AFFINE, (1, 0, dx, 0, 1, dx // 2), fillcolor=(255, 255, 255))
-
-
-def zoomed(image: Image.Image, z: float) -> Image.Image:
-    w, h = image.size
-    cx, cy = w / 2, h / 2
-    return image.transform(image.size, Image.AFFINE, (1 / z, 0, cx - cx / z, 0, 1 / z, cy - cy / z),
-                           resample=Image.BILINEAR, fillcolor=(255, 255, 255))
 
 
 def measure(reader: str, pages: int, seed: int) -> dict:
@@ -80,8 +68,8 @@ def measure(reader: str, pages: int, seed: int) -> dict:
         image = render(page).convert("RGB")
         mine, per = thumb(image)
         changed = {name: change(image, rng) for name, change in CHANGES.items()}
-        changed.update({f"moved {dx} px": moved(image, dx) for dx in (1, 2, 3, 5, 7, 10, 14)})
-        changed.update({f"zoomed x{z}": zoomed(image, z) for z in (0.95, 0.97, 1.01, 1.03, 1.05)})
+        changed.update({f"moved {dx} px": synthdoc.shift_image(image, dx, dx // 2) for dx in (1, 2, 3, 5, 7, 10, 14)})
+        changed.update({f"zoomed x{z}": _zoom(image, z) for z in (0.95, 0.97, 1.01, 1.03, 1.05)})
         if base:
             changed.update({"shifted 3 px": render(docpage.shift(page, 3, 2)), "scrolled": render(docpage.scroll(page, 9)),
                             "cropped": render(docpage.crop(page, 4)), "turned 1 deg": render(docpage.rotate(page, 1.0)),

@@ -286,8 +286,8 @@ def fast_size(n: int) -> int:
 
 #: what the refinement of ``aligned_similarity`` may add to the score of the best whole-pixel and whole-zoom-step
 #: alignment, over the request's own loss of similarity when moved by half a pixel both ways (``_half_pixel_loss``):
-#: at most 0.83 seen (copies moved by 2, 10 and 14 image pixels, a quarter to half a thumbnail pixel off the lattice;
-#: a page turned by a degree 0.52, one scrolled 0.19; zooms, rescans, global changes 0.11 or less;
+#: at most 0.78 seen (copies moved by 2, 10 and 14 image pixels, a quarter to half a thumbnail pixel off the lattice;
+#: a page turned by a degree 0.52, one scrolled 0.19; zooms, rescans, global changes 0.14 or less;
 #: ``benchmarks/pixel_refine.py``, ``results/lookup/pixel-refine.md``); a search asked only whether a score is reached
 #: stops when even this much more, with a margin, falls short
 REFINE_GAIN = 1.5
