@@ -396,3 +396,34 @@ def test_a_match_of_the_tokens_alone_needs_thumbnails_that_agree():
             assert _thumbnails_agree(request, cached, (16, 16)) is same, (layout, copy_)
     assert _thumbnails_agree(SimpleNamespace(thumbnail=None), cached, (16, 16))
     assert _thumbnails_agree(SimpleNamespace(thumbnail=lambda: cached), None, (16, 16))
+
+
+def test_prepared_thumbnails_are_kept_by_identity_and_give_the_fresh_search():
+    """The pixel stage keeps what it prepared of a thumbnail (the request's, aligned with each candidate; a store's
+    candidate, which comes back as the same tensor) while that tensor is unchanged: a warm search gives the cold
+    one's answer, a thumbnail changed in place or an equal copy is prepared anew, and the memo keeps its budget."""
+    from vismemo_hf.core import thresholds
+    from vismemo_hf.core.memo import TensorMemo
+
+    per = thumb_per_token((16, 16))
+    mine = _thumb(docpage.render(docpage.random_page(2**31 + 79_010, layout="form")))
+    theirs = _thumb(docpage.render(docpage.shift(docpage.random_page(2**31 + 79_010, layout="form"), 3, 2)))
+    other = _thumb(docpage.render(docpage.random_page(2**31 + 79_011, layout="form")))
+    for kwargs in ({}, {"hopeless_below": 0.95}, {"enough": 0.9, "hopeless_below": 0.9}):
+        for b in (theirs, other):
+            thresholds._PREPARED.clear()
+            cold = aligned_similarity(mine, b, per, **kwargs)
+            assert aligned_similarity(mine, b, per, **kwargs) == cold  # both sides prepared before
+            assert aligned_similarity(mine.clone(), b.clone(), per, **kwargs) == cold
+
+    calls = []
+    memo = TensorMemo(max_bytes=100)
+    t = torch.zeros(4)
+    assert memo.get(t, "x", lambda: (calls.append(1) or 1, 40)) == 1
+    assert memo.get(t, "x", lambda: (calls.append(1) or 2, 40)) == 1 and len(calls) == 1
+    assert memo.get(t.clone(), "x", lambda: (calls.append(1) or 3, 40)) == 3  # another tensor, equal values
+    t.add_(1)  # changed in place
+    assert memo.get(t, "x", lambda: (calls.append(1) or 4, 40)) == 4
+    assert memo.get(t, "y", lambda: (5, 40)) == 5 and memo.get(t, "z", lambda: (6, 40)) == 6
+    assert memo._bytes <= 100 and memo.get(t, "x", lambda: (7, 40)) == 7  # the oldest dropped for the budget
+    assert memo.get(torch.ones(1), "big", lambda: (8, 1000)) == 8 and memo._bytes <= 100  # never kept

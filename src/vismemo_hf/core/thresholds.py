@@ -13,6 +13,7 @@ model and writes a preset (``configs/lookup/``) that ``VisMemoCache(thresholds=.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 
@@ -20,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from vismemo_hf.core.features import token_grid
+from vismemo_hf.core.memo import TensorMemo
 from vismemo_hf.core.pixel_first import MIN_SAME
 
 #: how far above the model's most similar unrelated reference pair an adaptive ``tau_fine`` is kept
@@ -306,6 +308,74 @@ def _half_pixel_loss(ha: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor) -
     return 1.0 - float(_inside_sums(ha * moved, inside_y, inside_x) / den)
 
 
+#: the pixel stage's prepared thumbnails (``_request_side``, ``_candidate_side``): the request's, aligned with
+#: each of its candidates, and the store's candidates, which come back as the same tensors; about 40 of the largest
+#: thumbnails' candidate sides
+_PREPARED = TensorMemo(128 << 20)
+
+
+@dataclass(frozen=True)
+class _Request:
+    """A request's thumbnail prepared for ``aligned_similarity``: high-passed (``ha``), its interior masks, the
+    conjugate spectrum of its interior at the correlation's ``size``, and its energy."""
+
+    ha: torch.Tensor
+    rows: torch.Tensor
+    cols: torch.Tensor
+    size: tuple[int, int]
+    spectrum: torch.Tensor
+    energy: torch.Tensor
+
+    @functools.cached_property
+    def half_pixel_loss(self) -> float:
+        return _half_pixel_loss(self.ha, self.rows, self.cols)
+
+
+@dataclass(frozen=True)
+class _Candidate:
+    """A candidate's thumbnail prepared for ``aligned_similarity``: high-passed (``hb``), and the spectrum of each
+    of its zooms (``zooms``) on the area it covers."""
+
+    hb: torch.Tensor
+    zooms: torch.Tensor
+    spectrum: torch.Tensor
+
+
+def _kernel(per_token: int) -> int:
+    return 2 * (per_token // 2) + 3  # odd, a little wider than a token
+
+
+def _correlation_size(shape, per_token: int) -> tuple[int, int]:
+    return fast_size(shape[0] + per_token), fast_size(shape[1] + per_token)  # no move up to a token wraps around
+
+
+def _request_side(a: torch.Tensor, per_token: int) -> _Request:
+    def compute():
+        h, w = a.shape
+        k = _kernel(per_token)
+        ha = _high_pass(a.float()[None, None] / 255, k)[0, 0]
+        rows, cols = _interior(h, k), _interior(w, k)
+        size = _correlation_size(a.shape, per_token)
+        spectrum = torch.fft.rfft2(ha * (rows[:, None] * cols[None, :]), s=size).conj()
+        energy = ha.square()
+        return _Request(ha, rows, cols, size, spectrum, energy), 2 * ha.nbytes + 8 * spectrum.numel() + energy.nbytes
+
+    return _PREPARED.get(a, ("request", per_token), compute)
+
+
+def _candidate_side(b: torch.Tensor, per_token: int) -> _Candidate:
+    def compute():
+        hb = _high_pass(b.float()[None, None] / 255, _kernel(per_token))[0, 0]
+        zooms = torch.linspace(1 / PIXEL_ZOOM, PIXEL_ZOOM, _ZOOM_STEPS)
+        warped, inside_y, inside_x = _warps(hb, torch.stack([zooms, torch.zeros_like(zooms),
+                                                             torch.zeros_like(zooms)], 1))
+        warped = warped * (inside_y[:, :, None] * inside_x[:, None, :])
+        spectrum = torch.fft.rfft2(warped, s=_correlation_size(b.shape, per_token))
+        return _Candidate(hb, zooms, spectrum), hb.nbytes + 8 * spectrum.numel()
+
+    return _PREPARED.get(b, ("candidate", per_token), compute)
+
+
 def aligned_similarity(a: torch.Tensor, b: torch.Tensor, per_token: int, hopeless_below: float | None = None,
                        enough: float | None = None) -> tuple[float, float]:
     """The pixel stage of the fine lookup: the highest normalised cross-correlation of the high-passed thumbnails
@@ -324,16 +394,9 @@ def aligned_similarity(a: torch.Tensor, b: torch.Tensor, per_token: int, hopeles
     if a.shape != b.shape or a.ndim != 2 or min(a.shape) < 4:
         return -1.0, 1.0
     h, w = a.shape
-    k = 2 * (per_token // 2) + 3  # odd, a little wider than a token
-    ha = _high_pass(a.float()[None, None] / 255, k)[0, 0]
-    hb = _high_pass(b.float()[None, None] / 255, k)[0, 0]
-    rows, cols = _interior(h, k), _interior(w, k)
-    zooms = torch.linspace(1 / PIXEL_ZOOM, PIXEL_ZOOM, _ZOOM_STEPS)
-    warped, inside_y, inside_x = _warps(hb, torch.stack([zooms, torch.zeros_like(zooms), torch.zeros_like(zooms)], 1))
-    warped = warped * (inside_y[:, :, None] * inside_x[:, None, :])
-    size = (fast_size(h + per_token), fast_size(w + per_token))  # padding of a token: no move up to it wraps around
-    inner = ha * (rows[:, None] * cols[None, :])
-    corr = torch.fft.irfft2(torch.fft.rfft2(inner, s=size).conj() * torch.fft.rfft2(warped, s=size), s=size)
+    mine, theirs = _request_side(a, per_token), _candidate_side(b, per_token)
+    ha, hb, rows, cols, zooms = mine.ha, theirs.hb, mine.rows, mine.cols, theirs.zooms
+    corr = torch.fft.irfft2(mine.spectrum * theirs.spectrum, s=mine.size)
     m = per_token
     corr = torch.roll(corr, (m, m), (1, 2))[:, : 2 * m + 1, : 2 * m + 1].reshape(_ZOOM_STEPS, -1)
     peak, where = corr.max(1)
@@ -342,7 +405,7 @@ def aligned_similarity(a: torch.Tensor, b: torch.Tensor, per_token: int, hopeles
     best = torch.stack([zooms[top], 2 * (at // (2 * m + 1) - m).float() / h, 2 * (at % (2 * m + 1) - m).float() / w], 1)
     steps = torch.tensor([float(zooms[1] - zooms[0]) / 2, 2 / h, 2 / w])
     offsets = torch.stack(torch.meshgrid(*[torch.arange(-1.0, 2.0)] * 3, indexing="ij"), -1).reshape(-1, 3)
-    energy_a = ha.square()
+    energy_a = mine.energy
 
     def scores(params: torch.Tensor) -> torch.Tensor:  # (P,) normalised correlation of each alignment, -1 if too small
         warped, inside_y, inside_x = _warps(hb, params)
@@ -359,7 +422,7 @@ def aligned_similarity(a: torch.Tensor, b: torch.Tensor, per_token: int, hopeles
         if enough is not None and score >= enough:
             return score, zoom
         if hopeless_below is not None and \
-                score + REFINE_GAIN * _half_pixel_loss(ha, rows, cols) + REFINE_SLACK < hopeless_below:
+                score + REFINE_GAIN * mine.half_pixel_loss + REFINE_SLACK < hopeless_below:
             return score, zoom
     score, zoom = -1.0, 1.0
     for _ in range(3):
