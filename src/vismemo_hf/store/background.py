@@ -16,10 +16,10 @@ def one_torch_thread() -> None:
     """Make the calling thread's torch operations run on one thread. A thread that runs a parallel torch operation
     gets an OpenMP team of its own, and while that thread lives the process has more OpenMP threads than cores:
     every team's threads then sleep between parallel regions instead of spinning, and each small operation of the
-    serving thread waits for them to wake (measured on a 2-core host: a 1 x 256 by 256 x 768 matmul 12 us -> 216 us
-    while an idle thread that had run torch operations lived; plain transformers' decoding steps of the ``medium``
-    preset 7 -> 22 ms, in the same process as a store whose writer had built one entry). The setting is the
-    thread's own: the serving threads keep theirs."""
+    serving thread waits for them to wake (``benchmarks/stream_latency.py`` on a 2-core host, before this setting:
+    plain transformers' decoding step on the base reader 3.50 ms before any enabled request, 14.84 ms after a
+    stream, in the same process as the stream's store; ``results/perf/stream-latency.md`` has the run with it). The
+    setting is the thread's own: the serving threads keep theirs."""
     torch.set_num_threads(1)
 
 
@@ -32,8 +32,8 @@ def background_thread() -> None:
 def background_priority() -> None:
     """Run the calling thread (and the threads it starts) only on CPU time the threads that serve requests leave:
     Linux's ``SCHED_IDLE`` policy for this thread, else a nice increment of ``NICE``. Building and writing a miss's
-    entry then waits for the decoding steps instead of slowing them (measured on a 2-core host: a 4,096-token entry
-    written while the miss decodes). Where neither can be set (not Linux, a sandbox refusing it) nothing changes."""
+    entry then waits for the decoding steps instead of slowing them (``results/perf/latency.md``: a miss's decoding
+    step as plain's). Where neither can be set (not Linux, a sandbox refusing it) nothing changes."""
     tid = threading.get_native_id()
     try:
         os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
