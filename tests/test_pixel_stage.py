@@ -427,3 +427,28 @@ def test_prepared_thumbnails_are_kept_by_identity_and_give_the_fresh_search():
     assert memo.get(t, "y", lambda: (5, 40)) == 5 and memo.get(t, "z", lambda: (6, 40)) == 6
     assert memo._bytes <= 100 and memo.get(t, "x", lambda: (7, 40)) == 7  # the oldest dropped for the budget
     assert memo.get(torch.ones(1), "big", lambda: (8, 1000)) == 8 and memo._bytes <= 100  # never kept
+
+
+def test_the_coarse_stage_only_ranks_a_moved_copy_whose_regions_changed_is_found():
+    """On the tiny GLM-4V model a form moved by 3 px changes its 2x2 regions' centred cosines to about 0 (0.07 and
+    -0.02 for these two; a coarse threshold of 0.2 turned them away) while its thumbnail aligns at 0.98: with the
+    default thresholds both are found by the pixel stage, and another form of the style is a miss."""
+    import vismemo_hf
+    from vismemo_hf.core.plan import HitKind
+    from vismemo_hf.eval import synthdoc
+
+    from conftest import _enabled_tiny
+
+    model, processor = _enabled_tiny("glm4v")
+    for i in (1, 6):
+        style = synthdoc.STYLES[i % len(synthdoc.STYLES)]
+        page = synthdoc.random_form(2000 + i, style=style)
+        other = synthdoc.random_form(2500 + i, style=style)
+        for copy_, found in ((synthdoc.shift(page, 3, 0), True), (other, False)):
+            store = vismemo_hf.VisMemoStore()
+            generate(model, build_inputs(processor, [synthdoc.render(page)]), vismemo_hf.VisMemoCache(store=store))
+            cache = vismemo_hf.VisMemoCache(store=store)
+            generate(model, build_inputs(processor, [synthdoc.render(copy_)]), cache)
+            event = cache.events[0]
+            assert (event.kind is HitKind.APPROXIMATE) is found, (i, found, event)
+            assert not found or event.found_by == "thumbnail", event

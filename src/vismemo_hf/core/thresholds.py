@@ -36,10 +36,12 @@ UNRELATED_MARGIN = 0.03
 PIXEL_MARGIN = 0.03
 PIXEL_FLOOR = 0.95
 NEAR_FLOOR = 0.0
-#: the coarse threshold adaptive thresholds use at most: the coarse stage only ranks candidates for the fine and
-#: pixel stages, which decide; at 0.8 it turned away most moved and rescanned copies (``vismemo calibrate``'s
-#: defaults row on both readers' held-out pairs), and unrelated pages of one layout pass it anyway
-ADAPTIVE_TAU = 0.2
+#: the coarse threshold adaptive thresholds use: none (-1). The coarse stage ranks candidates for the fine and pixel
+#: stages, which decide, and the ``top_k`` best go on; as a threshold it turned away copies those stages find: at 0.8
+#: most moved and rescanned copies (``vismemo calibrate``'s defaults row on both readers' held-out pairs), at 0.2 and
+#: at 0 forms of the tiny GLM-4V model moved by 3 px (their regions at 0.07 and -0.02, their thumbnails aligned at
+#: 0.98; ``tests/test_pixel_stage.py``), while unrelated pages of one layout pass it anyway
+ADAPTIVE_TAU = -1.0
 
 
 @dataclass(frozen=True)
