@@ -3,7 +3,8 @@
 The pixel stage prepares each thumbnail it aligns (high pass, warps, Fourier transforms). A store's candidate comes
 back as the same tensor object every time it is a candidate (the memory tier keeps it), and a request's own
 thumbnail is aligned with several candidates: ``TensorMemo`` keeps the prepared values of the last few tensors by the
-object's identity and its in-place version, never by their values, so a changed or another tensor is prepared anew.
+object's identity and its in-place version, never by their values, so a changed or another tensor is prepared anew
+(an inference tensor keeps no version: its identity alone).
 """
 
 from __future__ import annotations
@@ -30,10 +31,10 @@ class TensorMemo:
 
     def get(self, tensor: torch.Tensor, tag: Any, compute: Callable[[], tuple[Any, int]]) -> Any:
         """The value ``compute()`` returns (as (value, its bytes)) for ``tensor`` as it is now, computed once."""
-        key = (id(tensor), tag)
+        key, version = (id(tensor), tag), _version(tensor)
         with self._lock:
             held = self._items.get(key)
-            if held is not None and held[0] is tensor and held[1] == tensor._version:
+            if held is not None and held[0] is tensor and held[1] == version:
                 self._items.move_to_end(key)
                 return held[2]
         value, nbytes = compute()
@@ -42,7 +43,7 @@ class TensorMemo:
             if old is not None:
                 self._bytes -= old[3]
             if nbytes <= self.max_bytes:
-                self._items[key] = (tensor, tensor._version, value, nbytes)
+                self._items[key] = (tensor, version, value, nbytes)
                 self._bytes += nbytes
             while self._bytes > self.max_bytes:
                 self._bytes -= self._items.popitem(last=False)[1][3]
@@ -52,3 +53,9 @@ class TensorMemo:
         with self._lock:
             self._items.clear()
             self._bytes = 0
+
+
+def _version(tensor: torch.Tensor) -> int:
+    """The tensor's in-place version; -1 for an inference tensor (made under ``torch.inference_mode``), which keeps
+    none: the thumbnails the lookup prepares are its own and never changed in place."""
+    return -1 if tensor.is_inference() else tensor._version
