@@ -66,3 +66,26 @@ def test_entries_written_under_inference_mode_reach_disk_and_serve_another_store
     assert cache.events[0].kind is HitKind.EXACT, cache.events[0]
     assert torch.equal(tokens, plain[0])
     torch.testing.assert_close(scores, plain[1], atol=1e-4, rtol=0)
+
+
+def test_generate_modes_under_inference_mode_give_plain_tokens(family):
+    """Greedy, beam search, sampled ``num_return_sequences`` and a left-padded batch of two pages under
+    ``inference_mode``: the tokens of a miss and of the exact hit after it are plain transformers'."""
+    from transformers import DynamicCache
+
+    model, processor = _enabled_tiny(family)
+    a = synthdoc.render(synthdoc.random_form(2003, style=synthdoc.STYLES[0]))
+    b = synthdoc.render(synthdoc.random_form(2004, style=synthdoc.STYLES[0]))
+    single = build_inputs(processor, [a])
+    batch = build_inputs(processor, None, batch=[([a], "What is row 1?", ""), ([b], "What is the total?", "")])
+    store = vismemo_hf.VisMemoStore()
+    modes = {"greedy": (single, {}), "beam": (single, {"num_beams": 2}),
+             "sampled": (single, {"do_sample": True, "num_return_sequences": 2}), "batch": (batch, {})}
+    for name, (inputs, options) in modes.items():
+        outputs, caches = [], (DynamicCache(), vismemo_hf.VisMemoCache(store=store), vismemo_hf.VisMemoCache(store=store))
+        for cache in caches:
+            torch.manual_seed(0)
+            with torch.inference_mode():
+                outputs.append(model.generate(**inputs, cache=cache, max_new_tokens=4, **({"do_sample": False} | options)))
+        assert torch.equal(outputs[1], outputs[0]) and torch.equal(outputs[2], outputs[0]), (family, name)
+        assert caches[2].events and all(e.kind is HitKind.EXACT for e in caches[2].events), (family, name)
