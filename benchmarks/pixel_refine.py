@@ -37,10 +37,7 @@ def lattice_and_refined(a: torch.Tensor, b: torch.Tensor, per: int) -> tuple[flo
     candidate ``b``."""
     refined = T.aligned_similarity(a, b, per)[0]
     lattice = T.aligned_similarity(a, b, per, hopeless_below=10.0)[0]  # unreachable: stops after the lattice
-    k = 2 * (per // 2) + 3
-    ha = T._high_pass(a.float()[None, None] / 255, k)[0, 0]
-    loss = T._half_pixel_loss(ha, T._interior(a.shape[0], k), T._interior(a.shape[1], k))
-    return lattice, refined, loss
+    return lattice, refined, T._request_side(a, per).half_pixel_loss
 
 
 def measure(reader: str, pages: int, seed: int) -> dict:

@@ -491,12 +491,10 @@ def _region_moves(a: torch.Tensor, b: torch.Tensor, per_token: int) -> tuple[tor
     empty = torch.zeros(0, 2), torch.zeros(0, 2)
     if a.shape != b.shape or a.ndim != 2 or min(a.shape) < 2 * per_token:
         return empty
-    k = 2 * (per_token // 2) + 3
-    ha = _high_pass(a.float()[None, None] / 255, k)[0, 0]
-    hb = _high_pass(b.float()[None, None] / 255, k)[0, 0]
+    ha, hb = _request_side(a, per_token).ha, _candidate_side(b, per_token).hb  # as the pixel stage prepared them
     h, w = a.shape
     m = per_token
-    size = (fast_size(h + per_token), fast_size(w + per_token))  # padding of a token: no move up to it wraps around
+    size = _correlation_size(a.shape, per_token)
     corr = torch.fft.irfft2(torch.fft.rfft2(hb, s=size) * torch.fft.rfft2(ha, s=size).conj(), s=size)
     corr = torch.roll(corr, (m, m), (0, 1))[: 2 * m + 1, : 2 * m + 1]
     gy, gx = divmod(int(corr.argmax()), corr.shape[1])
