@@ -341,7 +341,7 @@ def test_the_towers_kv_comes_back_from_disk(qwen2, tmp_path):
     assert then.found_by == "pixels" and 0 < then.encoded_tokens < then.n_tokens
 
 
-@pytest.mark.parametrize("damage", ["nan", "shape", "raises"])
+@pytest.mark.parametrize("damage", ["nan", "one inf", "shape", "raises"])
 def test_a_damaged_tower_kv_is_never_lent(qwen2, damage, monkeypatch):
     """An entry whose tower K/V are not finite or not this tower's shape, or a partial encode that fails, gives an
     approximate hit that encodes the whole image: the same answer as without encoder reuse, no error."""
@@ -351,6 +351,9 @@ def test_a_damaged_tower_kv_is_never_lent(qwen2, damage, monkeypatch):
     entry = store.peek(edit_key(model, processor, base), vismemo_hf.VisMemoCache().owner(model._vismemo.fingerprint))
     if damage == "nan":
         entry.tower_kv = torch.full_like(entry.tower_kv, float("nan"))
+    elif damage == "one inf":  # a single value anywhere
+        entry.tower_kv = entry.tower_kv.clone()
+        entry.tower_kv.view(-1)[entry.tower_kv.numel() // 3] = float("inf")
     elif damage == "shape":
         entry.tower_kv = entry.tower_kv[:, :, :-4]
     else:

@@ -11,6 +11,8 @@ from typing import ClassVar
 
 import torch
 
+from vismemo_hf.core.checks import all_finite
+
 
 def subset_patches(items, merge: int) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
     """For ``items`` (pixels (P, C), grid, tokens (sorted)): the tokens' patch rows in one sequence, each patch's
@@ -67,7 +69,7 @@ class LendingTower:
         from vismemo_hf.families import tower_kv
 
         return tower is not None and tuple(tower.shape) == tower_kv.expected_shape(self.base.visual, patches) and \
-            bool(torch.isfinite(tower).all())
+            all_finite(tower)
 
     @staticmethod
     def _lending(vision) -> tuple[int, int]:

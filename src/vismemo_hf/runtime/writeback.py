@@ -7,6 +7,7 @@ import logging
 
 import torch
 
+from vismemo_hf.core.checks import all_finite
 from vismemo_hf.core.plan import HitKind
 from vismemo_hf.store.entry import Entry
 from vismemo_hf.store.store import store_call
@@ -95,12 +96,12 @@ def write_entries(adapter, cache, done: list[tuple], importance=lambda i: None) 
 
         def build(match=match, offset=offset, weights=weights):
             kv = image_kv(layers, match)
-            if not bool(torch.isfinite(kv).all()):
+            if not all_finite(kv):
                 logger.warning("vismemo: image %s has non-finite K/V; not stored", match.features.key[:12])
                 return None
             feats = match.features
             tower = match.tower_kv
-            if tower is not None and not bool(torch.isfinite(tower).all()):
+            if tower is not None and not all_finite(tower):
                 tower = None  # an entry without it: its edits encode whole images
             return Entry(key=feats.key, fingerprint=fingerprint, grid=feats.grid, embeds=match.embeds.detach(),
                          deepstack=match.deepstack.detach() if match.deepstack is not None else None,

@@ -1,0 +1,32 @@
+"""``core.checks.all_finite``: one sum decides, and a non-finite value anywhere is never read as finite."""
+
+import pytest
+import torch
+
+from vismemo_hf.core.checks import all_finite
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_one_non_finite_value_anywhere_is_found(dtype, bad):
+    tensor = torch.randn(3, 5, 7).to(dtype)
+    assert all_finite(tensor)
+    for at in (0, 52, tensor.numel() - 1):
+        damaged = tensor.clone()
+        damaged.view(-1)[at] = bad
+        assert not all_finite(damaged)
+        assert not all_finite(damaged.transpose(0, 2))  # a strided view reads the same values
+
+
+def test_opposite_infinities_and_overflow():
+    assert not all_finite(torch.tensor([float("inf"), float("-inf"), 1.0]))
+    # finite values whose float32 sum overflows read as non-finite: the safe side
+    assert not all_finite(torch.tensor([1e308, 1e308], dtype=torch.float64))
+    assert all_finite(torch.full((1000,), 65504.0, dtype=torch.float16))  # float16's largest value, summed in float32
+
+
+def test_empty_integer_boolean_and_complex_tensors():
+    assert all_finite(torch.empty(0))
+    assert all_finite(torch.arange(10)) and all_finite(torch.ones(3, dtype=torch.bool))
+    assert all_finite(torch.randn(4, dtype=torch.complex64))
+    assert not all_finite(torch.tensor([1 + 1j, complex(float("nan"), 0)]))
