@@ -67,8 +67,10 @@ def test_partial_recompute_equals_reference_that_hides_the_mask_set(tiny, pages)
         assert (scores[:, step] - ref).abs().max() <= 1e-4, f"decoding step {step}"
 
 
-def test_blocked_attention_equals_one_dense_call(monkeypatch):
-    """The prefill's query blocks see only their visible key prefix: same output as one SDPA call."""
+@pytest.mark.parametrize("masked_gqa", [True, False])
+def test_blocked_attention_equals_one_dense_call(monkeypatch, masked_gqa):
+    """The prefill's query blocks see only their visible key prefix: same output as one SDPA call, with grouped K/V
+    heads read in place (the CPU kernel's ``enable_gqa``) or repeated (what CUDA's fused kernels need)."""
     from types import SimpleNamespace
 
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -86,6 +88,7 @@ def test_blocked_attention_equals_one_dense_call(monkeypatch):
     k, v = (torch.randn(2, 2, slots.shape[1], 8, generator=g) for _ in range(2))
     dense, _ = sdpa_attention_forward(module, q, k, v, mask)
     monkeypatch.setattr(schedule, "MIN_BLOCK_ROWS", 2)
+    monkeypatch.setattr(attention, "_MASKED_GQA_ON_CPU", masked_gqa)
     for most in (2, 3, 5):
         monkeypatch.setattr(schedule, "MAX_BLOCKS", most)
         blocks = schedule.query_blocks(mask)

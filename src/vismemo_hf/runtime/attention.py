@@ -95,14 +95,19 @@ def window_probabilities(module, query, key, mask, rows, scaling) -> torch.Tenso
     kv_heads = key.shape[1]
     # grouped query heads share their K/V head: one matmul per K/V head, no repeated (copied) keys
     scores = torch.matmul(q.reshape(batch, kv_heads, heads // kv_heads * window, dim), key.float().transpose(-1, -2))
-    scores = scores.reshape(batch, heads, window, -1) * (scaling if scaling is not None else dim ** -0.5)
+    # in place: the scores are this function's own, (B, heads, W, S) floats that each extra pass would copy
+    scores = scores.reshape(batch, heads, window, -1).mul_(scaling if scaling is not None else dim ** -0.5)
     if mask is not None:
         m = mask.gather(2, rows[:, None, :, None].expand(-1, mask.shape[1], -1, mask.shape[-1]))
-        scores = scores.masked_fill(~m, float("-inf")) if m.dtype == torch.bool else scores + m.float()
+        scores = scores.masked_fill_(~m, float("-inf")) if m.dtype == torch.bool else scores.add_(m.float())
     else:
         future = torch.arange(key.shape[-2], device=key.device)[None, None, None, :] > rows[:, None, :, None]
-        scores = scores.masked_fill(future, float("-inf"))
+        scores = scores.masked_fill_(future, float("-inf"))
     return torch.softmax(scores, dim=-1)
+
+
+#: torch's SDPA takes ``enable_gqa`` from 2.5 on
+_MASKED_GQA_ON_CPU = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 5)
 
 
 def blocked_sdpa(module, query, key, value, mask, blocks, scaling=None, **kwargs):
@@ -111,12 +116,15 @@ def blocked_sdpa(module, query, key, value, mask, blocks, scaling=None, **kwargs
     if len(blocks) <= 1:
         return sdpa_attention_forward(module, query, key, value, mask, scaling=scaling, **kwargs)
     groups = getattr(module, "num_key_value_groups", 1)
-    if groups > 1:  # grouped K/V heads repeated once for every block (per SDPA call they would be copied again)
-        key, value = repeat_kv(key, groups), repeat_kv(value, groups)
+    gqa = {}
+    if groups > 1 and query.device.type == "cpu" and _MASKED_GQA_ON_CPU:
+        gqa = {"enable_gqa": True}  # the CPU kernel reads grouped heads under a mask: the same values, no copies
+    elif groups > 1:  # grouped K/V heads repeated once for every block (per SDPA call they would be copied again);
+        key, value = repeat_kv(key, groups), repeat_kv(value, groups)  # CUDA's fused kernels take no masked GQA
     dropout = kwargs.get("dropout", 0.0)
     outs = [torch.nn.functional.scaled_dot_product_attention(
         query[:, :, r0:r1], key[:, :, :end], value[:, :, :end], attn_mask=mask[:, :, r0:r1, :end], dropout_p=dropout,
-        scale=scaling) for r0, r1, end in blocks]
+        scale=scaling, **gqa) for r0, r1, end in blocks]
     return torch.cat(outs, dim=2).transpose(1, 2).contiguous(), None
 
 
