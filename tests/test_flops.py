@@ -155,3 +155,36 @@ def test_the_benchmarks_pages_give_about_the_visual_lengths_asked_for_in_every_f
         assert page.size == edited.size
         got = int((request_inputs(processor, page)["input_ids"] == model.config.image_token_id).sum())
         assert asked / 2 <= got <= 2 * asked, (asked, got)
+
+
+def test_plan_layouts_count_each_layers_queries_and_keys():
+    """``plan_layouts``: every decoder layer once, with the text and computed tokens as queries and those plus the
+    reused tokens as keys (masked tokens are neither)."""
+    from vismemo_hf.bench.flops import plan_layouts
+    from vismemo_hf.core.plan import HitKind, ImagePlan
+
+    config = preset_config("qwen3-vl-8b-narrow")
+    layers = config.text_config.num_hidden_layers
+    length, start, n = 40, 5, 16  # 24 text tokens around 16 visual ones
+    assert plan_layouts(config, length, start, ImagePlan.full(HitKind.MISS, n)) == {(length, length): layers}
+    assert plan_layouts(config, length, start, ImagePlan.exact(n, "k")) == {(length - n, length): layers}
+    routed = ImagePlan(HitKind.APPROXIMATE, n, warmup_layers=1, recompute=torch.arange(4), reuse=torch.arange(4, 12),
+                       mask=torch.arange(12, 16), alias="k")
+    assert plan_layouts(config, length, start, routed) == {(length, length): 1,
+                                                           (length - n + 4, length - 4): layers - 1}
+
+
+def test_plain_kernels_time_plain_transformers_layers_for_each_layout_once():
+    """``bench.latency.plain_kernels_ms``: each (queries, keys) layout timed once on plain transformers' language
+    model and counted for its share of the layers; a few queries over a long cache cost less than a full prefill."""
+    from vismemo_hf.bench.latency import plain_kernels_ms
+    from vismemo_hf.eval.loading import load_model
+
+    plain, _ = load_model("tiny")
+    layers = plain.config.text_config.num_hidden_layers
+    memo: dict = {}
+    full = plain_kernels_ms(plain, {(300, 300): layers}, repeats=2, memo=memo)
+    few = plain_kernels_ms(plain, {(8, 300): layers}, repeats=2, memo=memo)
+    assert set(memo) == {(300, 300), (8, 300)} and 0 < few < full
+    mixed = plain_kernels_ms(plain, {(300, 300): 1, (8, 300): layers - 1}, memo=memo)
+    assert mixed == pytest.approx((memo[(300, 300)] + (layers - 1) * memo[(8, 300)]) / layers)

@@ -50,6 +50,25 @@ def plan_flops(config, length: int, start: int, plan) -> float:
     return total
 
 
+def plan_layouts(config, length: int, start: int, plan) -> dict[tuple[int, int], int]:
+    """How many decoder layers run each (queries, keys) layout of a prefill of ``length`` columns whose image (at
+    column ``start``) is routed by ``plan``: the text and the plan's computed tokens are queries, they and the
+    reused tokens are keys (masked tokens are neither). What ``bench.latency.plain_kernels_ms`` times plain
+    transformers' own layers on."""
+    n = plan.n_tokens
+    out: dict[tuple[int, int], int] = {}
+    for layer in range(config.text_config.num_hidden_layers):
+        computed, reused = plan.computed_at(layer), plan.reused_at(layer)
+        query = torch.ones(length, dtype=torch.bool)
+        query[start : start + n] = False
+        query[start + computed] = True
+        key = query.clone()
+        key[start + reused] = True
+        layout = (int(query.sum()), int(key.sum()))
+        out[layout] = out.get(layout, 0) + 1
+    return out
+
+
 def encoder_flops(config, patches: int) -> float:
     """Forward FLOPs of the vision tower on one image of ``patches`` patches (its ``grid_thw`` product): the
     family's own count (``ModelAdapter.encoder_flops``: each family file prices its tower)."""

@@ -29,6 +29,7 @@ from vismemo_hf.bench.flops import (
     partial_encoder_flops,
     patches_of,
     plan_flops,
+    plan_layouts,
     real_configs,
 )
 from vismemo_hf.bench.report import command as report_command
@@ -104,6 +105,54 @@ def timed_generate(model, inputs, cache, new_tokens: int) -> dict:
     return out
 
 
+@torch.no_grad()
+def plain_kernels_ms(plain, layouts: dict[tuple[int, int], int], repeats: int = 2,
+                     memo: dict | None = None) -> float:
+    """Milliseconds plain transformers' own decoder layers spend on a plan's work: for each (queries, keys) layout
+    of ``plan_layouts``, its language model runs ``queries`` tokens over a DynamicCache of ``keys - queries``
+    (the queries last, each seeing every key: SDPA computes a masked pair too), timed whole (median of
+    ``repeats`` after a warm-up) and counted for the layers of that layout. A hit's prefill over this is what
+    its bookkeeping costs beyond the arithmetic as plain transformers' kernels run it: unlike the FLOP floor, it
+    charges a few queries what their weight and K/V reads cost. ``memo`` keeps measured layouts between calls."""
+    from transformers import DynamicCache
+
+    from vismemo_hf.families.base import base_model
+
+    memo = {} if memo is None else memo
+    text = base_model(plain).language_model
+    width, layers = plain.config.text_config.hidden_size, plain.config.text_config.num_hidden_layers
+    generator = torch.Generator().manual_seed(0)
+
+    def embeds(count: int) -> torch.Tensor:
+        return (torch.randn(1, count, width, generator=generator) * 0.02).to(plain.device, plain.dtype)
+
+    def synced() -> float:
+        if plain.device.type == "cuda":
+            torch.cuda.synchronize(plain.device)
+        return time.perf_counter()
+
+    by_keys: dict[int, list[int]] = {}
+    for queries, keys in layouts:
+        if (queries, keys) not in memo:
+            by_keys.setdefault(keys, []).append(queries)
+    for keys, queries_list in by_keys.items():
+        cache = DynamicCache(config=plain.config)
+        for queries in sorted(queries_list):  # one cache per key count, cropped back to each layout's past
+            past = keys - queries
+            if cache.get_seq_length() > past:
+                cache.crop(past - cache.get_seq_length())
+            if cache.get_seq_length() < past:
+                text(inputs_embeds=embeds(past - cache.get_seq_length()), past_key_values=cache, use_cache=True)
+            times = []
+            for _ in range(repeats + 1):
+                t0 = synced()
+                text(inputs_embeds=embeds(queries), past_key_values=cache, use_cache=True)
+                times.append((synced() - t0) * 1e3)
+                cache.crop(-queries)
+            memo[(queries, keys)] = statistics.median(times[1:])
+    return sum(memo[layout] * count / layers for layout, count in layouts.items())
+
+
 def new_store(store_device: str) -> VisMemoStore:
     """A store keeping decoded entries on ``store_device``, or (``"disk"``) only on disk, in a temporary directory
     removed with the store: what reading an alias from the disk tier costs."""
@@ -172,11 +221,23 @@ def run(model, plain, processor, lengths, policies, repeats: int, new_tokens: in
             long[(kind, policy)] = _run_case(case, kind, n, long_tokens)["total_ms"] if long_tokens else None
             if progress is not None:
                 progress.update(1)
-        records += _records(model.config, miss_in, runs, long, family, new_tokens, long_tokens)
+        kernels = _kernels(plain, model.config, miss_in, runs, repeats)
+        records += _records(model.config, miss_in, runs, long, family, new_tokens, long_tokens, kernels)
     return records
 
 
-def _records(config, miss_in, runs: dict, long: dict, family: str, new_tokens: int, long_tokens: int) -> list[dict]:
+def _kernels(plain, config, miss_in, runs: dict, repeats: int) -> dict:
+    """(kind, policy) -> what plain transformers' layers spend on that kind's plan (``plain_kernels_ms``)."""
+    ids = miss_in["input_ids"][0]
+    start = int((ids == config.image_token_id).nonzero()[0])
+    memo: dict = {}
+    return {case: plain_kernels_ms(plain, plan_layouts(config, ids.numel(), start, outs[0]["event"]["plan"]),
+                                   repeats, memo)
+            for case, outs in runs.items() if outs and outs[0]["event"] is not None}
+
+
+def _records(config, miss_in, runs: dict, long: dict, family: str, new_tokens: int, long_tokens: int,
+             kernels: dict | None = None) -> list[dict]:
     ids = miss_in["input_ids"][0]
     is_image = ids == config.image_token_id
     n_text, start = int((~is_image).sum()), int(is_image.nonzero()[0])
@@ -227,6 +288,9 @@ def _records(config, miss_in, runs: dict, long: dict, family: str, new_tokens: i
                            "floor_ratio": flops / miss_flops, "plan_gflops": flops / 1e9,
                            "recomputed": first["recomputed"], "reused": first["reused"], "masked": first["masked"],
                            "bytes_read": first["bytes_read"], "breakdown_ms": {s: median[s] for s in STAGES}})
+            if kernels and (kind, policy) in kernels:
+                record["plain_kernels_ms"] = kernels[(kind, policy)]
+                record["ratio_to_kernels"] = median["prefill"] / kernels[(kind, policy)]
         out.append(record)
     return out
 
@@ -382,17 +446,23 @@ def _report(records, fixed, args, command, mach) -> list[str]:
     lines += ["", "## Prefill by hit kind (cache events, vision encoder excluded)", "",
               "`floor` is the plan's analytic FLOP ratio to a miss (`bench.flops.plan_flops`: projections and MLP of "
               "the computed tokens, attention over exactly the keys each query sees); `/ floor`: measured over floor; "
+              "`plain kernels`: what plain transformers' own decoder layers take for the same work (`bench.latency."
+              "plain_kernels_ms`: its language model runs each layer layout's queries over a DynamicCache of the "
+              "plan's other keys), and `/ kernels` the prefill over it: where the FLOP floor prices a few queries at "
+              "a full prefill's throughput, this charges them the weight and K/V reads plain transformers pay too; "
               "`R / B / M`: visual tokens recomputed, reused and masked; `MB read`: alias K/V the hit read.", "",
-              "| visual tokens | kind | policy | prefill ms | / miss | floor | / floor | R / B / M | MB read | lookup | "
-              "encoder | warmup | fetch wait | plan | recompute |",
-              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+              "| visual tokens | kind | policy | prefill ms | / miss | floor | / floor | plain kernels ms | / kernels | "
+              "R / B / M | MB read | lookup | encoder | warmup | fetch wait | plan | recompute |",
+              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in records:
         if r["kind"] == "plain":
             continue
         b = r["breakdown_ms"]
+        kernels = f"{r['plain_kernels_ms']:.1f} | {r['ratio_to_kernels']:.2f}" if "plain_kernels_ms" in r else "- | -"
         lines.append(f"| {r['visual_tokens']} | {r['kind']} | {r['policy']} | "
                      f"{r['prefill_ms']:.1f} | {r['ratio_to_miss']:.3f} | {r['floor_ratio']:.3f} | "
-                     f"{r['ratio_to_miss'] / r['floor_ratio']:.2f} | {r['recomputed']} / {r['reused']} / {r['masked']} | "
+                     f"{r['ratio_to_miss'] / r['floor_ratio']:.2f} | {kernels} | "
+                     f"{r['recomputed']} / {r['reused']} / {r['masked']} | "
                      f"{r['bytes_read'] / 2**20:.1f} | {b['lookup']:.1f} | {b['encoder']:.1f} | {b['warmup']:.1f} | "
                      f"{b['fetch_wait']:.1f} | {b['plan']:.1f} | {b['recompute']:.1f} |")
     lines += _floors(records)
