@@ -112,3 +112,25 @@ def test_blocked_attention_in_the_runner_changes_nothing(tiny, pages, monkeypatc
     _, blocked = generate(model, inputs, vismemo_hf.VisMemoCache(**opts), 3)
     assert max(calls) > 1  # the late layers' prefill ran in blocks
     assert (blocked - dense).abs().max() <= 1e-5
+
+
+@pytest.mark.parametrize("policy", ["attend-deviate", "vismemo", "cacheblend"])
+def test_no_prefill_reads_a_slot_it_did_not_write(tiny, pages, monkeypatch, policy):
+    """A layer whose layout every write fills allocates its K/V without zeroing them (``SlotWriter.filled``): with
+    every uninitialised buffer full of NaN, exact and approximate hits, alone and in a padded batch, give the tokens
+    and scores they give otherwise."""
+    model, processor = tiny
+    store = stored(model, processor, pages["base"])
+    opts = dict(store=store, policy=policy, store_misses=False)
+    cases = [build_inputs(processor, [pages["base"]]), build_inputs(processor, [pages["edit"]]),
+             build_inputs(processor, None, batch=[([pages["edit"]], "Which value changed?", "Here is a form. "),
+                                                  ([pages["base"]], "What is row 2?", "")])]
+    expected = [generate(model, inputs, vismemo_hf.VisMemoCache(**opts), 3) for inputs in cases]
+    real = torch.Tensor.new_empty
+    monkeypatch.setattr(torch.Tensor, "new_empty",
+                        lambda self, *a, **k: real(self, *a, **k).fill_(float("nan")) if self.is_floating_point()
+                        else real(self, *a, **k))
+    for inputs, (tokens, scores) in zip(cases, expected):
+        got_tokens, got_scores = generate(model, inputs, vismemo_hf.VisMemoCache(**opts), 3)
+        assert torch.equal(got_tokens, tokens) and torch.isfinite(got_scores).all()
+        torch.testing.assert_close(got_scores, scores)

@@ -66,7 +66,8 @@ class VisMemoLayer(DynamicLayer):
         if not self.is_initialized:
             self.lazy_initialization(keys, values)
             shape = (keys.shape[0], keys.shape[1], self.columns.shape[1], keys.shape[-1])
-            self.keys, self.values = keys.new_zeros(shape), values.new_zeros(shape)
+            make = "new_empty" if self._writer.filled else "new_zeros"  # slots no write reaches stay zero
+            self.keys, self.values = getattr(keys, make)(shape), getattr(values, make)(shape)
         plan = self._writer.plan(columns)
         self._written.append(plan)
         if plan[0] == "run":  # one row into consecutive slots: a copy

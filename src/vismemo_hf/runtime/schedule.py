@@ -157,10 +157,12 @@ class SlotWriter:
     ``("scatter", rows, slots, where, every)`` (``every``: ``where`` names every written column, in order); it is
     kept per columns tensor, so that the layers, which write the same tensors (a layout's queries, a reused set),
     read no tensor value after the first of them. ``settled`` is the layout once the prefill wrote some of those
-    plans: unwritten slots empty (-1), or None when every column is held in order (the plain layout)."""
+    plans: unwritten slots empty (-1), or None when every column is held in order (the plain layout). ``filled``:
+    the prefill writes every slot before attention reads any (no pads, no slot kept for later), so a layer's
+    buffers need not start as zeros (an unwritten slot must be zero: SDPA multiplies its value by a zero weight)."""
 
-    def __init__(self, columns: torch.Tensor, length: int) -> None:
-        self.columns, self.length = columns, length
+    def __init__(self, columns: torch.Tensor, length: int, filled: bool = False) -> None:
+        self.columns, self.length, self.filled = columns, length, filled
         self.slot_of = positions_of(host_of(columns), length)  # on the host: the plans are decided there
         self._plans: dict = {}
         self._settled: dict = {}
@@ -276,7 +278,8 @@ class Schedule:
             seen = on_device(visible.gather(1, slots_host.clamp(min=0)), self.device)
             mask = slot_mask(slots, active, self.valid) & seen[:, None, None, :]
             blocks = layout_blocks(slots_host, host_of(active), self._valid_host(), visible)
-            self._slots, self._layout = key, (SlotWriter(slots, self.length), Layout(active, mask, blocks))
+            filled = kept_columns is None and not bool((slots_host < 0).any())  # every slot visible, no pads
+            self._slots, self._layout = key, (SlotWriter(slots, self.length, filled), Layout(active, mask, blocks))
         return self._layout
 
     def _valid_host(self) -> torch.Tensor | None:
