@@ -78,7 +78,10 @@ def _sha256(chunk) -> bytes:
 
 @functools.cache
 def _hashers() -> ThreadPoolExecutor:
-    return ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1), thread_name_prefix="vismemo-hash")
+    """Up to 8 threads, as many as this process may run on: a 4,096-token image is about 100 MB of pixel values,
+    and an exact hit waits for their hash."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return ThreadPoolExecutor(max_workers=max(1, min(8, cores or 1)), thread_name_prefix="vismemo-hash")
 
 
 def patch_hashes(pixels: torch.Tensor, merge: int) -> torch.Tensor:
