@@ -115,3 +115,33 @@ def test_document_entropy_separates_blank_from_text(qwen2):
     hn = patch_entropy(noise.pixel_values, channels=3, temporal_patch=2, patch=14, merge=2,
                        image_mean=processor.image_processor.image_mean, image_std=processor.image_processor.image_std)
     assert hn.min() > h.max()
+
+
+@pytest.mark.parametrize("channels,temporal,patch,merge,mean,std", [
+    (3, 2, 16, 2, (0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.26130258, 0.27577711)),
+    (3, 1, 14, 1, 0.5, 0.5),  # one value for every channel
+    (1, 2, 14, 2, (0.5,), (0.25,))])
+def test_patch_entropy_is_each_tokens_luma_histogram_entropy(channels, temporal, patch, merge, mean, std):
+    """Each token's entropy, computed token by token from its first frame's 8-bit luma levels (32 bins), whatever
+    the tokens' order: the whole-image arithmetic of ``patch_entropy`` mixes no token with another."""
+    g = torch.Generator().manual_seed(channels * 100 + patch)
+    tokens = 12
+    raw = torch.randint(0, 256, (tokens * merge * merge, channels, temporal, patch, patch), generator=g).float() / 255
+    raw[: merge * merge] = 1.0  # a white token: entropy 0
+    m = torch.as_tensor(mean, dtype=torch.float32).reshape(-1).expand(channels).reshape(1, -1, 1, 1, 1)
+    s = torch.as_tensor(std, dtype=torch.float32).reshape(-1).expand(channels).reshape(1, -1, 1, 1, 1)
+    pixels = ((raw - m) / s).reshape(raw.shape[0], -1)
+    kwargs = dict(channels=channels, temporal_patch=temporal, patch=patch, merge=merge, image_mean=mean, image_std=std)
+    got = patch_entropy(pixels, **kwargs)
+    rgb = (pixels.reshape(raw.shape)[:, :, 0] * s[:, :, 0] + m[:, :, 0]).clamp(0, 1)
+    weights = torch.tensor([0.299, 0.587, 0.114]) if channels == 3 else torch.ones(1)
+    luma = (rgb * weights.view(1, -1, 1, 1)).sum(1)
+    levels = (luma * 255).round().clamp(0, 255).long().reshape(tokens, -1)
+    for t in range(tokens):
+        p = torch.bincount(levels[t] // 8, minlength=32).double()
+        p = p[p > 0] / p.sum()
+        assert float(got[t]) == pytest.approx(float(-(p * p.log2()).sum() / 5), abs=1e-5)
+    assert float(got[0]) == 0.0
+    order = torch.randperm(tokens, generator=g)
+    shuffled = pixels.reshape(tokens, -1)[order].reshape(pixels.shape)
+    assert torch.equal(patch_entropy(shuffled, **kwargs), got[order])

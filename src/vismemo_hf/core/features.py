@@ -113,19 +113,27 @@ def patch_entropy(
     """Normalised Shannon entropy in [0, 1] of each visual token's 8-bit luma histogram (32 bins).
 
     Undoes the processor's normalisation, takes the first temporal frame of the token's
-    merge x merge patches and histograms its luma.
+    merge x merge patches and histograms its luma. One channel at a time, in place, and one ``bincount`` for
+    every token's histogram: the values of an RGB image's float arithmetic, without its temporaries (a
+    4,096-token image is 50 M values).
     """
     x = pixels.detach().float().cpu().reshape(-1, channels, temporal_patch, patch, patch)[:, :, 0]
-    mean = torch.as_tensor(image_mean, dtype=torch.float32).view(1, -1, 1, 1)
-    std = torch.as_tensor(image_std, dtype=torch.float32).view(1, -1, 1, 1)
-    rgb = (x * std + mean).clamp(0, 1)
+    mean = torch.as_tensor(image_mean, dtype=torch.float32).reshape(-1).expand(channels)  # one value: every channel's
+    std = torch.as_tensor(image_std, dtype=torch.float32).reshape(-1).expand(channels)
     if channels == 3:
-        luma = LUMA[0] * rgb[:, 0] + LUMA[1] * rgb[:, 1] + LUMA[2] * rgb[:, 2]
+        luma = None
+        for c in range(3):  # LUMA[c] * clamp(x * std + mean, 0, 1), summed in channel order
+            v = (x[:, c] * std[c]).add_(mean[c]).clamp_(0, 1)
+            v = LUMA[c] * v
+            luma = v if luma is None else luma.add_(v)
     else:
-        luma = rgb.mean(1)
-    levels = (luma * 255).round().clamp(0, 255).to(torch.long)
-    bins = (levels * ENTROPY_BINS // 256).reshape(-1, merge * merge * patch * patch)
-    counts = torch.zeros(bins.shape[0], ENTROPY_BINS).scatter_add_(1, bins, torch.ones_like(bins, dtype=torch.float32))
+        luma = (x * std.view(1, -1, 1, 1) + mean.view(1, -1, 1, 1)).clamp(0, 1).mean(1)
+    levels = luma.mul_(255).round_().clamp_(0, 255)  # integers 0..255, exact in float32
+    bins = levels.reshape(-1, merge * merge * patch * patch).div_(256 // ENTROPY_BINS).floor_()  # level * 32 // 256
+    tokens = bins.shape[0]
+    index = bins.to(torch.long).add_(torch.arange(tokens)[:, None] * ENTROPY_BINS)  # each token its own counters
+    counts = torch.bincount(index.reshape(-1), minlength=tokens * ENTROPY_BINS)
+    counts = counts.reshape(tokens, ENTROPY_BINS).float()
     p = counts / counts.sum(1, keepdim=True)
     ent = -(p * torch.log2(p.clamp_min(1e-12))).sum(1)
     return (ent / math.log2(ENTROPY_BINS)).clamp(0, 1)
@@ -163,7 +171,11 @@ def _luma(x: torch.Tensor, dim: int, image_mean, image_std) -> torch.Tensor:
     weights = _luma_weights(channels)
     scale = weights * torch.as_tensor(image_std, dtype=torch.float32)
     bias = float((weights * torch.as_tensor(image_mean, dtype=torch.float32)).sum())
-    return (sum(x.select(dim, c).float() * float(scale[c]) for c in range(channels)) + bias).clamp(0, 1)
+    luma = None
+    for c in range(channels):  # summed in channel order, in place: the values of the sum of the products
+        v = x.select(dim, c).float() * float(scale[c])
+        luma = v if luma is None else luma.add_(v)
+    return luma.add_(bias).clamp_(0, 1)
 
 
 def _shrunk(image: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
