@@ -30,3 +30,23 @@ def test_empty_integer_boolean_and_complex_tensors():
     assert all_finite(torch.arange(10)) and all_finite(torch.ones(3, dtype=torch.bool))
     assert all_finite(torch.randn(4, dtype=torch.complex64))
     assert not all_finite(torch.tensor([1 + 1j, complex(float("nan"), 0)]))
+
+
+def test_a_remembered_tensor_is_read_again_only_when_it_changes(monkeypatch):
+    """``remember=True``: the same tensor object at the same in-place version is not summed again; written in
+    place, or another object with the same values, it is; a tensor found non-finite is never remembered."""
+    reads = []
+    real = torch.Tensor.sum
+    monkeypatch.setattr(torch.Tensor, "sum", lambda self, *a, **k: reads.append(1) or real(self, *a, **k))
+    tower = torch.randn(4, 8)
+    assert all_finite(tower, remember=True) and all_finite(tower, remember=True) and len(reads) == 1
+    tower[1, 2] = float("nan")  # in place: a new version
+    assert not all_finite(tower, remember=True) and not all_finite(tower, remember=True) and len(reads) == 3
+    tower[1, 2] = 0.0
+    assert all_finite(tower, remember=True) and len(reads) == 4
+    assert all_finite(tower.clone(), remember=True) and len(reads) == 5  # another object
+    assert all_finite(tower) and len(reads) == 6  # without remember: always read
+    view = tower[2:]
+    assert all_finite(view, remember=True) and len(reads) == 7
+    tower[3, 0] = float("inf")  # the base written: the view's version moves too
+    assert not all_finite(view, remember=True)

@@ -69,7 +69,7 @@ class LendingTower:
         from vismemo_hf.families import tower_kv
 
         return tower is not None and tuple(tower.shape) == tower_kv.expected_shape(self.base.visual, patches) and \
-            all_finite(tower)
+            all_finite(tower, remember=True)
 
     @staticmethod
     def _lending(vision) -> tuple[int, int]:
