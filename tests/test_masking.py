@@ -134,3 +134,26 @@ def test_no_prefill_reads_a_slot_it_did_not_write(tiny, pages, monkeypatch, poli
         got_tokens, got_scores = generate(model, inputs, vismemo_hf.VisMemoCache(**opts), 3)
         assert torch.equal(got_tokens, tokens) and torch.isfinite(got_scores).all()
         torch.testing.assert_close(got_scores, scores)
+
+
+@pytest.mark.parametrize("setting", ["compressed entries", "another text before the image"])
+def test_no_prefill_reads_a_slot_it_did_not_write_from_a_compressed_alias_or_after_another_text(tiny, pages,
+                                                                                                  monkeypatch, setting):
+    """As above, where an alias lacks tokens (a store keeping half of each entry's K/V) or the text before the image
+    changed (the verified reuse of an exact or approximate hit, recomputed in full when its probes disagree)."""
+    model, processor = tiny
+    store = vismemo_hf.VisMemoStore(keep_ratio=0.5) if setting == "compressed entries" else None
+    store = stored(model, processor, pages["base"], store=store)
+    prefix = "Here is a form to read carefully. " if setting != "compressed entries" else ""
+    cases = [build_inputs(processor, [pages["base"]], prefix=prefix),
+             build_inputs(processor, [pages["edit"]], prefix=prefix)]
+    expected = [generate(model, inputs, vismemo_hf.VisMemoCache(store=store, store_misses=False), 3)
+                for inputs in cases]
+    real = torch.Tensor.new_empty
+    monkeypatch.setattr(torch.Tensor, "new_empty",
+                        lambda self, *a, **k: real(self, *a, **k).fill_(float("nan")) if self.is_floating_point()
+                        else real(self, *a, **k))
+    for inputs, (tokens, scores) in zip(cases, expected):
+        got_tokens, got_scores = generate(model, inputs, vismemo_hf.VisMemoCache(store=store, store_misses=False), 3)
+        assert torch.equal(got_tokens, tokens) and torch.isfinite(got_scores).all()
+        torch.testing.assert_close(got_scores, scores)
