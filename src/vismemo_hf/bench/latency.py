@@ -6,7 +6,8 @@ weights with its own DynamicCache and the same attention implementation. Per len
 ``generate``'s stopping criteria gives the time to the first token (vision encoder, prefill and first token: TTFT)
 and each decoding step; whole ``generate`` times are taken at ``new_tokens`` and, once per kind, at
 ``long_tokens``. The cache events add the prefill's stage breakdown (encoder excluded) and the plan's analytic
-FLOP floor. Misses store their entry, as in serving.
+FLOP floor; plain transformers' language model, run on each plan's layer layouts, what its own layers take for the
+same work (``plain_kernels_ms``). Misses store their entry, as in serving.
 """
 
 from __future__ import annotations
