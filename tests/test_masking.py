@@ -114,6 +114,20 @@ def test_blocked_attention_in_the_runner_changes_nothing(tiny, pages, monkeypatc
     assert (blocked - dense).abs().max() <= 1e-5
 
 
+def _same_with_nan_buffers(model, cases, make_cache, monkeypatch):
+    """Each request of ``cases`` gives the same tokens and scores when every uninitialised floating buffer
+    (``new_empty``) is full of NaN: nothing reads memory it did not write."""
+    expected = [generate(model, inputs, make_cache(), 3) for inputs in cases]
+    real = torch.Tensor.new_empty
+    monkeypatch.setattr(torch.Tensor, "new_empty",
+                        lambda self, *a, **k: real(self, *a, **k).fill_(float("nan")) if self.is_floating_point()
+                        else real(self, *a, **k))
+    for inputs, (tokens, scores) in zip(cases, expected):
+        got_tokens, got_scores = generate(model, inputs, make_cache(), 3)
+        assert torch.equal(got_tokens, tokens) and torch.isfinite(got_scores).all()
+        torch.testing.assert_close(got_scores, scores)
+
+
 @pytest.mark.parametrize("policy", ["attend-deviate", "vismemo", "cacheblend"])
 def test_no_prefill_reads_a_slot_it_did_not_write(tiny, pages, monkeypatch, policy):
     """A layer whose layout every write fills allocates its K/V without zeroing them (``SlotWriter.filled``): with
@@ -125,15 +139,7 @@ def test_no_prefill_reads_a_slot_it_did_not_write(tiny, pages, monkeypatch, poli
     cases = [build_inputs(processor, [pages["base"]]), build_inputs(processor, [pages["edit"]]),
              build_inputs(processor, None, batch=[([pages["edit"]], "Which value changed?", "Here is a form. "),
                                                   ([pages["base"]], "What is row 2?", "")])]
-    expected = [generate(model, inputs, vismemo_hf.VisMemoCache(**opts), 3) for inputs in cases]
-    real = torch.Tensor.new_empty
-    monkeypatch.setattr(torch.Tensor, "new_empty",
-                        lambda self, *a, **k: real(self, *a, **k).fill_(float("nan")) if self.is_floating_point()
-                        else real(self, *a, **k))
-    for inputs, (tokens, scores) in zip(cases, expected):
-        got_tokens, got_scores = generate(model, inputs, vismemo_hf.VisMemoCache(**opts), 3)
-        assert torch.equal(got_tokens, tokens) and torch.isfinite(got_scores).all()
-        torch.testing.assert_close(got_scores, scores)
+    _same_with_nan_buffers(model, cases, lambda: vismemo_hf.VisMemoCache(**opts), monkeypatch)
 
 
 @pytest.mark.parametrize("setting", ["compressed entries", "another text before the image"])
@@ -147,13 +153,4 @@ def test_no_prefill_reads_a_slot_it_did_not_write_from_a_compressed_alias_or_aft
     prefix = "Here is a form to read carefully. " if setting != "compressed entries" else ""
     cases = [build_inputs(processor, [pages["base"]], prefix=prefix),
              build_inputs(processor, [pages["edit"]], prefix=prefix)]
-    expected = [generate(model, inputs, vismemo_hf.VisMemoCache(store=store, store_misses=False), 3)
-                for inputs in cases]
-    real = torch.Tensor.new_empty
-    monkeypatch.setattr(torch.Tensor, "new_empty",
-                        lambda self, *a, **k: real(self, *a, **k).fill_(float("nan")) if self.is_floating_point()
-                        else real(self, *a, **k))
-    for inputs, (tokens, scores) in zip(cases, expected):
-        got_tokens, got_scores = generate(model, inputs, vismemo_hf.VisMemoCache(store=store, store_misses=False), 3)
-        assert torch.equal(got_tokens, tokens) and torch.isfinite(got_scores).all()
-        torch.testing.assert_close(got_scores, scores)
+    _same_with_nan_buffers(model, cases, lambda: vismemo_hf.VisMemoCache(store=store, store_misses=False), monkeypatch)

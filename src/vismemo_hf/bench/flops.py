@@ -27,13 +27,13 @@ def layer_flops(config, queries: int, keys: float) -> float:
     return linear + attention
 
 
-def plan_flops(config, length: int, start: int, plan) -> float:
-    """FLOPs of a prefill of ``length`` columns whose image (at column ``start``) is routed by ``plan``: at each
-    layer the text and the plan's computed tokens are queries, and each query attends to exactly the keys it
-    sees (text, computed and reused tokens at or before its column; masked tokens are no keys)."""
+def _layer_layouts(config, length: int, start: int, plan) -> list[tuple[int, int, int, int]]:
+    """(queries, keys, query-key pairs, layers) of each distinct layer layout of a prefill of ``length`` columns
+    whose image (at column ``start``) is routed by ``plan``: the text and the plan's computed tokens are queries,
+    they and the reused tokens keys (masked tokens are neither); a query pairs with the keys at or before its
+    column."""
     n = plan.n_tokens
-    per_layout = {}
-    total = 0.0
+    per_layout: dict[tuple[int, int], list[int]] = {}
     for layer in range(config.text_config.num_hidden_layers):
         computed, reused = plan.computed_at(layer), plan.reused_at(layer)
         layout = (computed.numel(), reused.numel())  # the sets nest with depth: their sizes name them
@@ -43,29 +43,25 @@ def plan_flops(config, length: int, start: int, plan) -> float:
             query[start + computed] = True
             key = query.clone()
             key[start + reused] = True
-            pairs = int(key.long().cumsum(0)[query].sum())
-            queries = int(query.sum())
-            per_layout[layout] = layer_flops(config, queries, pairs / queries)
-        total += per_layout[layout]
-    return total
+            per_layout[layout] = [int(query.sum()), int(key.sum()), int(key.long().cumsum(0)[query].sum()), 0]
+        per_layout[layout][3] += 1
+    return [tuple(v) for v in per_layout.values()]
+
+
+def plan_flops(config, length: int, start: int, plan) -> float:
+    """FLOPs of a prefill of ``length`` columns whose image (at column ``start``) is routed by ``plan``: at each
+    layer the text and the plan's computed tokens are queries, and each query attends to exactly the keys it
+    sees (text, computed and reused tokens at or before its column; masked tokens are no keys)."""
+    return sum(layer_flops(config, queries, pairs / queries) * layers
+               for queries, _, pairs, layers in _layer_layouts(config, length, start, plan))
 
 
 def plan_layouts(config, length: int, start: int, plan) -> dict[tuple[int, int], int]:
-    """How many decoder layers run each (queries, keys) layout of a prefill of ``length`` columns whose image (at
-    column ``start``) is routed by ``plan``: the text and the plan's computed tokens are queries, they and the
-    reused tokens are keys (masked tokens are neither). What ``bench.latency.plain_kernels_ms`` times plain
-    transformers' own layers on."""
-    n = plan.n_tokens
+    """How many decoder layers run each (queries, keys) layout of ``plan`` (``_layer_layouts``): what
+    ``bench.latency.plain_kernels_ms`` times plain transformers' own layers on."""
     out: dict[tuple[int, int], int] = {}
-    for layer in range(config.text_config.num_hidden_layers):
-        computed, reused = plan.computed_at(layer), plan.reused_at(layer)
-        query = torch.ones(length, dtype=torch.bool)
-        query[start : start + n] = False
-        query[start + computed] = True
-        key = query.clone()
-        key[start + reused] = True
-        layout = (int(query.sum()), int(key.sum()))
-        out[layout] = out.get(layout, 0) + 1
+    for queries, keys, _, layers in _layer_layouts(config, length, start, plan):
+        out[(queries, keys)] = out.get((queries, keys), 0) + layers
     return out
 
 

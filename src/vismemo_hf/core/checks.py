@@ -14,6 +14,8 @@ import threading
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
+from vismemo_hf.core.memo import tensor_version
+
 _FINITE = WeakIdKeyDictionary()  # tensor -> its in-place version when it was found finite
 _LOCK = threading.Lock()
 
@@ -26,7 +28,7 @@ def all_finite(tensor: torch.Tensor, remember: bool = False) -> bool:
     tensor is not kept alive by it)."""
     if not (tensor.is_floating_point() or tensor.is_complex()):
         return True
-    version = -1 if tensor.is_inference() else tensor._version  # an inference tensor keeps no version
+    version = tensor_version(tensor)
     if remember:
         with _LOCK:
             if _FINITE.get(tensor) == version:

@@ -31,7 +31,7 @@ class TensorMemo:
 
     def get(self, tensor: torch.Tensor, tag: Any, compute: Callable[[], tuple[Any, int]]) -> Any:
         """The value ``compute()`` returns (as (value, its bytes)) for ``tensor`` as it is now, computed once."""
-        key, version = (id(tensor), tag), _version(tensor)
+        key, version = (id(tensor), tag), tensor_version(tensor)
         with self._lock:
             held = self._items.get(key)
             if held is not None and held[0] is tensor and held[1] == version:
@@ -55,7 +55,7 @@ class TensorMemo:
             self._bytes = 0
 
 
-def _version(tensor: torch.Tensor) -> int:
+def tensor_version(tensor: torch.Tensor) -> int:
     """The tensor's in-place version; -1 for an inference tensor (made under ``torch.inference_mode``), which keeps
-    none: the thumbnails the lookup prepares are its own and never changed in place."""
+    none: what is keyed by it (a lookup's own thumbnails, an entry's tower K/V) is never changed in place."""
     return -1 if tensor.is_inference() else tensor._version
