@@ -465,3 +465,91 @@ def test_llava_onevision_finds_a_changed_region_in_both_its_views_by_its_pixels(
 def _llava_views(adapter, images):
     processor = adapter.image_processor()
     return [adapter.processed_images(processor(images=[im], return_tensors="pt"))[0] for im in images]
+
+
+def _llava_edit(seed: int = 31):
+    import random
+
+    from vismemo_hf.eval import synthdoc
+
+    page = synthdoc.random_form(seed, style=synthdoc.STYLES[0])
+    return synthdoc.render(page), synthdoc.render(synthdoc.edit_value(page, 1, random.Random(4)))
+
+
+def _llava_entry(model, processor, store, image):
+    from vismemo_hf.core.features import exact_key
+
+    owner = vismemo_hf.VisMemoCache().owner(model._vismemo.fingerprint)
+    pixels, grid, _ = _llava_views(model._vismemo, [image])[0]
+    return store.peek(exact_key(owner, pixels, grid), owner)
+
+
+def test_llava_onevision_reencodes_only_the_changed_tiles_as_the_whole_image_would():
+    """LLaVA-OneVision encodes each tile alone: an edited copy found by its pixels runs the tower on the tiles whose
+    digest changed (the base view and the tiles the edit falls in) and keeps the alias's output of the others,
+    which is exactly what encoding the whole copy gives, so its answer is the whole encode's too."""
+    model, processor = _enabled_tiny("llava_onevision")
+    adapter = model._vismemo
+    base, edit = _llava_edit()
+    store = stored(model, processor, base)
+    entry = _llava_entry(model, processor, store, base)
+    (pixels, grid, extra), = _llava_views(adapter, [edit])
+    assert entry.tile_digests is not None and entry.tile_digests.shape == (pixels.shape[0],)
+    digests = adapter.tile_digests(pixels, grid, extra)
+    redo = digests() != entry.tile_digests
+    assert bool(redo[0]) and 1 < int(redo.sum()) < redo.numel()  # the base view and some tiles, not all
+    changed = adapter.patch_hashes(pixels, grid, extra) != entry.patch_hashes
+    encoder = _own(adapter.base, "get_image_features")
+    with torch.no_grad():
+        whole = adapter.encode_images(encoder, [(pixels, grid, extra)])[0][0]
+        (embeds, deepstack, encoded), = adapter.encode_edited(encoder, {0: ((pixels, grid, extra), entry, changed,
+                                                                            digests)}).values()
+    assert torch.equal(embeds, whole) and deepstack is None and 0 < encoded < grid[2]
+    event = _event(model, processor, store, edit, store_misses=False)
+    assert event.kind is HitKind.APPROXIMATE and event.found_by == "pixels" and event.encoded_tokens == encoded
+    reused = generate(model, build_inputs(processor, [edit]), vismemo_hf.VisMemoCache(store=store, store_misses=False))
+    encoded_whole = generate(model, build_inputs(processor, [edit]),
+                             vismemo_hf.VisMemoCache(store=store, store_misses=False, reuse_encoder=False))
+    assert torch.equal(reused[0], encoded_whole[0]) and torch.equal(reused[1], encoded_whole[1])
+
+
+def test_llava_onevision_encodes_the_whole_image_when_its_tiles_cannot_be_told_apart():
+    """No tile is reused from an alias without digests (an entry written before them), from one whose digests are
+    another count, when every tile changed, or when a token whose pixels changed lies in a tile whose digest did
+    not (the pixel rule and the digests disagree)."""
+    from dataclasses import replace
+
+    model, processor = _enabled_tiny("llava_onevision")
+    adapter = model._vismemo
+    base, edit = _llava_edit()
+    entry = _llava_entry(model, processor, stored(model, processor, base), base)
+    (pixels, grid, extra), = _llava_views(adapter, [edit])
+    digests = adapter.tile_digests(pixels, grid, extra)
+    changed = adapter.patch_hashes(pixels, grid, extra) != entry.patch_hashes
+    encoder = _own(adapter.base, "get_image_features")
+
+    def edited(alias, changed=changed, digests=digests):
+        with torch.no_grad():
+            return adapter.encode_edited(encoder, {0: ((pixels, grid, extra), alias, changed, digests)})
+
+    assert edited(entry) and not edited(replace(entry, tile_digests=None))
+    assert not edited(replace(entry, tile_digests=entry.tile_digests[:-1]))
+    assert not edited(replace(entry, tile_digests=entry.tile_digests + 1))  # every tile changed
+    assert not edited(entry, digests=None)
+    kept = torch.nonzero(digests() == entry.tile_digests).flatten()
+    tile_of = adapter._sources(pixels.shape[0], extra) // adapter._per_tile
+    assert not edited(entry, changed=changed | (tile_of == int(kept[0])))
+    single = adapter.tile_digests(pixels[:1], grid, (extra[0], False))
+    assert single is None  # an untiled image (one of several in a sample) is one tile: encoded whole
+
+
+def test_llava_onevision_tile_digests_come_back_from_disk(tmp_path):
+    model, processor = _enabled_tiny("llava_onevision")
+    base, edit = _llava_edit(37)
+    memory = _llava_entry(model, processor, stored(model, processor, base), base)
+    stored(model, processor, base, store=vismemo_hf.VisMemoStore(device_bytes=0, disk_dir=str(tmp_path)))
+    disk = vismemo_hf.VisMemoStore(device_bytes=0, disk_dir=str(tmp_path))
+    assert torch.equal(_llava_entry(model, processor, disk, base).tile_digests, memory.tile_digests)
+    _event(model, processor, disk, edit, store_misses=False)  # a new process: found by its encoder output first
+    then = _event(model, processor, disk, edit, store_misses=False)
+    assert then.found_by == "pixels" and 0 < then.encoded_tokens < then.n_tokens

@@ -253,3 +253,30 @@ def test_entries_are_built_and_written_below_the_serving_threads_priority(tmp_pa
         assert (idle is not None and policy == idle) or nice > main[1] or main[1] == 19
     assert standing() == main
     store.close()
+
+
+def test_tile_digests_travel_in_the_checked_metadata_and_a_bad_count_is_refused():
+    """An entry's tile digests (``Entry.tile_digests``: LLaVA-OneVision's tiles) come back from its blob as they
+    went in; a blob whose digest count disagrees with its metadata, or claims more tiles than tokens, is refused
+    (a read of it is a miss), and an entry without them has none."""
+    from dataclasses import replace
+
+    entry = replace(_entry("t"), tile_digests=torch.tensor([5, -7, 2**62], dtype=torch.int64))
+    entry.check()
+    data = blob.encode(entry)
+    header = blob.parse_header(data[: blob.HEADER_SIZE])
+    assert header.flags & blob.TILES
+    assert torch.equal(blob.decode_meta(header, data[header.meta_start :]).tile_digests, entry.tile_digests)
+    plain = blob.encode(_entry("t"))
+    bare = blob.parse_header(plain[: blob.HEADER_SIZE])
+    assert blob.decode_meta(bare, plain[bare.meta_start :]).tile_digests is None
+    for count in (4 + 1, 3 + 1):  # more tiles than tokens; one more digest than the metadata holds
+        meta = bytearray(data[header.meta_start :])
+        meta[-8 * 4 : -8 * 3] = count.to_bytes(8, "little")
+        forged = replace(header, meta_digest=blob.meta_digest(bytes(meta)))
+        with pytest.raises(blob.BlobError):
+            blob.decode_meta(forged, bytes(meta))
+    with pytest.raises(ValueError):
+        replace(entry, tile_digests=torch.zeros(5, dtype=torch.int64)).check()
+    store = VisMemoStore(device_bytes=0, host_bytes="1MB")  # the host tier keeps blobs
+    assert store.put(entry) and torch.equal(store.peek("t", "fp").tile_digests, entry.tile_digests)

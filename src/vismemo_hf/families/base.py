@@ -173,6 +173,22 @@ class VisionTower:
         (docs/METHOD.md §1, encoder reuse). None: the family's tower cannot (``partial_encoder``)."""
         return None
 
+    #: whether the tower encodes an image as tiles each alone (LLaVA-OneVision's any-resolution views): an edited
+    #: copy then re-encodes the tiles whose digest changed and keeps its alias's output of the others
+    #: (``encode_edited``), exactly what a whole encode gives them
+    tile_encoder: ClassVar[bool] = False
+
+    def tile_digests(self, pixels: torch.Tensor, grid, extra=None):
+        """A call that gives the (T,) int64 digests of the image's tiles (``Entry.tile_digests``), computed on first
+        call; None: the tower encodes each image whole (``tile_encoder``)."""
+        return None
+
+    def encode_edited(self, get_image_features, edits: dict) -> dict:
+        """{image: (embeds, deepstack, tokens encoded)} of the edited copies (``edits``: image -> ((pixels, grid,
+        extra), the alias's entry, (N,) changed tokens, the image's ``tile_digests`` call)) that the tower re-encodes
+        in part by itself (``tile_encoder``); an image left out is encoded another way. {}: none."""
+        return {}
+
     def split_encoded(self, out) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
         """The tower's output per image: (embeds (N, d), extra visual features (k, N, d) | None)."""
         return [(e, None) for e in out.pooler_output]

@@ -13,13 +13,18 @@ What differs from the generic adapter:
   their reading rows (the base view's rows, then each tile row up to its newline). A copy is matched in place only
   (``movable = False``: a move of the page is no move along the packed run) and only with an alias of the same
   packing (``same_layout``: newlines at the same tokens). The pixel stage aligns the base view's thumbnail (the
-  whole image at the tile size); the whole image is encoded.
+  whole image at the tile size).
+* The tower encodes each tile alone (``tile_encoder``): an entry keeps a digest of each tile's patches
+  (``tile_digests``), and an edited copy found by its pixels re-encodes only the tiles whose digest changed (the base
+  view, and the tiles its edits fall in); every other token keeps its alias's output, which is what encoding the
+  whole image gives it, as long as the packing only selects tile patches (no downsampling: ``_sources``).
 * Positions are 1-D: a cached key moves by the text's delta only, an ordinary RoPE rotation over halves.
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
 import struct
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -27,6 +32,7 @@ from typing import ClassVar
 
 import torch
 
+from vismemo_hf.core.memo import TensorMemo
 from vismemo_hf.families.base import transformers_class
 from vismemo_hf.families.qwen2_vl import QWEN2_TEMPLATE, QwenAdapter
 
@@ -37,6 +43,8 @@ TILE, PATCH = 56, 14
 PINPOINTS = [[56, 56], [56, 112], [112, 56], [112, 112], [112, 168], [168, 112], [168, 168]]
 #: a newline token's pixel hash: the bits of -1.0 as a float64 (no packed CRC-32C, a value >= 0, has them)
 NEWLINE = struct.unpack("<q", struct.pack("<d", -1.0))[0]  # plain bytes: no tensor at import (meta device contexts)
+#: each tile patch's CRC-32C of a request's host pixels: its pixel hashes and its tiles' digests read them once
+_CRCS = TensorMemo(64 << 20)
 
 
 @dataclass
@@ -51,6 +59,7 @@ class LlavaOnevisionAdapter(QwenAdapter):
     vision_out_key: ClassVar[str | None] = None
     movable: ClassVar[bool] = False
     partial_encoder: ClassVar[bool] = False  # tiles are encoded whole (SigLIP attends over each tile)
+    tile_encoder: ClassVar[bool] = True  # ... and alone: an edited copy re-encodes its changed tiles
     special_tokens: ClassVar[tuple[str, ...]] = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<image>", "<video>")
     chat_template: ClassVar[str] = LLAVA_TEMPLATE
 
@@ -137,11 +146,74 @@ class LlavaOnevisionAdapter(QwenAdapter):
         a mix of its patches' for a downsampled one), ``NEWLINE`` at the newline tokens; None when unknown."""
         if extra is None or not self._packs_patches() or pixels.dim() != 4:
             return None
+        packed = self._packed(self._tile_crcs(pixels), extra, -1.0)
+        return packed.view(torch.int64) if packed.numel() == grid[2] else None
+
+    def _tile_crcs(self, pixels: torch.Tensor) -> torch.Tensor:
+        """(tiles, patches per tile) int64: each tile patch's CRC-32C, as the tower reads it (``_patch_rows``)."""
         from vismemo_hf.core.features import patch_hashes
 
-        crc = patch_hashes(self._patch_rows(pixels), 1).reshape(pixels.shape[0], -1)
-        packed = self._packed(crc, extra, -1.0)
-        return packed.view(torch.int64) if packed.numel() == grid[2] else None
+        def compute():
+            crcs = patch_hashes(self._patch_rows(pixels), 1).reshape(pixels.shape[0], -1)
+            return crcs, crcs.numel() * crcs.element_size()
+        return _CRCS.get(pixels, "tile crcs", compute)
+
+    # -- the tiles, each encoded alone: an edited copy re-encodes the changed ones -----------------------------
+    def tile_digests(self, pixels: torch.Tensor, grid, extra=None):
+        """A call that gives (T,) int64: per tile, 8 bytes of BLAKE2b over its patches' CRC-32C (equal for tiles
+        whose every patch the tower reads is unchanged, as the pixel-first stage judges a token); None for an image
+        not tiled or without its tiles."""
+        if extra is None or not extra[1] or pixels.dim() != 4 or pixels.shape[0] < 2:
+            return None
+
+        def digests() -> torch.Tensor:
+            rows = self._tile_crcs(pixels).numpy()
+            return torch.tensor([int.from_bytes(hashlib.blake2b(row.tobytes(), digest_size=8).digest(), "little",
+                                                signed=True) for row in rows], dtype=torch.int64)
+        return functools.cache(digests)
+
+    def _sources(self, tiles: int, extra) -> torch.Tensor | None:
+        """(N,) long: the tile patch (tile * patches per tile + patch) each packed token shows, -1 at newlines;
+        None when the packing mixes patches (a downsampled tiling: no token is one patch's)."""
+        flat = torch.arange(tiles * self._per_tile, dtype=torch.float64).reshape(tiles, -1)
+        at, squares = self._packed(flat, extra, -1.0), self._packed(flat.square(), extra, 1.0)
+        single = (at == -1.0) | ((at == at.round()) & (squares == at.square()))  # a mix has E[x^2] > E[x]^2
+        return at.long() if bool(single.all()) else None
+
+    def encode_edited(self, get_image_features, edits: dict) -> dict:
+        """Per edited copy, its changed tiles through the tower in one call, each alone as a whole encode runs it;
+        the tokens of the others keep the alias's output. An image is left out (encoded whole) when it or its alias
+        has no tile digests, when every tile changed, or when the packing downsamples."""
+        out = {}
+        for i, ((pixels, grid, extra), entry, changed, digests) in edits.items():
+            mine, theirs = digests() if digests is not None else None, entry.tile_digests
+            if mine is None or theirs is None or mine.shape != theirs.shape or entry.embeds.shape[0] != grid[2] \
+                    or not self._packs_patches():
+                continue
+            redo = torch.nonzero(mine != theirs).flatten()
+            sources = self._sources(mine.numel(), extra) if redo.numel() < mine.numel() else None
+            if sources is None or sources.numel() != grid[2]:
+                continue
+            tile = torch.where(sources >= 0, sources // self._per_tile, -1)
+            fresh = torch.isin(tile, redo)
+            if bool((changed.cpu() & ~fresh & (sources >= 0)).any()):
+                continue  # a token whose pixels changed in a tile whose digest did not: never reuse it
+            embeds = entry.embeds.to(pixels.device)
+            if redo.numel():
+                new = self._encode_tiles(get_image_features, pixels[redo.to(pixels.device)], extra)
+                slot = torch.searchsorted(redo, tile[fresh])
+                rows = new[slot.to(new.device), (sources[fresh] % self._per_tile).to(new.device)]
+                embeds = embeds.to(new.dtype).index_copy(0, torch.nonzero(fresh).flatten().to(new.device), rows)
+            out[i] = (embeds, None, int(fresh.sum()))
+        return out
+
+    def _encode_tiles(self, get_image_features, tiles: torch.Tensor, extra) -> torch.Tensor:
+        """(k, patches per tile, d): the tower and projector over ``tiles``, each as its own untiled image (what the
+        model runs on every tile of an image before packing them)."""
+        k, size = tiles.shape[0], extra[0]
+        encoded = get_image_features(tiles, torch.tensor([size] * k, device=tiles.device),
+                                     batch_num_images=torch.tensor([max(2, k)]), return_dict=True)
+        return torch.stack([features[: self._per_tile] for features in encoded.pooler_output])
 
     def pixel_features(self, pixels: torch.Tensor, grid, hashes=None, extra=None):
         known = functools.cache(lambda: hashes if hashes is not None else self.patch_hashes(pixels, grid, extra))

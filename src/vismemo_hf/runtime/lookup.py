@@ -85,6 +85,9 @@ class ImageMatch:
     #: (layers, 2, patches, width) the tower's own K/V of a whole-image encode (``families.tower_kv``), kept with the
     #: entry so that an edited copy's partial encode can attend to it; None: not captured
     tower_kv: torch.Tensor | None = None
+    #: a call that gives the digests of the tiles the tower encodes alone (``VisionTower.tile_digests``), kept with the
+    #: entry so that an edited copy re-encodes only its changed tiles; None: the tower encodes the image whole
+    tile_digests: Callable[[], torch.Tensor] | None = None
 
     @property
     def n_tokens(self) -> int:
@@ -332,12 +335,13 @@ def lookup_request(adapter, cache, input_ids, pixel_values, grids, get_image_fea
                                     extras[originals[i]]) for i in todo}
     firsts = {i: found for i in todo if (found := _pixel_alias(adapter, cache, owner, grid_list[originals[i]],
                                                                hashes[i], keys[i])) is not None}
+    tiles = {i: adapter.tile_digests(pixels[originals[i]], grid_list[originals[i]], extras[originals[i]]) for i in todo}
     pixel_ms = (time.perf_counter() - t0) * 1e3 / max(1, len(todo))  # the pixel-first stage, per image
     contexts = _contexts(input_ids, valid, spans, [keys[i] for i in source],
                          video_items(adapter.video_mask(input_ids, token_types), merge, videos),
                          owner.encode() + getattr(cache.store, "context_key", b""))
     t0 = time.perf_counter()
-    lendable = {i: f for i, f in firsts.items() if _same_context(f[0], contexts[originals[i]][0])}
+    lendable = {i: (*f, tiles[i]) for i, f in firsts.items() if _same_context(f[0], contexts[originals[i]][0])}
     partial, encodings = _encode_request(adapter, cache, get_image_features, lendable, todo,
                                          {i: items[originals[i]] for i in todo}, encoded)
     encoder_ms = (time.perf_counter() - t0) * 1e3
@@ -356,7 +360,8 @@ def lookup_request(adapter, cache, input_ids, pixel_values, grids, get_image_fea
             match = ImageMatch(row, start, feats, embeds, deepstack, region_descriptors(host_embeds, grid_list[j], merge),
                                HitKind.MISS, prefix, encoder_ms=encoder_ms, context=sketch,
                                thumbnail=adapter.thumbnail_of(pixels[j], grid_list[j], extras[j]), host_embeds=host_embeds,
-                               encoded_tokens=partial[i][2] if i in partial else None, tower_kv=tower)
+                               encoded_tokens=partial[i][2] if i in partial else None, tower_kv=tower,
+                               tile_digests=tiles[i])
             match = _pixel_first_match(match, *firsts[i]) if i in firsts else \
                 _approximate(adapter, match, cache, get_image_features)
         stages = exact_ms + (pixel_ms if entry is None else 0.0)
@@ -437,7 +442,7 @@ def _encode_request(adapter, cache, get_image_features, firsts: dict, todo: list
     ``_encode_changed`` for those found by their pixels when the policy reuses the encoder (a failure there
     encodes them whole), one batch through the tower for the rest, keeping the tower's K/V when entries are
     written (``_encode``)."""
-    reusing = encoded is None and adapter.partial_encoder and cache.policy.reuses_encoder()
+    reusing = encoded is None and (adapter.partial_encoder or adapter.tile_encoder) and cache.policy.reuses_encoder()
     try:
         partial = _encode_changed(adapter, get_image_features, {i: firsts[i] for i in firsts if reusing},
                                   {i: items[i] for i in firsts})
@@ -453,12 +458,15 @@ def _encode_request(adapter, cache, get_image_features, firsts: dict, todo: list
 
 def _encode_changed(adapter, get_image_features, found: dict, items: dict) -> dict:
     """{image: (embeds, deepstack, tokens encoded)} of pixel-first hits (``found``: image -> ``_pixel_alias``'s
-    result) whose alias kept its tower K/V: the tower runs, in one call, for each image's changed tokens (whole
-    windows of a windowed tower), which attend at every full-attention block to the alias's other patches
-    (``families.tower_kv``); the changed tokens take its output, the others keep the alias's. An alias without tower
-    K/V is encoded in full (a partial encode without the rest of the image as context is measured wrong:
-    ``results/quality/encoder-reuse.md``); {} when the family's tower cannot."""
-    found = {i: f for i, f in found.items() if adapter.lendable(f[0].tower_kv, items[i][0].shape[0])}
+    result and the image's ``tile_digests`` call) whose alias kept its tower K/V: the tower runs, in one call, for
+    each image's changed tokens (whole windows of a windowed tower), which attend at every full-attention block to
+    the alias's other patches (``families.tower_kv``); the changed tokens take its output, the others keep the
+    alias's. An alias without tower K/V is encoded in full (a partial encode without the rest of the image as context
+    is measured wrong: ``results/quality/encoder-reuse.md``); {} when the family's tower cannot. A tower that
+    encodes tiles alone re-encodes the changed tiles of the images it can by itself (``VisionTower.encode_edited``)."""
+    own = adapter.encode_edited(get_image_features, {i: (items[i], f[0], f[1], f[3]) for i, f in found.items()}) \
+        if found and adapter.tile_encoder else {}
+    found = {i: f[:3] for i, f in found.items() if i not in own and adapter.lendable(f[0].tower_kv, items[i][0].shape[0])}
     wanted = {}
     for i, (entry, changed, _) in found.items():
         if bool(changed.any()):
@@ -482,7 +490,7 @@ def _encode_changed(adapter, get_image_features, found: dict, items: dict) -> di
                 deepstack = deepstack.to(extra.dtype).index_copy(1, torch.nonzero(changed).flatten().to(extra.device),
                                                                  extra[:, at.to(extra.device)])
         out[i] = (embeds, deepstack, int(wanted[i].numel()) if i in wanted else 0)
-    return out
+    return {**own, **out}
 
 
 def _on_device(tensor: torch.Tensor, like: torch.Tensor) -> torch.Tensor:

@@ -108,6 +108,7 @@ def write_entries(adapter, cache, done: list[tuple], importance=lambda i: None) 
                          descriptors=match.descriptors, entropy=feats.entropy, kv=kv, offset=offset,
                          patch_hashes=feats.patch_hashes, prefix=match.prefix, context=match.context,
                          thumbnail=match.thumbnail() if match.thumbnail is not None else None,
-                         tower_kv=to_host(tower) if tower is not None else None), weights
+                         tower_kv=to_host(tower) if tower is not None else None,
+                         tile_digests=match.tile_digests() if match.tile_digests is not None else None), weights
 
         store_call("write", lambda b=build: cache.store.put_later(b), None)

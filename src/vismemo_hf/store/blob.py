@@ -14,7 +14,8 @@
   reused token and can check every layer it read.
 * metadata: first the lookup section (region descriptors, the luma thumbnail when kept, and token
   sketches: all the lookup reads of a candidate, with its own digest in the header), then encoder output,
-  deepstack features, patch entropy and patch hashes (what routing needs without any K/V).
+  deepstack features, patch entropy and patch hashes (what routing needs without any K/V), and where kept the
+  context sketch, the tower's K/V and the tiles' digests (header flags 64, 128, 256).
 
 A *sealed* blob (a store with a secret, ``Seal``; docs/METHOD.md §5) carries MACs where the checksums are: the
 header an HMAC-SHA256 under a key derived from the secret, the regions and every (token, layer) block an AES-GMAC
@@ -39,12 +40,13 @@ from vismemo_hf.core.features import THUMB_MAX
 from vismemo_hf.store.entry import Entry
 
 MAGIC = b"VMEM"
-LAYOUT_VERSION = 7
-_FIELDS = struct.Struct("<4sHBB" + "I" * 13 + "q32s64s16sQQ16s16s16s16s16s")  # the MAC last (zeros while computed)
+LAYOUT_VERSION = 8
+_FIELDS = struct.Struct("<4sHBH" + "I" * 13 + "q32s64s16sQQ16s16s16s16s16s")  # the MAC last (zeros while computed)
 MAC_BYTES = 16
 SEALED = 32  # header flag: MACs in place of checksums
 CONTEXT = 64  # header flag: the context sketch (``Entry.context``) at the end of the metadata
 TOWER = 128  # header flag: the tower's K/V (``Entry.tower_kv``) after it: its (F, patches, width), then the values
+TILES = 256  # header flag: the tiles' digests (``Entry.tile_digests``) last: their count, then the digests
 _HEADER_CRC = struct.Struct("<I")
 HEADER_SIZE = _FIELDS.size + _HEADER_CRC.size
 HASH_BYTES = 8
@@ -241,7 +243,7 @@ def parse_header(data: bytes, seal: Seal | None = None) -> BlobHeader:
         raise BlobError(f"layout version {version}, expected {LAYOUT_VERSION}")
     if dtype not in DTYPES:
         raise BlobError(f"unknown dtype code {dtype}")
-    if bin(flags & 12).count("1") > 1 or flags & ~255 or kv_count > n or (kv_count != n and not flags & 16):
+    if bin(flags & 12).count("1") > 1 or flags & ~511 or kv_count > n or (kv_count != n and not flags & 16):
         raise BlobError(f"unknown flags {flags:#x}")
     sealed = None
     if flags & SEALED:
@@ -281,6 +283,8 @@ def _meta_tensors(entry: Entry) -> list[torch.Tensor]:
     if entry.tower_kv is not None:
         layers, _, patches, width = entry.tower_kv.shape
         tensors += [torch.tensor([layers, patches, width], dtype=torch.int64), entry.tower_kv.to(entry.kv.dtype)]
+    if entry.tile_digests is not None:
+        tensors += [torch.tensor([entry.tile_digests.numel()], dtype=torch.int64), entry.tile_digests.long()]
     return [t.detach().cpu().contiguous() for t in tensors]
 
 
@@ -312,6 +316,7 @@ def encode(entry: Entry, kv_format: str | None = None, seal: Seal | None = None)
     flags |= 16 if entry.kv_tokens is not None else 0
     flags |= CONTEXT if entry.context is not None else 0
     flags |= TOWER if entry.tower_kv is not None else 0
+    flags |= TILES if entry.tile_digests is not None else 0
     levels = entry.deepstack.shape[0] if entry.deepstack is not None else 0
     body_start = HEADER_SIZE + blocks.numel()
     fields = _FIELDS.pack(
@@ -379,11 +384,18 @@ def decode_meta(header: BlobHeader, meta) -> Entry:
         if min(layers, patches, width) <= 0 or pos + 2 * layers * patches * width * header.dtype.itemsize > buf.numel():
             raise BlobError("tower K/V size does not match the metadata")
         tower = take(2 * layers * patches * width, header.dtype, (layers, 2, patches, width))
+    tiles = None
+    if header.flags & TILES:
+        count = int(take(1, torch.int64, (1,))[0]) if pos + 8 <= buf.numel() else -1
+        if not 0 < count <= max(1, n) or pos + 8 * count > buf.numel():
+            raise BlobError("tile digests do not match the metadata")
+        tiles = take(count, torch.int64, (count,)).clone()
     if pos != buf.numel():
         raise BlobError("metadata size does not match its header")
     return Entry(header.key, header.fingerprint, header.grid, embeds, deepstack, descriptors, entropy, None,
                  header.offset, patch_hashes, prefix=header.prefix, n_layers=header.n_layers, sketch=sketch,
-                 kv_tokens=kv_tokens, thumbnail=thumb if thumb.numel() else None, context=context, tower_kv=tower)
+                 kv_tokens=kv_tokens, thumbnail=thumb if thumb.numel() else None, context=context, tower_kv=tower,
+                 tile_digests=tiles)
 
 
 def decode_lookup(header: BlobHeader, section) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:

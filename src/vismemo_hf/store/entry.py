@@ -47,6 +47,9 @@ class Entry:
     #: (F full-attention tower blocks, 2 (K, V), patches, width) the vision tower's own rotated K/V of the image
     #: (``families.tower_kv``), lent to an edited copy's partial encode; None: not kept
     tower_kv: torch.Tensor | None = None
+    #: (T,) int64 digest of each tile a tower encodes alone (LLaVA-OneVision's any-resolution views,
+    #: ``VisionTower.tile_digests``): an edited copy re-encodes only the tiles whose digest differs; None: not kept
+    tile_digests: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if self.kv is not None:
@@ -62,7 +65,7 @@ class Entry:
     def nbytes(self) -> int:
         tensors = [self.embeds, self.descriptors, self.entropy, self.sketch]
         tensors += [t for t in (self.kv, self.deepstack, self.patch_hashes, self.kv_tokens, self.thumbnail,
-                                 self.context, self.tower_kv)
+                                 self.context, self.tower_kv, self.tile_digests)
                     if t is not None]
         return sum(t.numel() * t.element_size() for t in tensors)
 
@@ -104,3 +107,6 @@ class Entry:
                                           or self.tower_kv.shape[2] % max(1, n) or not self.tower_kv.shape[2]):
             raise ValueError(f"entry {self.key[:12]}: tower K/V must be (F, 2, patches, width), a whole number of "
                              f"patches per token, got {tuple(self.tower_kv.shape)}")
+        if self.tile_digests is not None and (self.tile_digests.ndim != 1 or self.tile_digests.dtype != torch.int64
+                                              or not 0 < self.tile_digests.numel() <= max(1, n)):
+            raise ValueError(f"entry {self.key[:12]}: tile digests must be (T,) int64, at most one per token")
