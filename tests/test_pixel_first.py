@@ -553,3 +553,26 @@ def test_llava_onevision_tile_digests_come_back_from_disk(tmp_path):
     _event(model, processor, disk, edit, store_misses=False)  # a new process: found by its encoder output first
     then = _event(model, processor, disk, edit, store_misses=False)
     assert then.found_by == "pixels" and 0 < then.encoded_tokens < then.n_tokens
+
+
+def test_llava_onevision_finds_an_edited_image_of_the_tile_size_by_its_pixels():
+    """An image of the tile size is one tile equal to its base view: its tokens show every patch twice. The tiles'
+    hashes are tagged apart from the base view's (``TILE_VIEW``), so its patches stay distinctive and an edit of it
+    is found by its pixels (untagged, every hash occurred twice and the pixel-first stage never found it)."""
+    from PIL import ImageDraw
+
+    from vismemo_hf.families.llava_onevision import NEWLINE
+
+    model, processor = _enabled_tiny("llava_onevision")
+    adapter = model._vismemo
+    tile = adapter.vision_config.image_size
+    base = synthetic.page(3, size=(tile, tile))
+    edit = base.copy()
+    ImageDraw.Draw(edit).rectangle([tile - 16, tile - 16, tile - 6, tile - 6], fill=(200, 30, 30))
+    (pixels, grid, extra), = _llava_views(adapter, [base])
+    hashes = adapter.patch_hashes(pixels, grid, extra)
+    per_tile = adapter._per_tile
+    assert pixels.shape[0] == 2 and torch.equal(pixels[0], pixels[1])  # the base view and its one tile
+    assert bool(distinctive(hashes)[:per_tile].all()) and int((hashes == NEWLINE).sum()) == grid[2] - 2 * per_tile
+    event = _event(model, processor, stored(model, processor, base), edit, store_misses=False)
+    assert event.kind is HitKind.APPROXIMATE and event.found_by == "pixels"

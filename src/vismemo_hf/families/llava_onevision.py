@@ -43,6 +43,9 @@ TILE, PATCH = 56, 14
 PINPOINTS = [[56, 56], [56, 112], [112, 56], [112, 112], [112, 168], [168, 112], [168, 168]]
 #: a newline token's pixel hash: the bits of -1.0 as a float64 (no packed CRC-32C, a value >= 0, has them)
 NEWLINE = struct.unpack("<q", struct.pack("<d", -1.0))[0]  # plain bytes: no tensor at import (meta device contexts)
+#: what the hashes of the tiles' tokens are xor-ed with (``patch_hashes``): its sign bit clear, a tagged hash is never
+#: ``NEWLINE``'s
+TILE_VIEW = 0x2545F4914F6CDD1D
 #: each tile patch's CRC-32C of a request's host pixels: its pixel hashes and its tiles' digests read them once
 _CRCS = TensorMemo(64 << 20)
 
@@ -143,11 +146,19 @@ class LlavaOnevisionAdapter(QwenAdapter):
 
     def patch_hashes(self, pixels: torch.Tensor, grid, extra=None) -> torch.Tensor | None:
         """(N,) int64: the bits of each token's packed patch CRC-32C (exact for a token that shows one patch,
-        a mix of its patches' for a downsampled one), ``NEWLINE`` at the newline tokens; None when unknown."""
+        a mix of its patches' for a downsampled one), those of the tiles' tokens tagged (``TILE_VIEW``), and
+        ``NEWLINE`` at the newline tokens; None when unknown. The tag keeps the two views apart: an image of the
+        tile size is one tile equal to its base view, and untagged every token's hash would occur twice, so none
+        would be distinctive and the pixel-first stage would never find it (``core.pixel_first.distinctive``)."""
         if extra is None or not self._packs_patches() or pixels.dim() != 4:
             return None
         packed = self._packed(self._tile_crcs(pixels), extra, -1.0)
-        return packed.view(torch.int64) if packed.numel() == grid[2] else None
+        if packed.numel() != grid[2]:
+            return None
+        hashes = packed.view(torch.int64)
+        tiles = (torch.arange(hashes.numel()) >= self._per_tile) & (hashes != NEWLINE) if pixels.shape[0] > 1 \
+            else torch.zeros_like(hashes, dtype=torch.bool)
+        return torch.where(tiles, hashes ^ TILE_VIEW, hashes)
 
     def _tile_crcs(self, pixels: torch.Tensor) -> torch.Tensor:
         """(tiles, patches per tile) int64: each tile patch's CRC-32C, as the tower reads it (``_patch_rows``)."""
