@@ -543,6 +543,25 @@ def test_llava_onevision_encodes_the_whole_image_when_its_tiles_cannot_be_told_a
     assert single is None  # an untiled image (one of several in a sample) is one tile: encoded whole
 
 
+def test_llava_onevision_reuses_no_tile_when_the_packing_mixes_patches(monkeypatch):
+    """A tiling past ``anyres_max_N`` is downsampled by the model's packing: its tokens mix patches of neighbouring
+    tiles, so no token is one tile's and the copy is encoded whole."""
+    model, processor = _enabled_tiny("llava_onevision")
+    adapter = model._vismemo
+    base, edit = _llava_edit()
+    entry = _llava_entry(model, processor, stored(model, processor, base), base)
+    (pixels, grid, extra), = _llava_views(adapter, [edit])
+    sources = adapter._sources(pixels.shape[0], extra)
+    assert sources is not None and int(sources.max()) < pixels.shape[0] * adapter._per_tile
+    monkeypatch.setattr(model.config, "vision_aspect_ratio", "anyres_max_1", raising=False)
+    assert adapter._sources(pixels.shape[0], extra) is None
+    changed = torch.zeros(grid[2], dtype=torch.bool)
+    with torch.no_grad():
+        assert adapter.encode_edited(_own(adapter.base, "get_image_features"),
+                                     {0: ((pixels, grid, extra), entry, changed,
+                                          adapter.tile_digests(pixels, grid, extra))}) == {}
+
+
 def test_llava_onevision_tile_digests_come_back_from_disk(tmp_path):
     model, processor = _enabled_tiny("llava_onevision")
     base, edit = _llava_edit(37)
