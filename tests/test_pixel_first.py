@@ -595,3 +595,32 @@ def test_llava_onevision_finds_an_edited_image_of_the_tile_size_by_its_pixels():
     assert bool(distinctive(hashes)[:per_tile].all()) and int((hashes == NEWLINE).sum()) == grid[2] - 2 * per_tile
     event = _event(model, processor, stored(model, processor, base), edit, store_misses=False)
     assert event.kind is HitKind.APPROXIMATE and event.found_by == "pixels"
+
+
+def test_llava_onevisions_patch_crcs_are_read_once_and_their_memo_counts_the_pixels_it_holds():
+    """The tile patches' CRC-32Cs serve both the token hashes and the tiles' digests of a request; the memo that keeps
+    them holds the pixels it is keyed by, so it counts their bytes against its budget: a stream of large images
+    never keeps more than that alive."""
+    from vismemo_hf.families import llava_onevision
+
+    model, _ = _enabled_tiny("llava_onevision")
+    adapter = model._vismemo
+    base, _ = _llava_edit()
+    (pixels, grid, extra), = _llava_views(adapter, [base])
+    memo = llava_onevision._CRCS
+    memo.clear()
+    adapter.patch_hashes(pixels, grid, extra)
+    assert memo._bytes >= pixels.numel() * pixels.element_size()
+    calls = []
+    real = llava_onevision.LlavaOnevisionAdapter._patch_rows
+    try:
+        llava_onevision.LlavaOnevisionAdapter._patch_rows = lambda self, p: calls.append(1) or real(self, p)
+        adapter.tile_digests(pixels, grid, extra)()
+        assert not calls  # the digests read the CRCs the hashes computed
+        for _ in range(6):  # 6 x 24 MB of pixels against a 128 MB budget
+            big = pixels.repeat(1, 1, 8, 8)  # a fresh tensor each time, 64 x the pixels
+            adapter._tile_crcs(big)
+            assert memo._bytes <= memo.max_bytes
+    finally:
+        llava_onevision.LlavaOnevisionAdapter._patch_rows = real
+        memo.clear()

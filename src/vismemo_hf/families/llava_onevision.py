@@ -46,8 +46,9 @@ NEWLINE = struct.unpack("<q", struct.pack("<d", -1.0))[0]  # plain bytes: no ten
 #: what the hashes of the tiles' tokens are xor-ed with (``patch_hashes``): its sign bit clear, a tagged hash is never
 #: ``NEWLINE``'s
 TILE_VIEW = 0x2545F4914F6CDD1D
-#: each tile patch's CRC-32C of a request's host pixels: its pixel hashes and its tiles' digests read them once
-_CRCS = TensorMemo(64 << 20)
+#: each tile patch's CRC-32C of a request's host pixels: its pixel hashes and its tiles' digests read them once. The
+#: memo holds the pixels it keys, so their bytes count: a few recent images at most
+_CRCS = TensorMemo(128 << 20)
 
 
 @dataclass
@@ -166,7 +167,7 @@ class LlavaOnevisionAdapter(QwenAdapter):
 
         def compute():
             crcs = patch_hashes(self._patch_rows(pixels), 1).reshape(pixels.shape[0], -1)
-            return crcs, crcs.numel() * crcs.element_size()
+            return crcs, crcs.numel() * crcs.element_size() + pixels.numel() * pixels.element_size()
         return _CRCS.get(pixels, "tile crcs", compute)
 
     # -- the tiles, each encoded alone: an edited copy re-encodes the changed ones -----------------------------
