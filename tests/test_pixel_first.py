@@ -624,3 +624,19 @@ def test_llava_onevisions_patch_crcs_are_read_once_and_their_memo_counts_the_pix
     finally:
         llava_onevision.LlavaOnevisionAdapter._patch_rows = real
         memo.clear()
+
+
+def test_llava_onevision_reuses_its_tiles_after_another_text_and_answers_as_the_whole_encode():
+    """Its tile reuse gives every token what the whole encode gives it, so unlike a partial encode lent the alias's
+    tower K/V it needs no equal context: an edited copy after another instruction text (a chat's or an agent's next
+    step) re-encodes its changed tiles only, and answers as with the whole image encoded."""
+    model, processor = _enabled_tiny("llava_onevision")
+    base, edit = _llava_edit()
+    store = stored(model, processor, base)
+    inputs = build_inputs(processor, [edit], prefix="Step 4 of the task: read the form again.")
+    cache = vismemo_hf.VisMemoCache(store=store, store_misses=False)
+    reused = generate(model, inputs, cache)
+    event = cache.events[0]
+    assert event.found_by == "pixels" and event.prefix_changed and 0 < event.encoded_tokens < event.n_tokens
+    whole = generate(model, inputs, vismemo_hf.VisMemoCache(store=store, store_misses=False, reuse_encoder=False))
+    assert torch.equal(reused[0], whole[0]) and torch.equal(reused[1], whole[1])

@@ -341,7 +341,8 @@ def lookup_request(adapter, cache, input_ids, pixel_values, grids, get_image_fea
                          video_items(adapter.video_mask(input_ids, token_types), merge, videos),
                          owner.encode() + getattr(cache.store, "context_key", b""))
     t0 = time.perf_counter()
-    lendable = {i: (*f, tiles[i]) for i, f in firsts.items() if _same_context(f[0], contexts[originals[i]][0])}
+    lendable = {i: (*f, tiles[i]) for i, f in firsts.items()
+                if adapter.tile_encoder or _same_context(f[0], contexts[originals[i]][0])}
     partial, encodings = _encode_request(adapter, cache, get_image_features, lendable, todo,
                                          {i: items[originals[i]] for i in todo}, encoded)
     encoder_ms = (time.perf_counter() - t0) * 1e3
@@ -432,7 +433,9 @@ def _same_context(entry: Entry, prefix: str) -> bool:
     """Whether a pixel-first alias may lend its encoder output: what precedes the image is what preceded it. After
     another context, even a small change, the checks may compute the image in full (probes, an unsure answer),
     which must then be its own whole-image encode to give plain transformers' answer (a run of the context report
-    that lent it after small changes disagreed with plain on a near tie that the fallback computed)."""
+    that lent it after small changes disagreed with plain on a near tie that the fallback computed). A tower that
+    re-encodes whole tiles (``VisionTower.tile_encoder``) gives every token what the whole encode gives it, and lends
+    after any context."""
     return entry.prefix == prefix
 
 
