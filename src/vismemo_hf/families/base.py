@@ -152,7 +152,7 @@ class VisionTower:
 
     def encode_images(self, get_image_features, images: list[tuple]) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
         """``encode`` of ``split_images``' (pixels, grid, extra) items, in one batch."""
-        pixels = torch.cat([p for p, _, _ in images])
+        pixels = torch.cat([p for p, _, _ in images]) if len(images) > 1 else images[0][0]  # one image: no copy
         return self.encode(get_image_features, pixels, torch.tensor([g for _, g, _ in images], device=pixels.device))
 
     def encode_capturing(self, get_image_features, pixel_values, grids):

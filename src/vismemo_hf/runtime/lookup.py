@@ -519,7 +519,7 @@ def _encode(adapter, get_image_features, todo: list[int], encoded, items, captur
         return {i: (*per_image[i], None) for i in todo}
     if not capturing:
         return {i: (*out, None) for i, out in zip(todo, adapter.encode_images(get_image_features, items))}
-    pixels = torch.cat([p for p, _, _ in items])
+    pixels = torch.cat([p for p, _, _ in items]) if len(items) > 1 else items[0][0]  # one image: no copy
     grids = torch.tensor([g for _, g, _ in items], device=pixels.device)
     try:
         per_image, towers = adapter.encode_capturing(get_image_features, pixels, grids) \
