@@ -537,29 +537,41 @@ def test_llava_onevision_encodes_the_whole_image_when_its_tiles_cannot_be_told_a
     assert not edited(replace(entry, tile_digests=entry.tile_digests + 1))  # every tile changed
     assert not edited(entry, digests=None)
     kept = torch.nonzero(digests() == entry.tile_digests).flatten()
-    tile_of = adapter._sources(pixels.shape[0], extra) // adapter._per_tile
-    assert not edited(entry, changed=changed | (tile_of == int(kept[0])))
+    assert not edited(entry, changed=changed | adapter._footprints(pixels.shape[0], extra)[:, int(kept[0])])
     single = adapter.tile_digests(pixels[:1], grid, (extra[0], False))
     assert single is None  # an untiled image (one of several in a sample) is one tile: encoded whole
 
 
-def test_llava_onevision_reuses_no_tile_when_the_packing_mixes_patches(monkeypatch):
-    """A tiling past ``anyres_max_N`` is downsampled by the model's packing: its tokens mix patches of neighbouring
-    tiles, so no token is one tile's and the copy is encoded whole."""
+def test_llava_onevision_reuses_tiles_of_a_downsampled_packing_as_the_whole_encode_would(monkeypatch):
+    """A tiling past ``anyres_max_N`` is downsampled by the model's packing: a token mixes patches of neighbouring
+    tiles. The tokens computed from a changed tile are computed again from every tile they read (the neighbours
+    encoded too), the others keep the alias's values: the copy's encoder output is still the whole encode's."""
+    from types import SimpleNamespace
+
     model, processor = _enabled_tiny("llava_onevision")
     adapter = model._vismemo
     base, edit = _llava_edit()
-    entry = _llava_entry(model, processor, stored(model, processor, base), base)
-    (pixels, grid, extra), = _llava_views(adapter, [edit])
-    sources = adapter._sources(pixels.shape[0], extra)
-    assert sources is not None and int(sources.max()) < pixels.shape[0] * adapter._per_tile
-    monkeypatch.setattr(model.config, "vision_aspect_ratio", "anyres_max_1", raising=False)
-    assert adapter._sources(pixels.shape[0], extra) is None
-    changed = torch.zeros(grid[2], dtype=torch.bool)
+    monkeypatch.setattr(model.config, "vision_aspect_ratio", "anyres_max_2", raising=False)  # 9 tiles: downsampled
+    encoder = _own(adapter.base, "get_image_features")
+    (old, grid, extra), (new, _, extra_new) = _llava_views(adapter, [base, edit])
+    footprints = adapter._footprints(new.shape[0], extra_new)
+    n = footprints.shape[0]
+    assert int(footprints.sum(1).max()) > 1  # tokens that mix tiles
+    grid = (1, 1, n)
     with torch.no_grad():
-        assert adapter.encode_edited(_own(adapter.base, "get_image_features"),
-                                     {0: ((pixels, grid, extra), entry, changed,
-                                          adapter.tile_digests(pixels, grid, extra))}) == {}
+        whole_old = adapter.encode_images(encoder, [(old, grid, extra)])[0][0]
+        whole_new = adapter.encode_images(encoder, [(new, grid, extra_new)])[0][0]
+    assert whole_new.shape[0] == n  # the model's own packing downsamples as the footprints say
+    alias = SimpleNamespace(tile_digests=adapter.tile_digests(old, grid, extra)(), embeds=whole_old)
+    changed = adapter.patch_hashes(new, grid, extra_new) != adapter.patch_hashes(old, grid, extra)
+    digests = adapter.tile_digests(new, grid, extra_new)
+    redo = digests() != alias.tile_digests
+    needed = footprints[(footprints & redo).any(1)].any(0) | redo
+    assert bool((needed & ~redo).any()) and not bool(needed.all())  # neighbours read, not every tile
+    with torch.no_grad():
+        (embeds, _, encoded), = adapter.encode_edited(encoder, {0: ((new, grid, extra_new), alias, changed,
+                                                                    digests)}).values()
+    assert torch.equal(embeds, whole_new) and 0 < encoded < n
 
 
 def test_llava_onevision_tile_digests_come_back_from_disk(tmp_path):

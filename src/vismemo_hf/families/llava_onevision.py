@@ -17,7 +17,7 @@ What differs from the generic adapter:
 * The tower encodes each tile alone (``tile_encoder``): an entry keeps a digest of each tile's patches
   (``tile_digests``), and an edited copy found by its pixels re-encodes only the tiles whose digest changed (the base
   view, and the tiles its edits fall in); every other token keeps its alias's output, which is what encoding the
-  whole image gives it, as long as the packing only selects tile patches (no downsampling: ``_sources``).
+  whole image gives it (a downsampled tiling mixes neighbouring tiles in a token: ``_footprints``).
 * Positions are 1-D: a cached key moves by the text's delta only, an ordinary RoPE rotation over halves.
 """
 
@@ -125,12 +125,15 @@ class LlavaOnevisionAdapter(QwenAdapter):
     def _packed(self, values: torch.Tensor, extra, newline: float) -> torch.Tensor:
         """(N,) float64: ``values`` ((tiles, patches per tile), one per tile patch) through the model's own
         ``pack_image_features`` (unpadding, downsampling, newlines of value ``newline``)."""
-        size, tiled = extra
+        return self._pack(values.to(torch.float64).cpu()[:, :, None], extra,
+                          torch.tensor([newline], dtype=torch.float64))[:, 0]
+
+    def _pack(self, features: torch.Tensor, extra, newline: torch.Tensor) -> torch.Tensor:
+        """(N, d): ``features`` ((tiles, patches per tile, d)) packed as the model packs an image's tiles."""
         ratio = getattr(self.model.config, "vision_aspect_ratio", None) or "anyres_max_9"
-        packed, _ = self.base.pack_image_features([values.to(torch.float64).cpu()[:, :, None]], torch.tensor([size]),
-                                                  image_newline=torch.tensor([newline], dtype=torch.float64),
+        packed, _ = self.base.pack_image_features([features], torch.tensor([extra[0]]), image_newline=newline,
                                                   vision_aspect_ratio=ratio)
-        return packed[0][:, 0]
+        return packed[0]
 
     def _patch_rows(self, pixels: torch.Tensor) -> torch.Tensor:
         """(tiles * patches, C * p * p) each tile patch's pixels, channel-major, as SigLIP's patch embedding (a
@@ -184,38 +187,43 @@ class LlavaOnevisionAdapter(QwenAdapter):
                                                 signed=True) for row in rows], dtype=torch.int64)
         return functools.cache(digests)
 
-    def _sources(self, tiles: int, extra) -> torch.Tensor | None:
-        """(N,) long: the tile patch (tile * patches per tile + patch) each packed token shows, -1 at newlines;
-        None when the packing mixes patches (a downsampled tiling: no token is one patch's)."""
-        flat = torch.arange(tiles * self._per_tile, dtype=torch.float64).reshape(tiles, -1)
-        at, squares = self._packed(flat, extra, -1.0), self._packed(flat.square(), extra, 1.0)
-        single = (at == -1.0) | ((at == at.round()) & (squares == at.square()))  # a mix has E[x^2] > E[x]^2
-        return at.long() if bool(single.all()) else None
+    def _footprints(self, tiles: int, extra) -> torch.Tensor:
+        """(N, tiles) bool: the tiles each packed token's value is computed from: its patch's tile, or with a
+        downsampled tiling (more tokens than ``anyres_max_N`` allows) the tiles its interpolation reads; none at
+        the newline tokens. One packing of the tiles' indicators, each its own channel."""
+        indicators = torch.eye(tiles, dtype=torch.float64)[:, None, :].expand(tiles, self._per_tile, tiles)
+        return self._pack(indicators, extra, torch.zeros(tiles, dtype=torch.float64)) > 0
 
     def encode_edited(self, get_image_features, edits: dict) -> dict:
-        """Per edited copy, its changed tiles through the tower in one call, each alone as a whole encode runs it;
-        the tokens of the others keep the alias's output. An image is left out (encoded whole) when it or its alias
-        has no tile digests, when every tile changed, or when the packing downsamples."""
+        """Per edited copy, the tiles that its changed tokens are computed from, through the tower in one call, each
+        alone as a whole encode runs it, and packed as the model packs them: the tokens computed from a changed tile
+        (a downsampled tiling mixes a token's neighbouring tiles: those are encoded too) take the packing's values,
+        every other token keeps the alias's, which are the same. An image is left out (encoded whole) when it or its
+        alias has no tile digests, when every tile is needed, or when a token whose pixels changed is computed from
+        no changed tile (the pixel rule and the digests disagree)."""
         out = {}
         for i, ((pixels, grid, extra), entry, changed, digests) in edits.items():
             mine, theirs = digests() if digests is not None else None, entry.tile_digests
             if mine is None or theirs is None or mine.shape != theirs.shape or entry.embeds.shape[0] != grid[2] \
                     or not self._packs_patches():
                 continue
-            redo = torch.nonzero(mine != theirs).flatten()
-            sources = self._sources(mine.numel(), extra) if redo.numel() < mine.numel() else None
-            if sources is None or sources.numel() != grid[2]:
+            redo = mine != theirs
+            footprints = self._footprints(mine.numel(), extra) if not bool(redo.all()) else None
+            if footprints is None or footprints.shape[0] != grid[2]:
                 continue
-            tile = torch.where(sources >= 0, sources // self._per_tile, -1)
-            fresh = torch.isin(tile, redo)
-            if bool((changed.cpu() & ~fresh & (sources >= 0)).any()):
-                continue  # a token whose pixels changed in a tile whose digest did not: never reuse it
+            fresh = (footprints & redo).any(1)  # tokens computed from a changed tile
+            needed = footprints[fresh].any(0) | redo  # the tiles those tokens are computed from
+            if bool(needed.all()) or bool((changed.cpu() & ~fresh & footprints.any(1)).any()):
+                continue
             embeds = entry.embeds.to(pixels.device)
-            if redo.numel():
-                new = self._encode_tiles(get_image_features, pixels[redo.to(pixels.device)], extra)
-                slot = torch.searchsorted(redo, tile[fresh])
-                rows = new[slot.to(new.device), (sources[fresh] % self._per_tile).to(new.device)]
-                embeds = embeds.to(new.dtype).index_copy(0, torch.nonzero(fresh).flatten().to(new.device), rows)
+            if bool(fresh.any()):
+                at = torch.nonzero(needed).flatten()
+                new = self._encode_tiles(get_image_features, pixels[at.to(pixels.device)], extra)
+                tiles = new.new_zeros(mine.numel(), *new.shape[1:])
+                tiles[at.to(new.device)] = new
+                packed = self._pack(tiles, extra, new.new_zeros(new.shape[-1]))  # newlines stay the alias's
+                rows = torch.nonzero(fresh).flatten().to(new.device)
+                embeds = embeds.to(new.dtype).index_copy(0, rows, packed[rows])
             out[i] = (embeds, None, int(fresh.sum()))
         return out
 
