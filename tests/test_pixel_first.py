@@ -652,3 +652,21 @@ def test_llava_onevision_reuses_its_tiles_after_another_text_and_answers_as_the_
     assert event.found_by == "pixels" and event.prefix_changed and 0 < event.encoded_tokens < event.n_tokens
     whole = generate(model, inputs, vismemo_hf.VisMemoCache(store=store, store_misses=False, reuse_encoder=False))
     assert torch.equal(reused[0], whole[0]) and torch.equal(reused[1], whole[1])
+
+
+@pytest.mark.parametrize("error", [RuntimeError, TypeError, IndexError])
+def test_a_failing_tile_reuse_encodes_the_whole_image(error, monkeypatch):
+    """Whatever goes wrong in a partial encode, the copy is encoded whole and answered: never an exception out of
+    ``generate``."""
+    from vismemo_hf.families import llava_onevision
+
+    model, processor = _enabled_tiny("llava_onevision")
+    base, edit = _llava_edit()
+    store = stored(model, processor, base)
+
+    def broken(self, tiles, extra):
+        raise error("a damaged packing")
+
+    monkeypatch.setattr(llava_onevision.LlavaOnevisionAdapter, "_footprints", broken)
+    event = _event(model, processor, store, edit, store_misses=False)
+    assert event.found_by == "pixels" and event.encoded_tokens == event.n_tokens

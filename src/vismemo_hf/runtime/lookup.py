@@ -449,7 +449,7 @@ def _encode_request(adapter, cache, get_image_features, firsts: dict, todo: list
     try:
         partial = _encode_changed(adapter, get_image_features, {i: firsts[i] for i in firsts if reusing},
                                   {i: items[i] for i in firsts})
-    except (RuntimeError, ValueError, IndexError, KeyError, AttributeError) as err:  # never out of generate
+    except (RuntimeError, ValueError, TypeError, IndexError, KeyError, AttributeError) as err:  # never out of generate
         logger.warning("vismemo: a partial encode failed (%s); encoding the whole images", err)
         partial = {}
     rest = [i for i in todo if i not in partial]
