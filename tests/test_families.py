@@ -157,8 +157,9 @@ def test_llava_images_of_as_many_tokens_in_other_rows_are_never_aliased():
     assert events[2].alias == events[0].key
 
 
-def test_llava_copies_changed_everywhere_a_little_are_found_by_the_base_views_thumbnail():
-    """LLaVA-OneVision's thumbnail is its base view's (the whole image at the tile size): a darker copy, whose every
+def test_llava_copies_changed_everywhere_a_little_are_found_by_their_thumbnail():
+    """LLaVA-OneVision's thumbnail is its base view's (the whole image at the tile size), or its tiles' where they
+    give a larger one at the same pixels per token (the tiny tower's 56-pixel tiles): a darker copy, whose every
     token hash changed, is an approximate hit found by the pixel stage with the default thresholds; another page of
     the same kind and size is not."""
     from PIL import ImageEnhance
@@ -174,7 +175,11 @@ def test_llava_copies_changed_everywhere_a_little_are_found_by_the_base_views_th
     image = synthetic_image("screen", 3)
     (pixels, grid, extra), = _llava_images(adapter, [image])
     thumb = adapter.thumbnail_of(pixels, grid, extra)()
-    assert thumb.dtype == torch.uint8 and tuple(thumb.shape) == thumbnail_shape(adapter.thumbnail_hw(grid))
+    rows, cols = adapter._tile_grid(pixels.shape[0], extra)
+    base = thumbnail_shape(adapter.thumbnail_hw(grid))
+    assert thumb.dtype == torch.uint8 and tuple(thumb.shape) == (rows * base[0], cols * base[1])
+    assert adapter.thumbnail_fits(tuple(thumb.shape), grid) and adapter.thumbnail_fits(base, grid)
+    assert not adapter.thumbnail_fits((base[0] + 1, base[1]), grid)
     events = {}
     for name, other in (("darker", ImageEnhance.Brightness(image).enhance(0.9)), ("other", synthetic_image("screen", 4))):
         store = VisMemoStore()

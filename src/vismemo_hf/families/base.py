@@ -521,10 +521,14 @@ class ModelAdapter(VisionTower):
                 entry.kv_tokens.numel() == 0 or int(entry.kv_tokens.max()) < n)), "stored token indices"),
             (0 <= entry.offset < getattr(text, "max_position_embeddings", 2**31), f"offset {entry.offset}"),
             (entry.entropy.shape == (n,) and bool(torch.isfinite(entry.entropy).all()), "patch entropy"),
-            (entry.thumbnail is None or tuple(entry.thumbnail.shape) == thumbnail_shape(self.thumbnail_hw(grid)),
+            (entry.thumbnail is None or self.thumbnail_fits(tuple(entry.thumbnail.shape), grid),
              f"thumbnail {None if entry.thumbnail is None else tuple(entry.thumbnail.shape)}"),
         ]
         return next((why for ok, why in checks if not ok), None)
+
+    def thumbnail_fits(self, shape: tuple[int, ...], grid) -> bool:
+        """Whether a stored thumbnail of ``shape`` is one this model makes for an image of ``grid``."""
+        return tuple(shape) == thumbnail_shape(self.thumbnail_hw(grid))
 
     def entropy_kwargs(self) -> dict:
         vc = self.vision_config

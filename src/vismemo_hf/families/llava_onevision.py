@@ -13,7 +13,7 @@ What differs from the generic adapter:
   their reading rows (the base view's rows, then each tile row up to its newline). A copy is matched in place only
   (``movable = False``: a move of the page is no move along the packed run) and only with an alias of the same
   packing (``same_layout``: newlines at the same tokens). The pixel stage aligns the base view's thumbnail (the
-  whole image at the tile size).
+  whole image at the tile size), or the tiles' where they give a larger one (a tower of small tiles).
 * The tower encodes each tile alone (``tile_encoder``): an entry keeps a digest of each tile's patches
   (``tile_digests``), and an edited copy found by its pixels re-encodes only the tiles whose digest changed (the base
   view, and the tiles its edits fall in); every other token keeps its alias's output, which is what encoding the
@@ -283,15 +283,51 @@ class LlavaOnevisionAdapter(QwenAdapter):
             bool(((mine == NEWLINE) == (theirs == NEWLINE)).all())
 
     def thumbnail_of(self, pixels: torch.Tensor, grid, extra=None):
-        """The base view's thumbnail (the whole image at the tile size, ``core.features.view_thumbnail``): what the
-        pixel stage aligns; None without the tiles."""
+        """What the pixel stage aligns (``core.features.view_thumbnail``): the base view's thumbnail (the whole image
+        at the tile size), or the tiles' (``_canvas``) where they give a larger one at the same pixels per token (a
+        tower of small tiles, whose base view is a few tokens a side: a 56-pixel base view of a page moved by 2 px
+        aligned worse than another page of its layout); None without the tiles."""
         if extra is None or pixels.dim() != 4:
             return None
-        from vismemo_hf.core.features import view_thumbnail
+        from vismemo_hf.core.features import thumb_per_token, view_thumbnail
+
+        hw, view = self.thumbnail_hw(grid), (lambda: pixels[0])
+        shape = self._tile_grid(pixels.shape[0], extra)
+        if shape is not None:
+            tiled = (shape[0] * hw[0], shape[1] * hw[1])
+            if max(tiled) > max(hw) and thumb_per_token(tiled) == thumb_per_token(hw):
+                hw, view = tiled, (lambda: self._canvas(pixels, *shape))
+        return functools.cache(lambda: view_thumbnail(view(), hw, image_mean=self.image_mean,
+                                                      image_std=self.image_std))
+
+    def thumbnail_fits(self, shape: tuple[int, ...], grid) -> bool:
+        """The base view's thumbnail, or the tiles' of some rows and columns of tiles at its pixels per token."""
+        from vismemo_hf.core.features import thumb_per_token, thumbnail_shape
 
         hw = self.thumbnail_hw(grid)
-        return functools.cache(lambda: view_thumbnail(pixels[0], hw, image_mean=self.image_mean,
-                                                      image_std=self.image_std))
+        if tuple(shape) == thumbnail_shape(hw):
+            return True
+        per = thumb_per_token(hw)
+        if len(shape) != 2 or any(side % (per * hw[0]) for side in shape) or min(shape) <= 0:
+            return False
+        return thumb_per_token((shape[0] // per, shape[1] // per)) == per
+
+    def _tile_grid(self, tiles: int, extra) -> tuple[int, int] | None:
+        """(rows, columns) of the image's tiles after its base view; None for an untiled image."""
+        from transformers.models.llava_onevision.modeling_llava_onevision import get_anyres_image_grid_shape
+
+        if not extra[1] or tiles < 2:
+            return None
+        rows, cols = get_anyres_image_grid_shape(list(extra[0]), self.model.config.image_grid_pinpoints,
+                                                 self.vision_config.image_size)
+        return (int(rows), int(cols)) if rows * cols == tiles - 1 else None
+
+    @staticmethod
+    def _canvas(pixels: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+        """(C, rows * tile, cols * tile): the tiles after the base view laid out as the image they cut."""
+        _, c, h, w = pixels.shape
+        return pixels[1 : 1 + rows * cols].reshape(rows, cols, c, h, w).permute(2, 0, 3, 1, 4).reshape(c, rows * h,
+                                                                                                      cols * w)
 
     def thumbnail_hw(self, grid) -> tuple[int, int]:
         """The base view's patches (its tokens: the first ``_per_tile`` of the run)."""
