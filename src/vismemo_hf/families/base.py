@@ -189,6 +189,10 @@ class VisionTower:
         in part by itself (``tile_encoder``); an image left out is encoded another way. {}: none."""
         return {}
 
+    def thumbnail_fits(self, shape: tuple[int, ...], grid) -> bool:
+        """Whether a stored thumbnail of ``shape`` is one this model makes for an image of ``grid``."""
+        return tuple(shape) == thumbnail_shape(self.thumbnail_hw(grid))
+
     def split_encoded(self, out) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
         """The tower's output per image: (embeds (N, d), extra visual features (k, N, d) | None)."""
         return [(e, None) for e in out.pooler_output]
@@ -525,10 +529,6 @@ class ModelAdapter(VisionTower):
              f"thumbnail {None if entry.thumbnail is None else tuple(entry.thumbnail.shape)}"),
         ]
         return next((why for ok, why in checks if not ok), None)
-
-    def thumbnail_fits(self, shape: tuple[int, ...], grid) -> bool:
-        """Whether a stored thumbnail of ``shape`` is one this model makes for an image of ``grid``."""
-        return tuple(shape) == thumbnail_shape(self.thumbnail_hw(grid))
 
     def entropy_kwargs(self) -> dict:
         vc = self.vision_config

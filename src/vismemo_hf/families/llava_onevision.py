@@ -51,8 +51,86 @@ TILE_VIEW = 0x2545F4914F6CDD1D
 _CRCS = TensorMemo(128 << 20)
 
 
+class TileReuse:
+    """The tiles of an image, each encoded alone (``VisionTower.tile_encoder``): their digests, kept with an entry,
+    and an edited copy's encode of the tiles its changes are computed from. Mixed into the adapter, whose packing
+    (``_pack``, ``_per_tile``) and patch rows it reads."""
+
+    tile_encoder: ClassVar[bool] = True
+
+    def _tile_crcs(self, pixels: torch.Tensor) -> torch.Tensor:
+        """(tiles, patches per tile) int64: each tile patch's CRC-32C, as the tower reads it (``_patch_rows``)."""
+        from vismemo_hf.core.features import patch_hashes
+
+        def compute():
+            crcs = patch_hashes(self._patch_rows(pixels), 1).reshape(pixels.shape[0], -1)
+            return crcs, crcs.numel() * crcs.element_size() + pixels.numel() * pixels.element_size()
+        return _CRCS.get(pixels, "tile crcs", compute)
+
+    def tile_digests(self, pixels: torch.Tensor, grid, extra=None):
+        """A call that gives (T,) int64: per tile, 8 bytes of BLAKE2b over its patches' CRC-32C (equal for tiles
+        whose every patch the tower reads is unchanged, as the pixel-first stage judges a token); None for an image
+        not tiled or without its tiles."""
+        if extra is None or not extra[1] or pixels.dim() != 4 or pixels.shape[0] < 2:
+            return None
+
+        def digests() -> torch.Tensor:
+            rows = self._tile_crcs(pixels).numpy()
+            return torch.tensor([int.from_bytes(hashlib.blake2b(row.tobytes(), digest_size=8).digest(), "little",
+                                                signed=True) for row in rows], dtype=torch.int64)
+        return functools.cache(digests)
+
+    def _footprints(self, tiles: int, extra) -> torch.Tensor:
+        """(N, tiles) bool: the tiles each packed token's value is computed from: its patch's tile, or with a
+        downsampled tiling (more tokens than ``anyres_max_N`` allows) the tiles its interpolation reads; none at
+        the newline tokens. One packing of the tiles' indicators, each its own channel."""
+        indicators = torch.eye(tiles, dtype=torch.float64)[:, None, :].expand(tiles, self._per_tile, tiles)
+        return self._pack(indicators, extra, torch.zeros(tiles, dtype=torch.float64)) > 0
+
+    def encode_edited(self, get_image_features, edits: dict) -> dict:
+        """Per edited copy, the tiles that its changed tokens are computed from, through the tower in one call, each
+        alone as a whole encode runs it, and packed as the model packs them: the tokens computed from a changed tile
+        (a downsampled tiling mixes a token's neighbouring tiles: those are encoded too) take the packing's values,
+        every other token keeps the alias's, which are the same. An image is left out (encoded whole) when it or its
+        alias has no tile digests, when every tile is needed, or when a token whose pixels changed is computed from
+        no changed tile (the pixel rule and the digests disagree)."""
+        out = {}
+        for i, ((pixels, grid, extra), entry, changed, digests) in edits.items():
+            mine, theirs = digests() if digests is not None else None, entry.tile_digests
+            if mine is None or theirs is None or mine.shape != theirs.shape or entry.embeds.shape[0] != grid[2] \
+                    or not self._packs_patches():
+                continue
+            redo = mine != theirs
+            footprints = self._footprints(mine.numel(), extra) if not bool(redo.all()) else None
+            if footprints is None or footprints.shape[0] != grid[2]:
+                continue
+            fresh = (footprints & redo).any(1)  # tokens computed from a changed tile
+            needed = footprints[fresh].any(0) | redo  # the tiles those tokens are computed from
+            if bool(needed.all()) or bool((changed.cpu() & ~fresh & footprints.any(1)).any()):
+                continue
+            embeds = entry.embeds.to(pixels.device)
+            if bool(fresh.any()):
+                at = torch.nonzero(needed).flatten()
+                new = self._encode_tiles(get_image_features, pixels[at.to(pixels.device)], extra)
+                tiles = new.new_zeros(mine.numel(), *new.shape[1:])
+                tiles[at.to(new.device)] = new
+                packed = self._pack(tiles, extra, new.new_zeros(new.shape[-1]))  # newlines stay the alias's
+                rows = torch.nonzero(fresh).flatten().to(new.device)
+                embeds = embeds.to(new.dtype).index_copy(0, rows, packed[rows])
+            out[i] = (embeds, None, int(fresh.sum()))
+        return out
+
+    def _encode_tiles(self, get_image_features, tiles: torch.Tensor, extra) -> torch.Tensor:
+        """(k, patches per tile, d): the tower and projector over ``tiles``, each as its own untiled image (what the
+        model runs on every tile of an image before packing them)."""
+        k, size = tiles.shape[0], extra[0]
+        encoded = get_image_features(tiles, torch.tensor([size] * k, device=tiles.device),
+                                     batch_num_images=torch.tensor([max(2, k)]), return_dict=True)
+        return torch.stack([features[: self._per_tile] for features in encoded.pooler_output])
+
+
 @dataclass
-class LlavaOnevisionAdapter(QwenAdapter):
+class LlavaOnevisionAdapter(TileReuse, QwenAdapter):
     model_types: ClassVar[tuple[str, ...]] = ("llava_onevision",)
     title: ClassVar[str] = "LLaVA-OneVision"
     processor_class: ClassVar[str] = "LlavaOnevisionProcessor"
@@ -63,7 +141,6 @@ class LlavaOnevisionAdapter(QwenAdapter):
     vision_out_key: ClassVar[str | None] = None
     movable: ClassVar[bool] = False
     partial_encoder: ClassVar[bool] = False  # tiles are encoded whole (SigLIP attends over each tile)
-    tile_encoder: ClassVar[bool] = True  # ... and alone: an edited copy re-encodes its changed tiles
     special_tokens: ClassVar[tuple[str, ...]] = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<image>", "<video>")
     chat_template: ClassVar[str] = LLAVA_TEMPLATE
 
@@ -163,77 +240,6 @@ class LlavaOnevisionAdapter(QwenAdapter):
         tiles = (torch.arange(hashes.numel()) >= self._per_tile) & (hashes != NEWLINE) if pixels.shape[0] > 1 \
             else torch.zeros_like(hashes, dtype=torch.bool)
         return torch.where(tiles, hashes ^ TILE_VIEW, hashes)
-
-    def _tile_crcs(self, pixels: torch.Tensor) -> torch.Tensor:
-        """(tiles, patches per tile) int64: each tile patch's CRC-32C, as the tower reads it (``_patch_rows``)."""
-        from vismemo_hf.core.features import patch_hashes
-
-        def compute():
-            crcs = patch_hashes(self._patch_rows(pixels), 1).reshape(pixels.shape[0], -1)
-            return crcs, crcs.numel() * crcs.element_size() + pixels.numel() * pixels.element_size()
-        return _CRCS.get(pixels, "tile crcs", compute)
-
-    # -- the tiles, each encoded alone: an edited copy re-encodes the changed ones -----------------------------
-    def tile_digests(self, pixels: torch.Tensor, grid, extra=None):
-        """A call that gives (T,) int64: per tile, 8 bytes of BLAKE2b over its patches' CRC-32C (equal for tiles
-        whose every patch the tower reads is unchanged, as the pixel-first stage judges a token); None for an image
-        not tiled or without its tiles."""
-        if extra is None or not extra[1] or pixels.dim() != 4 or pixels.shape[0] < 2:
-            return None
-
-        def digests() -> torch.Tensor:
-            rows = self._tile_crcs(pixels).numpy()
-            return torch.tensor([int.from_bytes(hashlib.blake2b(row.tobytes(), digest_size=8).digest(), "little",
-                                                signed=True) for row in rows], dtype=torch.int64)
-        return functools.cache(digests)
-
-    def _footprints(self, tiles: int, extra) -> torch.Tensor:
-        """(N, tiles) bool: the tiles each packed token's value is computed from: its patch's tile, or with a
-        downsampled tiling (more tokens than ``anyres_max_N`` allows) the tiles its interpolation reads; none at
-        the newline tokens. One packing of the tiles' indicators, each its own channel."""
-        indicators = torch.eye(tiles, dtype=torch.float64)[:, None, :].expand(tiles, self._per_tile, tiles)
-        return self._pack(indicators, extra, torch.zeros(tiles, dtype=torch.float64)) > 0
-
-    def encode_edited(self, get_image_features, edits: dict) -> dict:
-        """Per edited copy, the tiles that its changed tokens are computed from, through the tower in one call, each
-        alone as a whole encode runs it, and packed as the model packs them: the tokens computed from a changed tile
-        (a downsampled tiling mixes a token's neighbouring tiles: those are encoded too) take the packing's values,
-        every other token keeps the alias's, which are the same. An image is left out (encoded whole) when it or its
-        alias has no tile digests, when every tile is needed, or when a token whose pixels changed is computed from
-        no changed tile (the pixel rule and the digests disagree)."""
-        out = {}
-        for i, ((pixels, grid, extra), entry, changed, digests) in edits.items():
-            mine, theirs = digests() if digests is not None else None, entry.tile_digests
-            if mine is None or theirs is None or mine.shape != theirs.shape or entry.embeds.shape[0] != grid[2] \
-                    or not self._packs_patches():
-                continue
-            redo = mine != theirs
-            footprints = self._footprints(mine.numel(), extra) if not bool(redo.all()) else None
-            if footprints is None or footprints.shape[0] != grid[2]:
-                continue
-            fresh = (footprints & redo).any(1)  # tokens computed from a changed tile
-            needed = footprints[fresh].any(0) | redo  # the tiles those tokens are computed from
-            if bool(needed.all()) or bool((changed.cpu() & ~fresh & footprints.any(1)).any()):
-                continue
-            embeds = entry.embeds.to(pixels.device)
-            if bool(fresh.any()):
-                at = torch.nonzero(needed).flatten()
-                new = self._encode_tiles(get_image_features, pixels[at.to(pixels.device)], extra)
-                tiles = new.new_zeros(mine.numel(), *new.shape[1:])
-                tiles[at.to(new.device)] = new
-                packed = self._pack(tiles, extra, new.new_zeros(new.shape[-1]))  # newlines stay the alias's
-                rows = torch.nonzero(fresh).flatten().to(new.device)
-                embeds = embeds.to(new.dtype).index_copy(0, rows, packed[rows])
-            out[i] = (embeds, None, int(fresh.sum()))
-        return out
-
-    def _encode_tiles(self, get_image_features, tiles: torch.Tensor, extra) -> torch.Tensor:
-        """(k, patches per tile, d): the tower and projector over ``tiles``, each as its own untiled image (what the
-        model runs on every tile of an image before packing them)."""
-        k, size = tiles.shape[0], extra[0]
-        encoded = get_image_features(tiles, torch.tensor([size] * k, device=tiles.device),
-                                     batch_num_images=torch.tensor([max(2, k)]), return_dict=True)
-        return torch.stack([features[: self._per_tile] for features in encoded.pooler_output])
 
     def pixel_features(self, pixels: torch.Tensor, grid, hashes=None, extra=None):
         known = functools.cache(lambda: hashes if hashes is not None else self.patch_hashes(pixels, grid, extra))
