@@ -96,9 +96,11 @@ class TileReuse:
         no changed tile (the pixel rule and the digests disagree)."""
         out = {}
         for i, ((pixels, grid, extra), entry, changed, digests) in edits.items():
-            mine, theirs = digests() if digests is not None else None, entry.tile_digests
-            if mine is None or theirs is None or mine.shape != theirs.shape or entry.embeds.shape[0] != grid[2] \
-                    or not self._packs_patches():
+            theirs = entry.tile_digests
+            if theirs is None or digests is None or entry.embeds.shape[0] != grid[2] or not self._packs_patches():
+                continue
+            mine = digests()
+            if mine.shape != theirs.shape:
                 continue
             redo = mine != theirs
             footprints = self._footprints(mine.numel(), extra) if not bool(redo.all()) else None
