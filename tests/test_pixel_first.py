@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import vismemo_hf
-from vismemo_hf.core.features import token_grid
+from vismemo_hf.core.features import exact_key, token_grid
 from vismemo_hf.core.pixel_first import (
     REGION_SAME,
     REGION_SAME_TOP,
@@ -22,6 +22,7 @@ from vismemo_hf.core.plan import HitKind
 from vismemo_hf.eval import synthetic
 from vismemo_hf.runtime.hooks import _own
 from vismemo_hf.store.pixels import CROWDED, SAMPLE, PixelIndex
+from vismemo_hf.testing import tiny_model
 
 from conftest import _enabled_tiny, build_inputs, generate, stored
 
@@ -409,6 +410,83 @@ def test_after_another_long_text_the_edit_encodes_its_whole_image(qwen2):
     assert same.found_by == "pixels" and same.encoded_tokens < same.n_tokens
     longer = event("Here is the scanned form from the second office, please read it carefully: ")
     assert longer.found_by == "pixels" and longer.encoded_tokens == longer.n_tokens
+
+
+def _lent_runs(family: str, prefix: str = "Step 2:"):
+    """(model, processor, store, inputs, run) for an edited page asked after a small change of the text before it:
+    ``run(**opts)`` generates with a cache of ``opts`` and gives ((tokens, scores), the image's event)."""
+    model, processor = _enabled_tiny(family)
+    base, edit = synthetic.page(13, SIZE), synthetic.edited(13, row=2, value="2718", size=SIZE)
+    store = stored(model, processor, base)
+    inputs = build_inputs(processor, [edit], prefix=prefix)
+
+    def run(store=store, **opts):
+        cache = vismemo_hf.VisMemoCache(store=store, **{"store_misses": False, **opts})
+        out = generate(model, inputs, cache)
+        return out, cache.events[0]
+
+    return model, processor, store, inputs, run
+
+
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen3_vl", "glm4v"])
+def test_after_a_small_change_of_text_the_edit_lends_and_a_fallback_starts_from_its_whole_encode(family):
+    """After a small change of the text before it (a chat's or an agent's next step) an edited copy is still lent its
+    alias's encoder output. A plan that then computes the image in full (a page changed everywhere, an unsure answer)
+    starts the prefill again from the image's own whole encode (deepstack features included): tokens and scores are
+    those of a whole encode computed in full, and the tokens plain transformers'."""
+    model, processor, store, inputs, run = _lent_runs(family)
+    _, lent = run(prefix_min_confidence=0.0)  # a random model is unsure of every answer: no confidence guard here
+    assert lent.found_by == "pixels" and lent.prefix_changed and 0 < lent.encoded_tokens != lent.n_tokens
+    assert (lent.encoded_tokens < lent.n_tokens) == (lent.fallback is None)  # lent; whole again only after a fallback
+    plain, _ = tiny_model(family)
+    with torch.no_grad():
+        expected = plain.generate(**inputs, max_new_tokens=3, do_sample=False)[:, inputs["input_ids"].shape[1]:]
+    for opts in (dict(miss_deviation=0.0), dict(prefix_min_confidence=1.0)):
+        (tokens, scores), event = run(**opts)
+        assert event.fallback in ("changed", "context", "uncertain") and event.recomputed == event.n_tokens
+        assert event.encoded_tokens > event.n_tokens  # the partial encode, then the whole one
+        (whole_tokens, whole_scores), whole = run(reuse_encoder=False, **opts)
+        assert whole.fallback is not None and whole.encoded_tokens == whole.n_tokens
+        assert torch.equal(tokens, whole_tokens) and torch.equal(scores, whole_scores)
+        assert torch.equal(tokens, expected)
+
+
+def test_an_edit_computed_in_full_after_its_partial_encode_is_stored_from_its_whole_encode(qwen2):
+    """The entry of an image restarted from its whole encode is a miss's: its encoder output is the whole encode's
+    (not the alias's lent one), so an exact hit on it later is plain transformers'."""
+    model, processor = qwen2
+    _, _, store, inputs, run = _lent_runs("qwen2_vl")
+    owner = vismemo_hf.VisMemoCache().owner(model._vismemo.fingerprint)
+    key = exact_key(owner, inputs["pixel_values"], tuple(int(x) for x in inputs["image_grid_thw"][0]))
+    _, event = run(miss_deviation=0.0, store_misses=True)
+    store.flush()
+    assert event.fallback == "changed" and event.key == key
+    entry = store.peek(key, owner)
+    assert entry is not None
+    reference = vismemo_hf.VisMemoStore()
+    run(store=reference, store_misses=True)  # a miss in a store without the base: encoded whole
+    reference.flush()
+    assert torch.equal(entry.embeds, reference.peek(key, owner).embeds)
+
+
+def test_a_watched_answer_repairs_from_the_whole_encode(qwen2):
+    """A reuse after another context watches its first generated tokens (``runtime/watch.py``); a repair computes
+    the whole sequence in full, so the watch holds, and uses, the whole encode of an image lent encoder output."""
+    model, processor = qwen2
+    _, _, store, inputs, _ = _lent_runs("qwen2_vl")
+    cache = vismemo_hf.VisMemoCache(store=store, store_misses=False, prefix_min_confidence=1e-6)
+    generate(model, inputs, cache, 1)
+    event = cache.events[0]
+    assert event.fallback is None and 0 < event.encoded_tokens < event.n_tokens
+    watch = cache.watch
+    assert watch is not None and watch.whole is not None
+    lent = watch.embeds[0]
+    watch._own_encodes()
+    image = (inputs["input_ids"][0] == model.config.image_token_id).nonzero().flatten()
+    own = model._vismemo.encode(_own(model._vismemo.base, "get_image_features"), inputs["pixel_values"],
+                                inputs["image_grid_thw"])[0][0]
+    assert torch.equal(watch.embeds[0][0, image], own.to(lent.dtype))
+    assert not torch.equal(lent[0, image], own.to(lent.dtype)) and watch.whole is None
 
 
 def test_one_distinctive_token_kept_is_no_region():

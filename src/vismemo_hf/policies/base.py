@@ -221,8 +221,7 @@ class RoutingPolicy:
         ``prefix_check_large``; an exact hit that would be checked at a layer the model does not have is too."""
         if kind is HitKind.MISS:
             return self.miss_plan(image)
-        if prefix_changed and self.prefix_routing == "check" and not self.prefix_check_large and \
-                not self.small_change(context_change):
+        if self.context_in_full(prefix_changed, context_change):
             return ImagePlan.full(kind, image.n_tokens, alias.key, fallback="context")
         if kind is HitKind.APPROXIMATE:
             return None
@@ -231,6 +230,13 @@ class RoutingPolicy:
             return ImagePlan.full(HitKind.EXACT, image.n_tokens, alias.key) if self.prefix_check_layer >= n_layers \
                 else None
         return plan.limited_to(alias, self.missing)
+
+    def context_in_full(self, prefix_changed: bool, context_change: int | None) -> bool:
+        """Whether a hit after another context (``prefix_changed``) that differs from its alias's by
+        ``context_change`` tokens of text is computed in full before any layer runs (``early_plan``): the lookup then
+        encodes its image whole rather than lend it the alias's encoder output."""
+        return prefix_changed and self.prefix_routing == "check" and not self.prefix_check_large and \
+            not self.small_change(context_change)
 
     def prefetch(self, kind: HitKind, image: ImageFeatures, alias: ImageFeatures) -> tuple[torch.Tensor, int]:
         """(tokens, first layer): the alias K/V to read before the warmup runs, only tokens the alias holds. Every

@@ -226,6 +226,18 @@ class AliasReader:
         reads.reuse_index = reads.fetched.positions(plan.reuse)
         return True
 
+    def close(self) -> None:
+        """Wait for every read still running (a prefill that starts again reads anew); their failures are theirs."""
+        for reads in self._reads.values():
+            pending = reads.pending if not isinstance(reads.pending, tuple) else reads.pending[1]
+            for work in (pending, reads.streaming):
+                if work is not None:
+                    try:
+                        work.result()
+                    except Exception as err:  # noqa: BLE001 - a read that failed has nothing left to wait for
+                        logger.debug("vismemo: a read ended with %s", err)
+            reads.pending = reads.streaming = None
+
     def forget(self, i: int) -> None:
         """The image will be computed: nothing of its alias is used."""
         self._reads[i] = _Reads(bytes=self._reads[i].bytes, timings=self._reads[i].timings)

@@ -8,6 +8,7 @@ on the cache for the runner; the model receives ``mm_encoder_outputs`` instead o
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import logging
 import time
@@ -88,6 +89,10 @@ class ImageMatch:
     #: a call that gives the digests of the tiles the tower encodes alone (``VisionTower.tile_digests``), kept with the
     #: entry so that an edited copy re-encodes only its changed tiles; None: the tower encodes the image whole
     tile_digests: Callable[[], torch.Tensor] | None = None
+    #: an image whose encoder output is partly its alias's, lent tower K/V (``encoded_tokens`` < its tokens): what
+    #: gives the match its own whole-image encode (``_whole_encoder``), which a plan that computes the image in full
+    #: starts from (``runtime.runner``); None: the encoder output is the image's own (a whole or tiled encode)
+    whole_encode: Callable[[ImageMatch], ImageMatch] | None = None
 
     @property
     def n_tokens(self) -> int:
@@ -342,9 +347,9 @@ def lookup_request(adapter, cache, input_ids, pixel_values, grids, get_image_fea
                          owner.encode() + getattr(cache.store, "context_key", b""))
     t0 = time.perf_counter()
     lendable = {i: (*f, tiles[i]) for i, f in firsts.items()
-                if adapter.tile_encoder or _same_context(f[0], contexts[originals[i]][0])}
-    partial, encodings = _encode_request(adapter, cache, get_image_features, lendable, todo,
-                                         {i: items[originals[i]] for i in todo}, encoded)
+                if adapter.tile_encoder or _lends(cache.policy, f[0], *contexts[originals[i]])}
+    partial, encodings, wholes = _encode_request(adapter, cache, get_image_features, lendable, todo,
+                                                 {i: items[originals[i]] for i in todo}, encoded)
     encoder_ms = (time.perf_counter() - t0) * 1e3
     images = []
     for j, i in enumerate(source):
@@ -362,7 +367,7 @@ def lookup_request(adapter, cache, input_ids, pixel_values, grids, get_image_fea
                                HitKind.MISS, prefix, encoder_ms=encoder_ms, context=sketch,
                                thumbnail=adapter.thumbnail_of(pixels[j], grid_list[j], extras[j]), host_embeds=host_embeds,
                                encoded_tokens=partial[i][2] if i in partial else None, tower_kv=tower,
-                               tile_digests=tiles[i])
+                               tile_digests=tiles[i], whole_encode=wholes.get(i))
             match = _pixel_first_match(match, *firsts[i]) if i in firsts else \
                 _approximate(adapter, match, cache, get_image_features)
         stages = exact_ms + (pixel_ms if entry is None else 0.0)
@@ -429,43 +434,68 @@ def _pixel_alias(adapter, cache, owner: str, grid, hashes: torch.Tensor | None, 
     return None
 
 
-def _same_context(entry: Entry, prefix: str) -> bool:
-    """Whether a pixel-first alias may lend its encoder output: what precedes the image is what preceded it. After
-    another context, even a small change, the checks may compute the image in full (probes, an unsure answer),
-    which must then be its own whole-image encode to give plain transformers' answer (a run of the context report
-    that lent it after small changes disagreed with plain on a near tie that the fallback computed). A tower that
-    re-encodes whole tiles (``VisionTower.tile_encoder``) gives every token what the whole encode gives it, and lends
-    after any context."""
-    return entry.prefix == prefix
+def _lends(policy, entry: Entry, prefix: str, sketch: torch.Tensor | None) -> bool:
+    """Whether a pixel-first alias may lend its encoder output: unless the routing computes the image in full before
+    any layer runs (a context change that is not small, ``RoutingPolicy.context_in_full``), where only the image's own
+    whole encode gives plain transformers' answer. Later fallbacks (probes, an unsure answer, a page changed
+    everywhere) start the prefill again from the whole encode (``ImageMatch.whole_encode``). A tower that re-encodes
+    whole tiles (``VisionTower.tile_encoder``) gives every token what the whole encode gives it, and lends after any
+    context."""
+    changed = entry.prefix != prefix
+    return not policy.context_in_full(changed, context_change(entry.context, sketch) if changed else None)
 
 
 def _encode_request(adapter, cache, get_image_features, firsts: dict, todo: list[int], items: dict, encoded) \
-        -> tuple[dict, dict]:
-    """(partial, encodings) of the images without an exact hit (``items``: image -> its (pixels, grid, extra)):
-    ``_encode_changed`` for those found by their pixels when the policy reuses the encoder (a failure there
+        -> tuple[dict, dict, dict]:
+    """(partial, encodings, wholes) of the images without an exact hit (``items``: image -> its (pixels, grid,
+    extra)): ``_encode_changed`` for those found by their pixels when the policy reuses the encoder (a failure there
     encodes them whole), one batch through the tower for the rest, keeping the tower's K/V when entries are
-    written (``_encode``)."""
+    written (``_encode``); ``wholes``: the ``_whole_encoder`` of each image lent its alias's tower K/V."""
     reusing = encoded is None and (adapter.partial_encoder or adapter.tile_encoder) and cache.policy.reuses_encoder()
     try:
-        partial = _encode_changed(adapter, get_image_features, {i: firsts[i] for i in firsts if reusing},
-                                  {i: items[i] for i in firsts})
+        partial, lent = _encode_changed(adapter, get_image_features, {i: firsts[i] for i in firsts if reusing},
+                                        {i: items[i] for i in firsts})
     except (RuntimeError, ValueError, TypeError, IndexError, KeyError, AttributeError) as err:  # never out of generate
         logger.warning("vismemo: a partial encode failed (%s); encoding the whole images", err)
-        partial = {}
+        partial, lent = {}, set()
     rest = [i for i in todo if i not in partial]
     capturing = adapter.partial_encoder and cache.policy.reuses_encoder() and cache.store_misses
     encodings = {**_encode(adapter, get_image_features, rest, encoded, [items[i] for i in rest], capturing),
                  **{i: (*out[:2], None) for i, out in partial.items()}}
-    return partial, encodings
+    return partial, encodings, {i: _whole_encoder(adapter, get_image_features, items[i], capturing) for i in lent}
 
 
-def _encode_changed(adapter, get_image_features, found: dict, items: dict) -> dict:
-    """{image: (embeds, deepstack, tokens encoded)} of pixel-first hits (``found``: image -> ``_pixel_alias``'s
-    result and the image's ``tile_digests`` call) whose alias kept its tower K/V: the tower runs, in one call, for
+def _whole_encoder(adapter, get_image_features, item: tuple, capturing: bool) -> Callable[[ImageMatch], ImageMatch]:
+    """What turns a match lent its alias's encoder output into one with the image's own whole encode of ``item``
+    ((pixels, grid, extra) on the tower's device): its embeddings, deepstack, descriptors and (``capturing``) tower
+    K/V, so that its entry, once computed in full, is a miss's. The tower runs once for every copy of the image
+    (beam search, ``num_return_sequences``); ``encoded_tokens`` counts both encodes."""
+    done: list = []
+
+    def whole(match: ImageMatch) -> ImageMatch:
+        t0 = time.perf_counter()
+        if not done:
+            done.extend(_encode(adapter, get_image_features, [0], None, [item], capturing)[0])
+        embeds, deepstack, tower = done
+        host = embeds.detach().float().cpu()
+        features = copy.copy(match.features)
+        features.embeds = embeds
+        return replace(match, features=features, embeds=embeds, deepstack=deepstack, host_embeds=host,
+                       descriptors=region_descriptors(host, match.features.grid, adapter.merge), tower_kv=tower,
+                       encoded_tokens=match.n_tokens + (match.encoded_tokens or 0), whole_encode=None,
+                       encoder_ms=match.encoder_ms + (time.perf_counter() - t0) * 1e3)
+
+    return whole
+
+
+def _encode_changed(adapter, get_image_features, found: dict, items: dict) -> tuple[dict, set]:
+    """({image: (embeds, deepstack, tokens encoded)}, the images lent tower K/V) of pixel-first hits (``found``:
+    image -> ``_pixel_alias``'s result and the image's ``tile_digests`` call) whose alias kept its tower K/V: the
+    tower runs, in one call, for
     each image's changed tokens (whole windows of a windowed tower), which attend at every full-attention block to
     the alias's other patches (``families.tower_kv``); the changed tokens take its output, the others keep the
     alias's. An alias without tower K/V is encoded in full (a partial encode without the rest of the image as context
-    is measured wrong: ``results/quality/encoder-reuse.md``); {} when the family's tower cannot. A tower that
+    is measured wrong: ``results/quality/encoder-reuse.md``); none lent when the family's tower cannot. A tower that
     encodes tiles alone re-encodes the changed tiles of the images it can by itself (``VisionTower.encode_edited``)."""
     own = adapter.encode_edited(get_image_features, {i: (items[i], f[0], f[1], f[3]) for i, f in found.items()}) \
         if found and adapter.tile_encoder else {}
@@ -478,7 +508,7 @@ def _encode_changed(adapter, get_image_features, found: dict, items: dict) -> di
     fresh = adapter.encode_tokens(get_image_features, [(items[i][0], items[i][1], t) for i, t in wanted.items()],
                                   lent=[found[i][0].tower_kv for i in wanted]) if wanted else []
     if fresh is None:
-        return {}
+        return own, set()
     fresh = dict(zip(wanted, fresh))
     out = {}
     for i, (entry, changed, _) in found.items():
@@ -493,7 +523,7 @@ def _encode_changed(adapter, get_image_features, found: dict, items: dict) -> di
                 deepstack = deepstack.to(extra.dtype).index_copy(1, torch.nonzero(changed).flatten().to(extra.device),
                                                                  extra[:, at.to(extra.device)])
         out[i] = (embeds, deepstack, int(wanted[i].numel()) if i in wanted else 0)
-    return {**own, **out}
+    return {**own, **out}, set(out)
 
 
 def _on_device(tensor: torch.Tensor, like: torch.Tensor) -> torch.Tensor:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from transformers.modeling_outputs import BaseModelOutputWithPast
@@ -59,6 +59,42 @@ class ImageRun:
                           encoded_tokens=m.n_tokens if m.encoded_tokens is None else m.encoded_tokens)
 
 
+class WholeEncodeNeeded(Exception):
+    """A plan computes in full an image whose encoder output is partly its alias's (``ImageMatch.whole_encode``):
+    plain transformers' answer needs the image's own whole encode, so the prefill starts again from it
+    (``run_prefill``). ``images``: image -> the fallback its plan then has ("miss": its alias K/V could not be read)."""
+
+    def __init__(self, images: dict[int, str]) -> None:
+        super().__init__(f"images {sorted(images)} need their whole encode")
+        self.images = images
+
+
+def whole_encoded(matches: list[ImageMatch], images: dict[int, str], inputs_embeds: torch.Tensor,
+                  visual_pos_masks: torch.Tensor | None, deepstack: list | None) -> tuple[list, torch.Tensor, list | None]:
+    """(matches, inputs_embeds, deepstack features) with the ``images`` lent encoder output given their own whole
+    encode (a demoted one, fallback "miss", as a miss): their rows of the text model's inputs and of Qwen3-VL's
+    deepstack features replaced (new tensors; the ones given are left as they are)."""
+    matches, embeds = list(matches), inputs_embeds.clone()
+    ranks = None
+    if deepstack is not None and visual_pos_masks is not None:
+        ranks = (visual_pos_masks.reshape(-1).long().cumsum(0) - 1).reshape(visual_pos_masks.shape)
+        deepstack = [d.clone() for d in deepstack]
+    for i, fallback in images.items():
+        m = matches[i]
+        if m.whole_encode is None:
+            continue
+        m = m.whole_encode(m)
+        m = m.as_miss() if fallback == "miss" else m
+        columns = m.columns(torch.arange(m.n_tokens, device=embeds.device))
+        embeds[m.row, columns] = m.embeds.to(embeds.device, embeds.dtype)
+        if ranks is not None and m.deepstack is not None:
+            at = ranks[m.row, columns.to(ranks.device)]
+            for level, features in enumerate(deepstack):
+                features[at.to(features.device)] = m.deepstack[level].to(features.device, features.dtype)
+        matches[i] = m
+    return matches, embeds, deepstack
+
+
 def _positions(position_ids: torch.Tensor | None, batch: int = 1, length: int = 0, device=None) -> torch.Tensor:
     """(3, B, L) positions of a prefill: the model's M-RoPE ids, 1-D ids repeated, or (none given: a 1-D model
     called without them) the columns, as the language model itself would number them."""
@@ -80,7 +116,9 @@ class PrefillRunner:
     """One prefill with images: plans, reads, the layer loop, entries and events."""
 
     def __init__(self, adapter, ctx: ForwardContext, request: PrefillRequest, inputs_embeds, attention_mask,
-                 position_ids):
+                 position_ids, forced: dict[int, str] | None = None):
+        #: images computed in full from the start, and why (``WholeEncodeNeeded``: a run before this one found it so)
+        self.forced = forced or {}
         self.adapter, self.ctx, self.cache, self.policy = adapter, ctx, ctx.cache, ctx.cache.policy
         self.batch, self.length, _ = inputs_embeds.shape
         self.positions = _positions(position_ids, self.batch, self.length, inputs_embeds.device)
@@ -113,7 +151,9 @@ class PrefillRunner:
         """Plans that need no warmup, and the reads that overlap the warmup."""
         for i, run in enumerate(self.runs):
             m = run.match
-            if m.kind is HitKind.APPROXIMATE and not m.aligned:  # warped: its tokens do not show what the alias's did
+            if i in self.forced and m.kind is not HitKind.MISS:
+                run.plan = ImagePlan.full(m.kind, m.n_tokens, m.alias.key, fallback=self.forced[i])
+            elif m.kind is HitKind.APPROXIMATE and not m.aligned:  # warped: its tokens do not show what the alias's did
                 run.plan = ImagePlan.full(HitKind.APPROXIMATE, m.n_tokens, m.alias.key, fallback="warp")
             else:
                 run.plan = self.policy.early_plan(m.kind, m.features, m.alias, m.prefix_changed, self.adapter.num_layers,
@@ -129,6 +169,25 @@ class PrefillRunner:
             run.timings["plan"] = (time.perf_counter() - t0) * 1e3
             if run.prefetched.numel():
                 self.reader.fetch(i, run.prefetched, first, run.offset, background=m.kind is HitKind.APPROXIMATE)
+        self._whole_encodes()
+
+    def _whole_encodes(self, failed: dict[int, str] | None = None) -> None:
+        """Raise ``WholeEncodeNeeded`` when an image lent encoder output is computed in full: its plan computes every
+        token, or it is among the ``failed`` plans about to be (which are then all computed in full from the start)."""
+        lent = {i for i, r in enumerate(self.runs) if r.match.whole_encode is not None}
+        if failed and lent.intersection(failed):
+            raise WholeEncodeNeeded(failed)
+        need = {i: "miss" if self.runs[i].match.kind is HitKind.MISS else self.runs[i].plan.fallback or "full"
+                for i in lent if self.runs[i].plan is not None and self.runs[i].plan.complete}
+        if need:
+            raise WholeEncodeNeeded(need)
+
+    def abandon(self) -> None:
+        """Forget what this run computed (``WholeEncodeNeeded``): the reads it started, the layers' K/V, the forward
+        state."""
+        self.reader.close()
+        self.cache.drop_layers(0)
+        self.ctx.layout, self.ctx.capture = None, None
 
     def _decide(self, layer: int, states: ActiveStates) -> None:
         """Plans due before ``layer``, made from what the layers below it observed."""
@@ -150,10 +209,12 @@ class PrefillRunner:
             self.verifier.watch(i, run.plan)
             if i in self.verifier.watched and self._snapshot is None:  # probes or a confidence guard may fail it
                 self._snapshot = (layer, states.snapshot(), time.perf_counter())
+        self._whole_encodes()
 
     def _rewind(self, failed: list[int], states: ActiveStates, reason: str) -> int:
         """The images of ``failed`` plans computed in full: the layers from the first decision layer with probes run
         again from the states that entered it. Returns that layer."""
+        self._whole_encodes({i: reason for i in failed})
         first, snapshot, t0 = self._snapshot
         for i in failed:
             run = self.runs[i]
@@ -215,8 +276,18 @@ class PrefillRunner:
             plans = [self.runs[i].plan for i in watched]
             self.cache.watch = Watch(inputs_embeds, self.position_ids, visual_pos_masks, deepstack_visual_embeds,
                                      max(p.verify_confidence for p in plans), max(p.verify_watch for p in plans),
-                                     [events[i] for i in watched])
+                                     [events[i] for i in watched], self._whole_inputs(inputs_embeds, visual_pos_masks,
+                                                                                      deepstack_visual_embeds))
         return BaseModelOutputWithPast(last_hidden_state=hidden, cache=self.cache)
+
+    def _whole_inputs(self, inputs_embeds, visual_pos_masks, deepstack):
+        """What gives a watch's repair (which computes the whole sequence in full) the text model's inputs with every
+        image lent encoder output given its own whole encode; None: no image was."""
+        lent = {i: "uncertain" for i, r in enumerate(self.runs) if r.match.whole_encode is not None}
+        if not lent:
+            return None
+        matches = [r.match for r in self.runs]
+        return lambda: whole_encoded(matches, lent, inputs_embeds, visual_pos_masks, deepstack)[1:]
 
     def _layers(self, states: ActiveStates, deepstack, layer: int) -> None:
         """The decoder layers from ``layer`` on (again from a decision layer when a plan fails verification)."""
@@ -329,5 +400,17 @@ def finish_native(adapter, request: PrefillRequest, ctx: ForwardContext, positio
 
 def run_prefill(adapter, request, *, ctx: ForwardContext, inputs_embeds, attention_mask=None, position_ids=None,
                 visual_pos_masks=None, deepstack_visual_embeds=None, **_ignored) -> BaseModelOutputWithPast:
-    runner = PrefillRunner(adapter, ctx, request, inputs_embeds, attention_mask, position_ids)
-    return runner.run(inputs_embeds, visual_pos_masks, deepstack_visual_embeds)
+    """The prefill of ``request``; again from the whole encode of the images lent encoder output whose plans turn out
+    to compute them in full (``WholeEncodeNeeded``), those computed in full from the start (each image at most once)."""
+    forced: dict[int, str] = {}
+    while True:
+        runner = PrefillRunner(adapter, ctx, request, inputs_embeds, attention_mask, position_ids, forced)
+        try:
+            return runner.run(inputs_embeds, visual_pos_masks, deepstack_visual_embeds)
+        except WholeEncodeNeeded as need:
+            runner.abandon()
+            logger.info("vismemo: %s computed in full; starting the prefill again from their whole encode", need)
+            matches, inputs_embeds, deepstack_visual_embeds = whole_encoded(
+                list(request.images), need.images, inputs_embeds, visual_pos_masks, deepstack_visual_embeds)
+            request = replace(request, images=tuple(matches))
+            forced.update({i: fallback for i, fallback in need.images.items() if fallback != "miss"})

@@ -25,7 +25,10 @@ class Watch:
     """What recomputing a watched request needs: the text model's inputs of its prefill and of each step since."""
 
     def __init__(self, inputs_embeds, position_ids, visual_pos_masks, deepstack_visual_embeds, threshold: float,
-                 steps: int, events: list) -> None:
+                 steps: int, events: list, whole=None) -> None:
+        #: what gives (inputs_embeds, deepstack features) of the prefill with the images lent their alias's encoder
+        #: output given their own whole encode (``runner.whole_encoded``), called once a repair needs it; None: none was
+        self.whole = whole
         self.embeds = [inputs_embeds]
         self.positions = [position_ids]
         self.visual_pos_masks, self.deepstack = visual_pos_masks, deepstack_visual_embeds
@@ -34,10 +37,17 @@ class Watch:
 
     def reorder(self, index: torch.Tensor) -> None:
         """Beam search chose these rows: the recorded inputs follow them."""
+        self._own_encodes()
         self.embeds = [e.index_select(0, index.to(e.device)) for e in self.embeds]
         self.positions = [p.index_select(p.ndim - 2, index.to(p.device)) for p in self.positions]
         if self.visual_pos_masks is not None:
             self.visual_pos_masks = self.visual_pos_masks.index_select(0, index.to(self.visual_pos_masks.device))
+
+    def _own_encodes(self) -> None:
+        """The prefill's inputs from the images' own whole encodes (``whole``), before anything is computed from them."""
+        if self.whole is not None:
+            self.embeds[0], self.deepstack = self.whole()
+            self.whole = None
 
     def after_step(self, text, kwargs: dict, out, cache, head, own_forward):
         """After a decoding step of ``text`` (the text model) with ``kwargs``: ``out``, or the step's output from the
@@ -58,6 +68,7 @@ class Watch:
         logger.info("vismemo: unsure of token %d of an answer after a reuse (top probability %.3f): computing the "
                     "sequence in full", self.step, float(top.min()))
         q = embeds.shape[1]
+        self._own_encodes()
         full_embeds = torch.cat(self.embeds, dim=1)
         full_positions = torch.cat(self.positions, dim=-1)
         visual = self.visual_pos_masks
