@@ -444,8 +444,10 @@ def test_the_context_report_compares_each_answer_with_plain_transformers(base_re
     for row in rows:
         assert row["agree"] == (row["prediction"] == row["plain"]) and row["kind"] in ("approximate", "miss")
         assert 0.0 <= row["recomputed_share"] <= 1.0 and row["ttft_ms"] > 0
+        assert row["encoded_share"] >= 0.0 and (row["kind"] != "miss" or row["encoded_share"] == 1.0)
     summary = report.summarise(rows)["digit-edit"]["default"]
     assert summary["n"] == 3 and summary["stale"] == sum(r["stale"] for r in rows)
+    assert summary["encoded_share"] == sum(r["encoded_share"] for r in rows) / 3
 
 
 @pytest.mark.parametrize("beams", [1, 2])

@@ -80,6 +80,7 @@ def run_case(model, plain, processor, case: context.Case, policies: dict, max_ne
                          "stale": q.stale is not None and pred == q.stale and ref != q.stale,
                          "kind": str(event.kind), "intended": case.intended,
                          "recomputed_share": event.recomputed / event.n_tokens if event.n_tokens else 0.0,
+                         "encoded_share": event.encoded_tokens / event.n_tokens if event.n_tokens else 0.0,
                          "prefix_changed": event.prefix_changed, "context_change": event.context_change,
                          "fallback": event.fallback,
                          "verify_estimate": event.verify_estimate,
@@ -106,6 +107,7 @@ def summarise(rows: list[dict]) -> dict:
                 "n": len(rs), "agreement": mean([r["agree"] for r in rs]), "anls": mean([r["anls"] for r in rs]),
                 "plain_anls": mean([r["plain_anls"] for r in rs]), "stale": sum(r["stale"] for r in rs),
                 "recomputed_share": mean([r["recomputed_share"] for r in rs]), "kinds": kinds,
+                "encoded_share": mean([r.get("encoded_share", float("nan")) for r in rs]),
                 "ttft_ratio": mean([r["ttft_ms"] / r["plain_ttft_ms"] for r in rs])}
     return out
 
@@ -129,8 +131,9 @@ def measure(reader: str, seed: int, per_class: int, policies: dict, classes=cont
 
 def _table(summary: dict, policies: list[str]) -> list[str]:
     head = "| class | plain ANLS | " + " | ".join(
-        f"{p}: agreement | {p}: ANLS | {p}: stale | {p}: recomputed | {p}: TTFT / plain | {p}: kinds" for p in policies)
-    lines = [head, "| " + " | ".join(["---"] * (2 + 6 * len(policies))) + " |"]
+        f"{p}: agreement | {p}: ANLS | {p}: stale | {p}: recomputed | {p}: encoded | {p}: TTFT / plain | {p}: kinds"
+        for p in policies)
+    lines = [head, "| " + " | ".join(["---"] * (2 + 7 * len(policies))) + " |"]
     for cls, by_policy in summary.items():
         first = by_policy[policies[0]]
         cells = [cls, f"{first['plain_anls']:.3f}"]
@@ -138,7 +141,7 @@ def _table(summary: dict, policies: list[str]) -> list[str]:
             s = by_policy[p]
             kinds = ", ".join(f"{k} {v}" for k, v in sorted(s["kinds"].items()))
             cells += [f"{s['agreement']:.3f}", f"{s['anls']:.3f}", str(s["stale"]), f"{s['recomputed_share']:.3f}",
-                      f"{s['ttft_ratio']:.2f}", kinds]
+                      f"{s['encoded_share']:.3f}", f"{s['ttft_ratio']:.2f}", kinds]
         lines.append("| " + " | ".join(cells) + " |")
     return lines
 
@@ -178,7 +181,8 @@ def main(args) -> int:
         "whole greedy answer equals plain transformers' on the same request (a never-enabled copy of the weights); "
         "ANLS against the page's truth (plain's in the second column); stale: answers that give the value before "
         "an edit (plain does not); recomputed: the share of the image's tokens computed after the warmup (a miss "
-        "or a fallback computes every one); TTFT / plain: time to the first token against plain's on the same "
+        "or a fallback computes every one); encoded: the share of the image's tokens the vision tower ran for (0 on "
+        "an exact hit; above 1 when a fallback encoded the whole image after a partial encode); TTFT / plain: time to the first token against plain's on the same "
         "request (CPU, a few ms each, noisy); kinds: the events (exact, approximate, miss, or the fallback that "
         "computed the image in full)."]
     for reader, summary in results.items():
