@@ -56,7 +56,9 @@ class ImagePlan:
     restore_masked: bool = False
     #: a hit computed in full, and why: ``"context"`` (the text or images before the image changed its K/V too
     #: much to reuse), ``"uncertain"`` (after another context, the model is unsure of the answer), ``"changed"``
-    #: (the page changed everywhere), ``"warp"`` (a zoomed or turned copy: its tokens do not line up with the alias's)
+    #: (the page changed everywhere), ``"warp"`` (a zoomed or turned copy: its tokens do not line up with the alias's),
+    #: ``"recomputed"`` (a routing that recomputes every token of an image lent encoder output: computed from its
+    #: whole encode, ``runtime.runner.WholeEncodeNeeded``)
     fallback: str | None = None
     #: tokens of ``recompute`` that verify the reuse of the rest (a changed context's probes): computed at every
     #: layer, their K/V are compared with the alias's; when their mean relative deviation (the largest over the
@@ -379,7 +381,8 @@ class CacheEvent:
     shift: tuple[int, int] = (0, 0)
     #: approximate hits the lookup's pixel stage accepted: the aligned thumbnail similarity (else None)
     pixel_score: float | None = None
-    #: a hit computed in full, and why (``ImagePlan.fallback``: "context", "uncertain", "changed" or "warp")
+    #: a hit computed in full, and why (``ImagePlan.fallback``: "context", "uncertain", "changed", "warp" or
+    #: "recomputed")
     fallback: str | None = None
     #: a plan with probes (``ImagePlan.verify``): its last estimate of the reused tokens' deviation (``runtime/verify``)
     verify_estimate: float | None = None

@@ -34,7 +34,8 @@ from vismemo_hf.store.store import preset_options
 @dataclass(frozen=True)
 class Answer:
     """What one request realised: its hit kind (one per image, comma-joined; ``text`` without images) and the first
-    fallback among its images' events (``CacheEvent.fallback``: "context", "uncertain", "changed", "warp"), if any."""
+    fallback among its images' events (``CacheEvent.fallback``: "context", "uncertain", "changed", "warp",
+    "recomputed"), if any."""
 
     kind: str
     fallback: str | None = None

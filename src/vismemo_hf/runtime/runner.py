@@ -177,7 +177,7 @@ class PrefillRunner:
         lent = {i for i, r in enumerate(self.runs) if r.match.whole_encode is not None}
         if failed and lent.intersection(failed):
             raise WholeEncodeNeeded(failed)
-        need = {i: "miss" if self.runs[i].match.kind is HitKind.MISS else self.runs[i].plan.fallback or "full"
+        need = {i: "miss" if self.runs[i].match.kind is HitKind.MISS else self.runs[i].plan.fallback or "recomputed"
                 for i in lent if self.runs[i].plan is not None and self.runs[i].plan.complete}
         if need:
             raise WholeEncodeNeeded(need)
