@@ -182,7 +182,8 @@ def main(args) -> int:
         "ANLS against the page's truth (plain's in the second column); stale: answers that give the value before "
         "an edit (plain does not); recomputed: the share of the image's tokens computed after the warmup (a miss "
         "or a fallback computes every one); encoded: the share of the image's tokens the vision tower ran for (0 on "
-        "an exact hit; above 1 when a fallback encoded the whole image after a partial encode); TTFT / plain: time to the first token against plain's on the same "
+        "an exact hit; above 1 when a fallback encoded the whole image after a partial encode); TTFT / plain: time "
+        "to the first token against plain's on the same "
         "request (CPU, a few ms each, noisy); kinds: the events (exact, approximate, miss, or the fallback that "
         "computed the image in full)."]
     for reader, summary in results.items():
