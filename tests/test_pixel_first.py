@@ -451,6 +451,37 @@ def test_after_a_small_change_of_text_the_edit_lends_and_a_fallback_starts_from_
         assert torch.equal(tokens, expected)
 
 
+def test_a_lent_image_whose_alias_kv_cannot_be_read_is_a_miss_from_its_whole_encode(monkeypatch):
+    """The alias K/V of an image lent encoder output cannot be read (a store fault): the image is computed as a miss,
+    from its own whole encode, and the answer is plain transformers'."""
+    model, processor, store, inputs, run = _lent_runs("qwen3_vl")
+    monkeypatch.setattr(store, "get_tokens", lambda *args, **kwargs: None)
+    (tokens, scores), event = run(prefix_min_confidence=0.0)
+    assert event.kind is HitKind.MISS and event.encoded_tokens > event.n_tokens
+    (whole_tokens, whole_scores), whole = run(prefix_min_confidence=0.0, reuse_encoder=False)
+    assert whole.kind is HitKind.MISS and whole.encoded_tokens == whole.n_tokens
+    assert torch.equal(tokens, whole_tokens) and torch.equal(scores, whole_scores)
+
+
+def test_beam_search_over_an_edit_after_a_small_change_computes_it_from_the_whole_encode():
+    """Beam search has ``generate`` run the tower before the forward (it expands the encoder output for every beam):
+    its copies of the image use that whole encode, nothing is lent, and the beams are those of
+    ``reuse_encoder=False``."""
+    model, processor, store, inputs, _ = _lent_runs("qwen2_vl")
+
+    def beams(**opts):
+        cache = vismemo_hf.VisMemoCache(store=store, store_misses=False, miss_deviation=0.0, **opts)
+        with torch.no_grad():
+            out = model.generate(**inputs, cache=cache, max_new_tokens=3, do_sample=False, num_beams=2,
+                                 num_return_sequences=2)
+        return out, cache.events
+
+    out, events = beams()
+    assert len(events) == 2 and all(e.fallback == "changed" and e.encoded_tokens == e.n_tokens for e in events)
+    whole, _ = beams(reuse_encoder=False)
+    assert torch.equal(out, whole)
+
+
 def test_an_edit_computed_in_full_after_its_partial_encode_is_stored_from_its_whole_encode(qwen2):
     """The entry of an image restarted from its whole encode is a miss's: its encoder output is the whole encode's
     (not the alias's lent one), so an exact hit on it later is plain transformers'."""
