@@ -428,7 +428,7 @@ def _lent_runs(family: str, prefix: str = "Step 2:"):
     return model, processor, store, inputs, run
 
 
-@pytest.mark.parametrize("family", ["qwen2_vl", "qwen3_vl", "glm4v"])
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "glm4v"])
 def test_after_a_small_change_of_text_the_edit_lends_and_a_fallback_starts_from_its_whole_encode(family):
     """After a small change of the text before it (a chat's or an agent's next step) an edited copy is still lent its
     alias's encoder output. A plan that then computes the image in full (a page changed everywhere, an unsure answer)
