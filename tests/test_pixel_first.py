@@ -451,6 +451,19 @@ def test_after_a_small_change_of_text_the_edit_lends_and_a_fallback_starts_from_
         assert torch.equal(tokens, expected)
 
 
+def test_after_another_text_only_a_verified_routing_lends():
+    """After another text the lent output's error adds to the context's: a routing that checks the change but
+    verifies nothing (no probes, no confidence guard), or reuses after it unchecked, encodes the edit whole."""
+    _, _, _, _, run = _lent_runs("qwen2_vl")
+    _, probed = run(prefix_min_confidence=0.0)
+    assert probed.encoded_tokens != probed.n_tokens  # lent (and encoded whole again only after a fallback)
+    for opts in (dict(prefix_probe_share=0.0, prefix_min_confidence=0.0), dict(prefix_routing="reuse")):
+        _, event = run(**opts)
+        assert event.found_by == "pixels" and event.prefix_changed and event.encoded_tokens == event.n_tokens
+    _, same = _lent_runs("qwen2_vl", prefix="")[4](prefix_probe_share=0.0, prefix_min_confidence=0.0)
+    assert same.encoded_tokens < same.n_tokens  # in the alias's context it lends whatever the routing verifies
+
+
 def test_a_lent_image_whose_alias_kv_cannot_be_read_is_a_miss_from_its_whole_encode(monkeypatch):
     """The alias K/V of an image lent encoder output cannot be read (a store fault): the image is computed as a miss,
     from its own whole encode, and the answer is plain transformers'."""

@@ -233,10 +233,21 @@ class RoutingPolicy:
 
     def context_in_full(self, prefix_changed: bool, context_change: int | None) -> bool:
         """Whether a hit after another context (``prefix_changed``) that differs from its alias's by
-        ``context_change`` tokens of text is computed in full before any layer runs (``early_plan``): the lookup then
-        encodes its image whole rather than lend it the alias's encoder output."""
+        ``context_change`` tokens of text is computed in full before any layer runs (``early_plan``)."""
         return prefix_changed and self.prefix_routing == "check" and not self.prefix_check_large and \
             not self.small_change(context_change)
+
+    def lends_encoder(self, prefix_changed: bool, context_change: int | None) -> bool:
+        """Whether an approximate hit found by its pixels may be lent its alias's encoder output (when the routing
+        ``reuses_encoder``): always in its alias's context; after another one only where the routing checks the
+        change and verifies the reuse (probes or the confidence guard, which then see the lent output's error too,
+        and whose fallbacks start again from the whole encode) and does not compute the image in full before any
+        layer runs (``context_in_full``). A routing that reuses after another context unverified encodes the image
+        whole: the lent output's error would add to the context's, unchecked."""
+        if not prefix_changed:
+            return True
+        verified = self.prefix_probe_share > 0 or self.prefix_min_confidence > 0
+        return self.prefix_routing == "check" and verified and not self.context_in_full(True, context_change)
 
     def prefetch(self, kind: HitKind, image: ImageFeatures, alias: ImageFeatures) -> tuple[torch.Tensor, int]:
         """(tokens, first layer): the alias K/V to read before the warmup runs, only tokens the alias holds. Every

@@ -435,14 +435,14 @@ def _pixel_alias(adapter, cache, owner: str, grid, hashes: torch.Tensor | None, 
 
 
 def _lends(policy, entry: Entry, prefix: str, sketch: torch.Tensor | None) -> bool:
-    """Whether a pixel-first alias may lend its encoder output: unless the routing computes the image in full before
-    any layer runs (a context change that is not small, ``RoutingPolicy.context_in_full``), where only the image's own
-    whole encode gives plain transformers' answer. Later fallbacks (probes, an unsure answer, a page changed
-    everywhere) start the prefill again from the whole encode (``ImageMatch.whole_encode``). A tower that re-encodes
-    whole tiles (``VisionTower.tile_encoder``) gives every token what the whole encode gives it, and lends after any
-    context."""
+    """Whether a pixel-first alias may lend its encoder output (``RoutingPolicy.lends_encoder``): not where the
+    routing computes the image in full before any layer runs (a context change that is not small), where only the
+    image's own whole encode gives plain transformers' answer, nor after another context the routing does not verify.
+    Later fallbacks (probes, an unsure answer, a page changed everywhere) start the prefill again from the whole
+    encode (``ImageMatch.whole_encode``). A tower that re-encodes whole tiles (``VisionTower.tile_encoder``) gives
+    every token what the whole encode gives it, and lends after any context."""
     changed = entry.prefix != prefix
-    return not policy.context_in_full(changed, context_change(entry.context, sketch) if changed else None)
+    return policy.lends_encoder(changed, context_change(entry.context, sketch) if changed else None)
 
 
 def _encode_request(adapter, cache, get_image_features, firsts: dict, todo: list[int], items: dict, encoded) \
