@@ -468,8 +468,8 @@ def _encode_request(adapter, cache, get_image_features, firsts: dict, todo: list
 def _whole_encoder(adapter, get_image_features, item: tuple, capturing: bool) -> Callable[[ImageMatch], ImageMatch]:
     """What turns a match lent its alias's encoder output into one with the image's own whole encode of ``item``
     ((pixels, grid, extra) on the tower's device): its embeddings, deepstack, descriptors and (``capturing``) tower
-    K/V, so that its entry, once computed in full, is a miss's. The tower runs once for every copy of the image
-    (beam search, ``num_return_sequences``); ``encoded_tokens`` counts both encodes."""
+    K/V, so that its entry, once computed in full, is a miss's. The tower runs at most once, however many copies of
+    the image the request holds; ``encoded_tokens`` counts both encodes."""
     done: list = []
 
     def whole(match: ImageMatch) -> ImageMatch:

@@ -126,6 +126,8 @@ class PrefillRunner:
         valid = attention_mask.bool() if attention_mask is not None and attention_mask.ndim == 2 else None
         self.valid = None if valid is None or bool(valid.all()) else valid
         self.runs = [ImageRun(m, at) for m, at in zip(request.images, _offsets(self.positions, request.images))]
+        #: the images lent their alias's encoder output (``ImageMatch.whole_encode``), found once: most prefills have none
+        self._lent = {i for i, r in enumerate(self.runs) if r.match.whole_encode is not None}
         device = inputs_embeds.device
         self.schedule = Schedule(self.batch, self.length, self.valid, device)
         self.reader = AliasReader(adapter, self.cache.store, [r.match for r in self.runs],
@@ -174,11 +176,12 @@ class PrefillRunner:
     def _whole_encodes(self, failed: dict[int, str] | None = None) -> None:
         """Raise ``WholeEncodeNeeded`` when an image lent encoder output is computed in full: its plan computes every
         token, or it is among the ``failed`` plans about to be (which are then all computed in full from the start)."""
-        lent = {i for i, r in enumerate(self.runs) if r.match.whole_encode is not None}
-        if failed and lent.intersection(failed):
+        if not self._lent:
+            return
+        if failed and self._lent.intersection(failed):
             raise WholeEncodeNeeded(failed)
         need = {i: "miss" if self.runs[i].match.kind is HitKind.MISS else self.runs[i].plan.fallback or "recomputed"
-                for i in lent if self.runs[i].plan is not None and self.runs[i].plan.complete}
+                for i in self._lent if self.runs[i].plan is not None and self.runs[i].plan.complete}
         if need:
             raise WholeEncodeNeeded(need)
 
@@ -283,10 +286,9 @@ class PrefillRunner:
     def _whole_inputs(self, inputs_embeds, visual_pos_masks, deepstack):
         """What gives a watch's repair (which computes the whole sequence in full) the text model's inputs with every
         image lent encoder output given its own whole encode; None: no image was."""
-        lent = {i: "uncertain" for i, r in enumerate(self.runs) if r.match.whole_encode is not None}
-        if not lent:
+        if not self._lent:
             return None
-        matches = [r.match for r in self.runs]
+        lent, matches = dict.fromkeys(self._lent, "uncertain"), [r.match for r in self.runs]
         return lambda: whole_encoded(matches, lent, inputs_embeds, visual_pos_masks, deepstack)[1:]
 
     def _layers(self, states: ActiveStates, deepstack, layer: int) -> None:
