@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import vismemo_hf
-from vismemo_hf.core.features import exact_key, token_grid
+from vismemo_hf.core.features import token_grid
 from vismemo_hf.core.pixel_first import (
     REGION_SAME,
     REGION_SAME_TOP,
@@ -242,10 +242,8 @@ def event_tokens(processor, image):
 
 
 def edit_key(model, processor, image):
-    from vismemo_hf.core.features import exact_key
-
     pixels, grid = _image_inputs(processor, image)
-    return exact_key(vismemo_hf.VisMemoCache().owner(model._vismemo.fingerprint), pixels, grid)
+    return model._vismemo.image_key(vismemo_hf.VisMemoCache().owner(model._vismemo.fingerprint), pixels, grid)
 
 
 def test_the_stage_is_every_policys_and_the_encoder_reuse_the_routings(qwen2):
@@ -501,7 +499,7 @@ def test_an_edit_computed_in_full_after_its_partial_encode_is_stored_from_its_wh
     model, processor = qwen2
     _, _, store, inputs, run = _lent_runs("qwen2_vl")
     owner = vismemo_hf.VisMemoCache().owner(model._vismemo.fingerprint)
-    key = exact_key(owner, inputs["pixel_values"], tuple(int(x) for x in inputs["image_grid_thw"][0]))
+    key = model._vismemo.image_key(owner, inputs["pixel_values"], inputs["image_grid_thw"][0])
     _, event = run(miss_deviation=0.0, store_misses=True)
     store.flush()
     assert event.fallback == "changed" and event.key == key
@@ -599,11 +597,9 @@ def _llava_edit(seed: int = 31):
 
 
 def _llava_entry(model, processor, store, image):
-    from vismemo_hf.core.features import exact_key
-
     owner = vismemo_hf.VisMemoCache().owner(model._vismemo.fingerprint)
     pixels, grid, _ = _llava_views(model._vismemo, [image])[0]
-    return store.peek(exact_key(owner, pixels, grid), owner)
+    return store.peek(model._vismemo.image_key(owner, pixels, grid), owner)
 
 
 def test_llava_onevision_reencodes_only_the_changed_tiles_as_the_whole_image_would():

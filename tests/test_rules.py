@@ -110,6 +110,8 @@ def test_two_images_with_the_same_pixel_bytes_under_different_grids_never_share_
     fp = model._vismemo.fingerprint
     assert exact_key(fp, a["pixel_values"], a["image_grid_thw"][0].tolist()) != \
         exact_key(fp, b["pixel_values"], b["image_grid_thw"][0].tolist())
+    assert model._vismemo.image_key(fp, a["pixel_values"], a["image_grid_thw"][0]) != \
+        model._vismemo.image_key(fp, b["pixel_values"], b["image_grid_thw"][0])
     store = VisMemoStore()
     generate(model, build_inputs(processor, [wide]), vismemo_hf.VisMemoCache(store=store), 1)
     cache = vismemo_hf.VisMemoCache(store=store, top_k=0)
@@ -301,7 +303,7 @@ def test_a_shared_directory_never_serves_another_images_kv_as_an_exact_hit(qwen2
     store.close()
     (noise_key,) = list(diskcache.Cache(str(directory), disk=SafeDisk).iterkeys())
     inputs = build_inputs(processor, [pages["base"]])
-    base_key = exact_key(model._vismemo.fingerprint, inputs["pixel_values"], inputs["image_grid_thw"][0].tolist())
+    base_key = model._vismemo.image_key(model._vismemo.fingerprint, inputs["pixel_values"], inputs["image_grid_thw"][0])
     with diskcache.Cache(str(directory), disk=SafeDisk) as raw:  # a writer copies the noise blob under the base key
         raw.set(base_key, raw.get(noise_key, read=True), read=True)
     reader = VisMemoStore(device_bytes=0, host_bytes=0, disk_dir=directory)
@@ -310,3 +312,31 @@ def test_a_shared_directory_never_serves_another_images_kv_as_an_exact_hit(qwen2
     assert cache.events[0].kind is HitKind.MISS
     _, plain = generate(model, inputs, DynamicCache(), 2)
     assert (scores - plain).abs().max() <= 1e-4
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_exact_key_of_repeated_frames_hashes_the_first_and_tells_every_byte_apart(dtype):
+    """An image's rows repeat its one frame (a temporal patch of 2): the key hashes the first frames once every row's
+    repeat is checked bit for bit, in chunks on several threads; a row whose second frame differs anywhere, by a sign
+    bit even, gives another key (every byte hashed), as does a change of a first frame in any chunk."""
+    frames = (3, 2, 16)
+    rows = 3000  # over 4 MB of float32: several chunks
+    first = torch.randn(rows, 3, 1, 16).to(dtype)
+    pixels = first.expand(rows, 3, 2, 16).reshape(rows, 96).contiguous()
+    grid = (1, 50, 60)
+    key = exact_key("fp", pixels, grid, frames)
+    assert key == exact_key("fp", pixels.clone(), grid, frames)
+    assert key != exact_key("fp", pixels, grid) and key != exact_key("fp2", pixels, grid, frames)
+    zeros = torch.zeros(rows, 96, dtype=dtype)
+    signed = zeros.clone()
+    signed.view(rows, 3, 2, 16)[rows - 1, 2, 1, 15] = -0.0  # equal as numbers, not as bytes
+    assert exact_key("fp", zeros, grid, frames) != exact_key("fp", signed, grid, frames)
+    for row in (0, rows // 2, rows - 1):
+        for frame in (0, 1):
+            edited = pixels.clone()
+            edited.view(rows, 3, 2, 16)[row, 1, frame, 7] += 1
+            assert exact_key("fp", edited, grid, frames) != key, (row, frame)
+    both = pixels.clone()
+    both.view(rows, 3, 2, 16)[rows // 2, 1, :, 7] += 1  # a repeated frame changed: still repeated, another key
+    assert exact_key("fp", both, grid, frames) not in (key, exact_key("fp", both, grid))
+    assert exact_key("fp", pixels[:, :95], grid, frames) == exact_key("fp", pixels[:, :95], grid)  # not that layout

@@ -22,7 +22,7 @@ from typing import ClassVar
 import torch
 from transformers.modeling_outputs import BaseModelOutputWithPooling
 
-from vismemo_hf.core.features import thumbnail, thumbnail_shape, token_grid
+from vismemo_hf.core.features import exact_key, thumbnail, thumbnail_shape, token_grid
 
 # Processor normalisation of each family (needed to recover pixels for patch entropy).
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
@@ -145,6 +145,36 @@ class VisionTower:
     #: whether the tower can encode some of an image's tokens at their own positions (``encode_tokens``): an
     #: approximate hit then encodes only what changed and reuses its alias's encoder output for the rest
     partial_encoder: ClassVar[bool] = False
+
+    #: the base model's attribute holding the vision tower
+    vision_attribute: ClassVar[str] = "visual"
+
+    def tower_pixels(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        """``pixel_values`` as the vision tower reads them: every family's encoder casts them to its tower's dtype
+        before any other use (``get_image_features``: ``pixel_values.type(self.visual.dtype)``; SigLIP's patch
+        embedding), so two images equal in it are encoded alike, and the exact key hashes these bytes. A bf16
+        tower's are half a float32 request's (on a GPU: half the copy to the host, half the hash); a tower of
+        finer dtype than the pixels gets the pixels themselves (the cast adds nothing)."""
+        dtype = getattr(getattr(base_model(self.model), self.vision_attribute, None), "dtype", None)
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point or \
+                not pixel_values.is_floating_point() or dtype.itemsize >= pixel_values.element_size():
+            return pixel_values
+        return pixel_values.detach().to(dtype)
+
+    def pixel_frames(self) -> tuple[int, int, int] | None:
+        """(channels, frames, values per frame) of a row of the pixel values when a row holds one patch's frames side
+        by side (a temporal patch: Qwen-VL, GLM-4V), which an image's rows repeat (``core.features.exact_key``); None
+        for a family whose rows hold one frame."""
+        vision = getattr(self, "vision_config", None)
+        count = getattr(vision, "temporal_patch_size", 1)
+        if not isinstance(count, int) or count < 2:
+            return None
+        return getattr(vision, "in_channels", getattr(vision, "in_chans", 3)), count, vision.patch_size ** 2
+
+    def image_key(self, owner: str, pixels: torch.Tensor, grid) -> str:
+        """The exact key of one image (its rows of the pixel values) for ``owner`` (``VisMemoCache.owner``): what the
+        lookup computes for a request's images (``core.features.exact_key`` of ``tower_pixels``)."""
+        return exact_key(owner, self.tower_pixels(pixels).cpu(), tuple(int(g) for g in grid), self.pixel_frames())
 
     def encode(self, get_image_features, pixel_values, grids) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
         """Run the vision tower once over several images: per image (embeds (N, d), deepstack (k, N, d) | None)."""
@@ -270,8 +300,6 @@ class ModelAdapter(VisionTower):
     moe: ClassVar[bool] = False
     #: the vision config's key of the width the tower hands to the text model (None: a projector sets it)
     vision_out_key: ClassVar[str | None] = "out_hidden_size"
-    #: the base model's attribute holding the vision tower
-    vision_attribute: ClassVar[str] = "visual"
     #: whether images can be approximate hits: the family's visual tokens form a (t, h, w) grid of patch groups whose
     #: pixels the lookup's pixel features read (a family without one serves misses and exact hits)
     approximate: ClassVar[bool] = True
