@@ -44,7 +44,8 @@ def _counts(family: str, layers: int, policies: list[str]) -> dict:
 
 
 @pytest.mark.parametrize("family, policies", [("qwen2_vl", ["attend-deviate", "cacheblend", "vlcache"]),
-                                              ("qwen3_vl", ["attend-deviate"])])
+                                              ("qwen3_vl", ["attend-deviate"]), ("glm4v", ["attend-deviate"]),
+                                              ("llava_onevision", ["attend-deviate"])])
 def test_no_kind_reads_more_values_on_a_deeper_model(family, policies):
     shallow, deep = _counts(family, 2, policies), _counts(family, 7, policies)
     assert shallow == deep, {k: (shallow[k], deep[k]) for k in shallow if shallow[k] != deep[k]}
