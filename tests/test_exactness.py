@@ -92,6 +92,10 @@ def test_exact_key_reads_the_pixels_as_the_tower_does(family):
     other = vismemo_hf.VisMemoCache(store=store)
     generate(model, {**inputs, "pixel_values": edited}, other, new_tokens=1)
     assert other.events[0].kind is not HitKind.EXACT
+    # the other stages read the same cast pixels: an edited page is found by them (a failure there would be a miss)
+    edit = vismemo_hf.VisMemoCache(store=store)
+    generate(model, build_inputs(processor, [page_set()["edit"]]), edit, new_tokens=1)
+    assert edit.events[0].kind is HitKind.APPROXIMATE and edit.events[0].alias == miss.events[0].key
 
     model32, processor32 = tiny_model(family, seed=0)
     vismemo_hf.enable(model32)

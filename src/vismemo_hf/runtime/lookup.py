@@ -311,9 +311,9 @@ def lookup_request(adapter, cache, input_ids, pixel_values, grids, get_image_fea
     (``video_items``), part of the context hash of every image after them. ``token_types``: the processor's
     ``mm_token_type_ids`` (families whose videos share the image placeholder tell them apart by it)."""
     merge = adapter.merge
-    # every decision below is made from host copies of the ids (their types, padding) and the geometry; the keys read
-    # a host copy of the pixels as the tower reads them, the pixel features and thumbnails one of the processor's
-    # (only for images without an exact hit); the tower gets the device's own
+    # two reads: every decision below is made from host copies of the ids (their types, padding) and the geometry,
+    # and the keys, pixel features and thumbnails read one host copy of the pixels as the tower reads them (cast to
+    # its dtype: ``tower_pixels``); the tower gets the device's own
     input_ids, token_types, valid, grids = host_copies((input_ids, token_types, valid, grids))
     image_mask = adapter.image_mask(input_ids, token_types)
     n_images = adapter.image_count(grids)
@@ -330,14 +330,12 @@ def lookup_request(adapter, cache, input_ids, pixel_values, grids, get_image_fea
     t0 = time.perf_counter()
     originals = {i: source.index(i) for i in sorted(set(source))}  # original image -> its first copy
     owner = cache.owner(adapter.fingerprint)
-    keyed = adapter.split_images(adapter.tower_pixels(pixel_values).cpu(), grids, lengths)  # as the tower reads them
-    keys = {i: exact_key(owner, keyed[i][0], grid_list[j], adapter.pixel_frames()) for i, j in originals.items()}
+    host = adapter.split_images(adapter.tower_pixels(pixel_values).cpu(), grids, lengths)  # as the tower reads them
+    keys = {i: exact_key(owner, host[i][0], grid_list[j], adapter.pixel_frames()) for i, j in originals.items()}
     entries = {i: _exact_entry(adapter, cache, keys[i], grid_list[j]) for i, j in originals.items()}
     exact_ms = (time.perf_counter() - t0) * 1e3 / max(1, len(source))
     t0 = time.perf_counter()
     todo = [i for i in originals if entries[i] is None]
-    # the other stages read the pixels as the processor gave them, copied to the host only when an image needs them
-    host = adapter.split_images(pixel_values.detach().cpu(), grids, lengths) if todo else [(None, None, None)] * n_images
     pixels, extras = [host[i][0] for i in source], [host[i][2] for i in source]
     hashes = {i: _hashes_for_lookup(adapter, cache, owner, pixels[originals[i]], grid_list[originals[i]],
                                     extras[originals[i]]) for i in todo}
