@@ -11,7 +11,8 @@
 # Writes under the folder given as $1 (default results/perf/gpu). Each step has its own time limit (LATENCY_S,
 # STORE_S, DISK_S, OVERHEAD_S seconds) so that one that runs long leaves the others theirs; the latency reports are
 # rewritten after each length, so a step cut short keeps the lengths it finished. At most the four limits (7.8
-# minutes) plus the model builds.
+# minutes) plus the model builds. PRESET, DTYPE, DEVICE, LENGTHS (latency and overhead), DISK_LENGTH and LAYERS
+# override the defaults (tests/test_gpu_script.py runs the same steps on the CPU with the tiny preset).
 set -uo pipefail
 out=${1:-results/perf/gpu}
 py=${PYTHON:-python3}
@@ -19,17 +20,18 @@ if ! "$py" -c "import vismemo_hf" 2>/dev/null; then
   "$py" -m pip install -q -e . || { echo "vismemo_hf is not importable and could not be installed"; exit 1; }
 fi
 "$py" -c "import torch, transformers, vismemo_hf; print('torch', torch.__version__, 'transformers', transformers.__version__, \
-torch.cuda.get_device_name(0))"
-common=(--preset qwen3-vl-8b --dtype bfloat16 --device cuda)
-timeout "${LATENCY_S:-210}" "$py" -m vismemo_hf.cli -q bench latency "${common[@]}" --lengths 1024,4096 \
+torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'no GPU')"
+common=(--preset "${PRESET:-qwen3-vl-8b}" --dtype "${DTYPE:-bfloat16}" --device "${DEVICE:-cuda}")
+lengths=${LENGTHS:-1024,4096}
+timeout "${LATENCY_S:-210}" "$py" -m vismemo_hf.cli -q bench latency "${common[@]}" --lengths "$lengths" \
     --policies attend-deviate,vismemo,cacheblend --repeats 2 --new-tokens 32 --long-tokens 128 --unstored-miss --out "$out" \
     || echo "bench latency stopped (status $?)"
-timeout "${STORE_S:-90}" "$py" -m vismemo_hf.cli -q bench latency "${common[@]}" --lengths 1024,4096 \
+timeout "${STORE_S:-90}" "$py" -m vismemo_hf.cli -q bench latency "${common[@]}" --lengths "$lengths" \
     --policies attend-deviate --repeats 2 --new-tokens 32 --long-tokens 0 --store-device model \
     --out "$out/store-on-gpu" || echo "bench latency (store on the GPU) stopped (status $?)"
-timeout "${DISK_S:-60}" "$py" -m vismemo_hf.cli -q bench latency "${common[@]}" --lengths 4096 \
+timeout "${DISK_S:-60}" "$py" -m vismemo_hf.cli -q bench latency "${common[@]}" --lengths "${DISK_LENGTH:-4096}" \
     --policies attend-deviate --repeats 1 --new-tokens 8 --long-tokens 0 --store-device disk \
     --out "$out/store-on-disk" || echo "bench latency (store on disk) stopped (status $?)"
-timeout "${OVERHEAD_S:-110}" "$py" -m vismemo_hf.cli -q bench overhead "${common[@]}" --layers 4,36 \
-    --lengths 1024,4096 --policies attend-deviate --repeats 3 --out "$out/overhead" \
+timeout "${OVERHEAD_S:-110}" "$py" -m vismemo_hf.cli -q bench overhead "${common[@]}" --layers "${LAYERS:-4,36}" \
+    --lengths "$lengths" --policies attend-deviate --repeats 3 --out "$out/overhead" \
     || echo "bench overhead stopped (status $?)"
