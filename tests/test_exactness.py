@@ -57,7 +57,7 @@ def test_text_only_request_behaves_like_dynamic_cache(tiny):
 
 def _bf16_pair(pixels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Two float32 pixel tensors that differ wherever a pixel is not 0 yet cast to the same bf16 values: ``a`` holds
-    bf16 values exactly, ``b`` each moved by a tenth of its half-ulp."""
+    bf16 values exactly, ``b`` each moved by a sixteenth of its half-ulp (2^-12 of it against 2^-8)."""
     a = pixels.to(torch.bfloat16).float()
     return a, a * (1 + 2.0 ** -12)
 
