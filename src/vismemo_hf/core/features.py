@@ -11,10 +11,9 @@ import functools
 import hashlib
 import math
 import os
-from concurrent.futures import ThreadPoolExecutor
 from functools import lru_cache
 
-import numpy as np
+import blake3
 import torch
 import torch.nn.functional as F
 from crc32c import crc32c
@@ -57,70 +56,38 @@ def scoped(fingerprint: str, namespace: str | None) -> str:
     return hashlib.sha256(f"vismemo namespace\0{namespace}\0{fingerprint}".encode()).hexdigest()[:32]
 
 
-def exact_key(fingerprint: str, pixels: torch.Tensor, grid: tuple[int, int, int],
-              frames: tuple[int, int, int] | None = None) -> str:
+def exact_key(fingerprint: str, pixels: torch.Tensor, grid: tuple[int, int, int]) -> str:
     """Hash of (model fingerprint, preprocessed pixel bytes, grid): equal keys mean the same image for the same model.
 
-    ``frames``: (channels, frames, values per frame) of each row of ``pixels`` when a row holds one patch's frames
-    side by side (Qwen-VL and GLM-4V: an image's rows repeat its one frame, half their bytes). When every row's frames
-    equal its first bit for bit, only the first frames are hashed (the key says so): the chunks' threads compare the
-    repeats as they hash, at memory speed, where SHA-256 of them would run at its own (a 4,096-token image is about
-    100 MB of float32 pixel values, and an exact hit waits for their key). Else, or without ``frames``, every byte
-    is hashed."""
-    data = pixels.detach().to("cpu").contiguous()
-    h = hashlib.sha256()
-    h.update(fingerprint.encode())
-    described = (tuple(int(g) for g in grid), str(data.dtype), tuple(data.shape))
-    firsts = _first_frame_digests(data, frames) if frames is not None else None
-    if firsts is not None:
-        h.update(repr((*described, "first frames")).encode())
-        for digest in firsts:
-            h.update(digest)
-        return h.hexdigest()
-    h.update(repr(described).encode())
-    flat = memoryview(data.reshape(-1).view(torch.uint8).numpy())  # the buffer itself: no copy
-    chunks = [flat[i : i + _HASH_CHUNK] for i in range(0, len(flat), _HASH_CHUNK)]
-    for digest in (_hashers().map(_sha256, chunks) if len(chunks) > 1 else map(_sha256, chunks)):
-        h.update(digest)  # a hash of the chunks' SHA-256s: the chunks hash in parallel (hashlib drops the GIL)
-    return h.hexdigest()
+    BLAKE3 of every byte, on as many threads as this process may run on (up to 8): a 4,096-token image is about
+    100 MB of float32 pixel values, and an exact hit waits for their key. BLAKE3 hashes them at several GB/s a core
+    (SHA-256 at under one here), a cryptographic hash like it, and its digest does not depend on the threads: keys
+    are the same on every machine that shares a store."""
+    h = blake3.blake3(max_threads=_threads())
+    h.update(fingerprint.encode() + b"\0")
+    h.update(repr(tuple(int(g) for g in grid)).encode() + b"\0")
+    return _update(h, pixels).hexdigest()
 
 
-_HASH_CHUNK = 4 << 20
-#: integer views of each element size: frames compare bit for bit (a float compare calls -0.0 and 0.0 equal)
-_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+def tensor_digest(tensor: torch.Tensor) -> str:
+    """128-bit BLAKE3 of a tensor's dtype, shape and bytes (a video's content in the hash of what precedes an
+    image): as fast as ``exact_key``, on the same threads."""
+    return _update(blake3.blake3(max_threads=_threads()), tensor).hexdigest(16)
 
 
-def _first_frame_digests(data: torch.Tensor, frames: tuple[int, int, int]) -> list[bytes] | None:
-    """The SHA-256 of the first frames of each chunk of rows of ``data`` (contiguous, on the host), when every row's
-    frames repeat its first; else None."""
-    channels, count, per_frame = frames
-    if data.ndim != 2 or count < 2 or data.shape[1] != channels * count * per_frame or not data.numel() or \
-            data.element_size() not in _BITS:
-        return None
-    rows = data.view(_BITS[data.element_size()]).numpy().reshape(data.shape[0], channels, count, per_frame)
-    step = max(1, _HASH_CHUNK // (data.shape[1] * data.element_size()))
-    chunks = [rows[i : i + step] for i in range(0, rows.shape[0], step)]
-    digests = list(_hashers().map(_first_frames, chunks) if len(chunks) > 1 else map(_first_frames, chunks))
-    return None if any(d is None for d in digests) else digests
-
-
-def _first_frames(rows: np.ndarray) -> bytes | None:
-    first = rows[:, :, 0]
-    if not all(np.array_equal(first, rows[:, :, t]) for t in range(1, rows.shape[2])):
-        return None
-    return hashlib.sha256(np.ascontiguousarray(first)).digest()
-
-
-def _sha256(chunk) -> bytes:
-    return hashlib.sha256(chunk).digest()
+def _update(h, tensor: torch.Tensor):
+    data = tensor.detach().to("cpu").contiguous()
+    h.update(repr((str(data.dtype), tuple(data.shape))).encode() + b"\0")
+    if data.numel():
+        h.update(memoryview(data.reshape(-1).view(torch.uint8).numpy()))  # the buffer itself: no copy
+    return h
 
 
 @functools.cache
-def _hashers() -> ThreadPoolExecutor:
-    """Up to 8 threads, as many as this process may run on: a 4,096-token image is about 100 MB of pixel values,
-    and an exact hit waits for their hash."""
+def _threads() -> int:
+    """Up to 8 threads, as many as this process may run on."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return ThreadPoolExecutor(max_workers=max(1, min(8, cores or 1)), thread_name_prefix="vismemo-hash")
+    return max(1, min(8, cores or 1))
 
 
 def patch_hashes(pixels: torch.Tensor, merge: int) -> torch.Tensor:

@@ -161,20 +161,10 @@ class VisionTower:
             return pixel_values
         return pixel_values.detach().to(dtype)
 
-    def pixel_frames(self) -> tuple[int, int, int] | None:
-        """(channels, frames, values per frame) of a row of the pixel values when a row holds one patch's frames side
-        by side (a temporal patch: Qwen-VL, GLM-4V), which an image's rows repeat (``core.features.exact_key``); None
-        for a family whose rows hold one frame."""
-        vision = getattr(self, "vision_config", None)
-        count = getattr(vision, "temporal_patch_size", 1)
-        if not isinstance(count, int) or count < 2:
-            return None
-        return getattr(vision, "in_channels", getattr(vision, "in_chans", 3)), count, vision.patch_size ** 2
-
     def image_key(self, owner: str, pixels: torch.Tensor, grid) -> str:
         """The exact key of one image (its rows of the pixel values) for ``owner`` (``VisMemoCache.owner``): what the
         lookup computes for a request's images (``core.features.exact_key`` of ``tower_pixels``)."""
-        return exact_key(owner, self.tower_pixels(pixels).cpu(), tuple(int(g) for g in grid), self.pixel_frames())
+        return exact_key(owner, self.tower_pixels(pixels).cpu(), tuple(int(g) for g in grid))
 
     def encode(self, get_image_features, pixel_values, grids) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
         """Run the vision tower once over several images: per image (embeds (N, d), deepstack (k, N, d) | None)."""

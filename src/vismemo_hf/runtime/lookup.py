@@ -24,6 +24,7 @@ from vismemo_hf.core.features import (
     centred_sketches,
     exact_key,
     region_descriptors,
+    tensor_digest,
     thumb_per_token,
     token_grid,
     token_sketch,
@@ -293,9 +294,7 @@ def video_items(video_mask: torch.Tensor, merge: int, videos) -> dict[int, list[
         while run < len(runs) and taken < count:
             taken += runs[run][2]
             run += 1
-        data = part.detach().to("cpu").contiguous()
-        digest = hashlib.blake2b(data.reshape(-1).view(torch.uint8).numpy(), digest_size=16).hexdigest()
-        out.setdefault(row, []).append((first, digest))
+        out.setdefault(row, []).append((first, tensor_digest(part)))
     return out
 
 
@@ -331,7 +330,7 @@ def lookup_request(adapter, cache, input_ids, pixel_values, grids, get_image_fea
     originals = {i: source.index(i) for i in sorted(set(source))}  # original image -> its first copy
     owner = cache.owner(adapter.fingerprint)
     host = adapter.split_images(adapter.tower_pixels(pixel_values).cpu(), grids, lengths)  # as the tower reads them
-    keys = {i: exact_key(owner, host[i][0], grid_list[j], adapter.pixel_frames()) for i, j in originals.items()}
+    keys = {i: exact_key(owner, host[i][0], grid_list[j]) for i, j in originals.items()}
     entries = {i: _exact_entry(adapter, cache, keys[i], grid_list[j]) for i, j in originals.items()}
     exact_ms = (time.perf_counter() - t0) * 1e3 / max(1, len(source))
     t0 = time.perf_counter()
