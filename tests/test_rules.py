@@ -320,7 +320,8 @@ def test_exact_key_tells_every_byte_apart_and_is_the_same_on_any_number_of_threa
     """The key hashes every byte of the pixels (a change anywhere, by a sign bit even, gives another key), with the
     fingerprint, grid, dtype and shape; BLAKE3's digest does not depend on its threads, so a machine with another
     number of cores computes the same key for a shared store."""
-    rows = 3000  # over 1 MB: BLAKE3 splits it between threads
+    monkeypatch.setattr(features, "PARALLEL_BYTES", 1 << 16)  # several threads from 64 KB on
+    rows = 3000
     pixels = torch.randn(rows, 96).to(dtype)
     grid = (1, 50, 60)
     key = exact_key("fp", pixels, grid)

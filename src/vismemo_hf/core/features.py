@@ -63,23 +63,38 @@ def exact_key(fingerprint: str, pixels: torch.Tensor, grid: tuple[int, int, int]
     100 MB of float32 pixel values, and an exact hit waits for their key. BLAKE3 hashes them at several GB/s a core
     (SHA-256 at under one here), a cryptographic hash like it, and its digest does not depend on the threads: keys
     are the same on every machine that shares a store."""
-    h = blake3.blake3(max_threads=_threads())
+    data = _host_bytes(pixels)
+    h = _hasher(data)
     h.update(fingerprint.encode() + b"\0")
     h.update(repr(tuple(int(g) for g in grid)).encode() + b"\0")
-    return _update(h, pixels).hexdigest()
+    return _update(h, pixels, data).hexdigest()
 
 
 def tensor_digest(tensor: torch.Tensor) -> str:
     """128-bit BLAKE3 of a tensor's dtype, shape and bytes (a video's content in the hash of what precedes an
-    image): as fast as ``exact_key``, on the same threads."""
-    return _update(blake3.blake3(max_threads=_threads()), tensor).hexdigest(16)
+    image): as fast as ``exact_key``."""
+    data = _host_bytes(tensor)
+    return _update(_hasher(data), tensor, data).hexdigest(16)
 
 
-def _update(h, tensor: torch.Tensor):
+#: below this many bytes one thread hashes: the binding starts a pool of threads for each multithreaded hasher
+#: (a pool of its own, not a process-wide one, which a forked child could not use)
+PARALLEL_BYTES = 4 << 20
+
+
+def _host_bytes(tensor: torch.Tensor) -> memoryview:
     data = tensor.detach().to("cpu").contiguous()
-    h.update(repr((str(data.dtype), tuple(data.shape))).encode() + b"\0")
-    if data.numel():
-        h.update(memoryview(data.reshape(-1).view(torch.uint8).numpy()))  # the buffer itself: no copy
+    return memoryview(data.reshape(-1).view(torch.uint8).numpy()) if data.numel() else memoryview(b"")
+
+
+def _hasher(data: memoryview):
+    return blake3.blake3(max_threads=_threads() if len(data) >= PARALLEL_BYTES else 1)
+
+
+def _update(h, tensor: torch.Tensor, data: memoryview):
+    h.update(repr((str(tensor.dtype), tuple(tensor.shape))).encode() + b"\0")
+    if len(data):
+        h.update(data)  # the buffer itself: no copy
     return h
 
 
