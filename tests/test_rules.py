@@ -341,3 +341,28 @@ def test_exact_key_tells_every_byte_apart_and_is_the_same_on_any_number_of_threa
     assert exact_key("fp", pixels.t(), grid) == exact_key("fp", pixels.t().contiguous(), grid)  # bytes in order
     monkeypatch.setattr(features, "_threads", lambda: 1)
     assert exact_key("fp", pixels, grid) == key
+
+
+def _key_in_child(queue, pixels) -> None:
+    queue.put(exact_key("fp", pixels, (1, 50, 60)))
+
+
+def test_a_forked_child_computes_the_same_exact_key_after_its_parent_hashed_on_threads(monkeypatch):
+    """The key's threads are a pool of each hasher's own (not a process-wide pool, whose threads a forked child would
+    lack and wait for): a child forked after its parent hashed on several threads hashes too, to the same key."""
+    import multiprocessing
+
+    monkeypatch.setattr(features, "PARALLEL_BYTES", 1 << 16)
+    monkeypatch.setattr(features, "_threads", lambda: 2)
+    pixels = torch.randn(3000, 96)
+    key = exact_key("fp", pixels, (1, 50, 60))
+    context = multiprocessing.get_context("fork")
+    queue = context.Queue()
+    child = context.Process(target=_key_in_child, args=(queue, pixels))
+    child.start()
+    child.join(60)
+    alive = child.is_alive()
+    if alive:
+        child.kill()
+    assert not alive and child.exitcode == 0
+    assert queue.get(timeout=5) == key
