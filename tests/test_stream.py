@@ -150,3 +150,77 @@ def test_the_latency_benchmarks_disk_store_serves_hits_from_the_disk_tier_and_is
     del store, cache
     gc.collect()
     assert not os.path.exists(folder)
+
+
+class _Store:
+    """A store whose entry holds K/V value ``100 * layer + token`` for each (token, layer); ``None`` reads nothing."""
+
+    def __init__(self, layers: int, empty: bool = False) -> None:
+        self.layers, self.empty, self.reads = layers, empty, []
+
+    def get_tokens(self, key, owner, rows, first_layer):
+        self.reads.append((rows.tolist(), first_layer))
+        if self.empty:
+            return None
+        layer = torch.arange(first_layer, self.layers, dtype=torch.float32)
+        kv = 100 * layer[None, :] + rows.float()[:, None]  # (T, L')
+        return kv[:, :, None, None, None].expand(-1, -1, 2, 1, 2).clone()  # (T, L', 2, H=1, D=2)
+
+
+def _reader(store, layers=4):
+    from types import SimpleNamespace
+
+    adapter = SimpleNamespace(num_layers=layers, layer_device=lambda layer: "cpu",
+                              move_keys=lambda keys, delta, shift: keys)
+    match = SimpleNamespace(kind=HitKind.APPROXIMATE, alias_offset=0,
+                            alias=SimpleNamespace(key="k", shift=(0, 0), stored_rows=lambda tokens: tokens))
+    return alias.AliasReader(adapter, store, [match], "owner")
+
+
+def _plan(reuse, first):
+    from types import SimpleNamespace
+
+    reuse = torch.tensor(reuse)
+    return SimpleNamespace(reuse=reuse, reuse_from=torch.full_like(reuse, first))
+
+
+@pytest.mark.parametrize("prefetch, plan", [
+    (([0, 1, 2], 2), ([0, 1], 1)),  # read from a later layer than the plan reuses from
+    (([0, 1], 1), ([0, 1, 3], 2)),  # read for fewer tokens than the plan reuses
+])
+def test_a_prefetch_that_does_not_cover_the_plan_is_read_again_for_it(prefetch, plan):
+    """``AliasReader.bind``: the plan reuses tokens from layers the prefetch did not read, or tokens it did not
+    read; the alias is read again for the plan, and each reused token's K/V at every layer are that token's at that
+    layer (not another layer's through a negative index, nor another token's)."""
+    store = _Store(4)
+    reader = _reader(store)
+    assert reader.fetch(0, torch.tensor(prefetch[0]), prefetch[1], offset=0)
+    reuse, first = plan
+    assert reader.bind(0, _plan(reuse, first), offset=0)
+    assert store.reads == [(prefetch[0], prefetch[1]), (reuse, first)]
+    reads = reader._reads[0]
+    fetched = reads.fetched
+    for layer in range(first, 4):
+        keys, values = fetched.layer(layer - fetched.first_layer)
+        picked = keys[:, reads.reuse_index]  # (H, reused, D)
+        assert torch.equal(picked[0, :, 0], 100.0 * layer + torch.tensor(reuse, dtype=torch.float32))
+        assert torch.equal(values[:, reads.reuse_index], picked)
+
+
+def test_a_prefetch_that_covers_the_plan_is_not_read_again():
+    store = _Store(4)
+    reader = _reader(store)
+    assert reader.fetch(0, torch.tensor([0, 1, 2, 3]), 1, offset=0)
+    assert reader.bind(0, _plan([1, 3], 2), offset=0)
+    assert store.reads == [([0, 1, 2, 3], 1)]
+    assert torch.equal(reader._reads[0].reuse_index, torch.tensor([1, 3]))
+
+
+def test_an_alias_that_reads_nothing_cannot_be_bound():
+    """A read that gives nothing (a store fault, an entry gone) makes ``fetch`` and ``bind`` say so: the image is
+    then computed, never bound to K/V that are not there."""
+    store = _Store(4, empty=True)
+    reader = _reader(store)
+    assert not reader.fetch(0, torch.tensor([0, 1]), 1, offset=0)
+    assert not reader.bind(0, _plan([0, 1], 1), offset=0)
+    assert not reader.wait(0)
