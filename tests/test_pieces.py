@@ -192,3 +192,60 @@ def test_the_blob_reader_checks_every_part_it_reads():
     flipped[blob.HEADER_SIZE + 20] ^= 1  # a byte of token 0's first layer
     with pytest.raises(blob.BlobError):
         BlobReader(_Bytes("k", bytes(flipped))).tokens("k", torch.tensor([0]), 0)
+
+
+def test_a_layout_of_other_columns_with_the_same_shape_is_built_anew():
+    """``Schedule.layout`` keeps a layout while its column sets are the same (the same tensors or equal values); a
+    set of the same size with other columns (another image's reuse, a row's other tokens) gets its own slots and
+    mask, never the last layout's."""
+    schedule = Schedule(batch=1, length=6, valid=None, device="cpu")
+    active = torch.tensor([[0, 1, 5]])
+    writer, layout = schedule.layout(active, torch.tensor([[2, 3]]))
+    assert schedule.layout(active.clone(), torch.tensor([[2, 3]]))[1] is layout  # equal values: kept
+    other_writer, other = schedule.layout(active, torch.tensor([[3, 4]]))
+    assert other is not layout and other_writer.columns.tolist() == [[0, 1, 3, 4, 5]]
+    assert other.mask[0, 0, 2].tolist() == [True] * 5  # column 5 sees 0, 1, 3, 4 and itself
+
+
+def test_a_padded_row_is_never_the_plain_layout():
+    """``Schedule.is_plain``: a batch whose first row computes every column and whose second lacks one (padded with
+    -1 to the same width) is not the plain layout, though its shape is."""
+    schedule = Schedule(batch=2, length=4, valid=None, device="cpu")
+    full = torch.arange(4)
+    assert schedule.is_plain(torch.stack([full, full]), None)
+    assert not schedule.is_plain(torch.stack([full, torch.tensor([0, 1, 3, -1])]), None)
+    assert not schedule.is_plain(torch.stack([full, full]), torch.tensor([[2], [2]]))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_layout_blocks_from_the_index_sets_equal_the_blocks_of_the_layout_mask(seed, monkeypatch):
+    """``layout_blocks`` works the query blocks out from host index sets; they equal ``query_blocks`` of the mask
+    they stand for (slots not after the query, visible, not padding) for any padding (left or right), visibility and
+    -1 padded rows."""
+    from vismemo_hf.runtime import schedule as sched
+
+    monkeypatch.setattr(sched, "MIN_BLOCK_ROWS", 2)
+    g = torch.Generator().manual_seed(seed)
+    batch, length = 2, 40
+    kept = torch.rand(batch, length, generator=g) < 0.8
+    slots = sched._held(kept)
+    visible = kept & (torch.rand(batch, length, generator=g) < 0.8)
+    valid = torch.ones(batch, length, dtype=torch.bool)
+    valid[0, :3] = False  # left padding
+    valid[1, -4:] = False  # right padding
+    rows = [torch.nonzero(visible[b]).flatten() for b in range(batch)]
+    queries = sched.pad_rows([r[torch.rand(r.numel(), generator=g) < 0.7] for r in rows], -1, "cpu")
+    for v in (None, valid):
+        mask = slot_mask(slots, queries, v) & visible.gather(1, slots.clamp(min=0))[:, None, None, :]
+        assert sched.layout_blocks(slots, queries, v, visible) == query_blocks(mask)
+
+
+def test_narrowing_to_the_same_columns_keeps_the_states_as_they_are():
+    """``ActiveStates.narrow`` to columns equal to the current ones (another tensor of a layer whose plan did not
+    change) neither parks nor gathers: the hidden states stay the same tensor."""
+    hidden = torch.arange(10, dtype=torch.float32).view(1, 5, 2)
+    states = ActiveStates(torch.arange(5)[None], hidden.clone(), torch.ones(1, 5, 3), torch.ones(1, 5, 3))
+    states.narrow(torch.tensor([[1, 3]]))
+    kept = states.hidden
+    states.narrow(torch.tensor([[1, 3]]))
+    assert states.hidden is kept
