@@ -249,3 +249,96 @@ def test_narrowing_to_the_same_columns_keeps_the_states_as_they_are():
     kept = states.hidden
     states.narrow(torch.tensor([[1, 3]]))
     assert states.hidden is kept
+
+
+def _mapped_layer(rows):
+    """A ``VisMemoLayer`` after a prefill that left columns out: ``rows`` (B, S) the columns each row holds, its
+    keys (1 head, dim 1) equal to 10 * row + column and its values their negatives."""
+    from vismemo_hf.runtime.cache import VisMemoLayer
+
+    columns = torch.tensor(rows)
+    length = int(columns.max()) + 1
+    layer = VisMemoLayer()
+    layer.open(columns, length)
+    keys = (10 * torch.arange(len(rows))[:, None] + columns).float()[:, None, :, None]
+    layer.update(keys, -keys, columns=columns, contiguous=False)
+    layer.settle(length)
+    assert layer.mapped
+    return layer
+
+
+def _held(layer):
+    """Each row's (column, key) pairs of its non-empty slots (a column for every slot)."""
+    assert layer.columns.shape == layer.keys.shape[:1] + layer.keys.shape[2:3]
+    return [[(int(c), float(k)) for c, k in zip(cols, keys[0, :, 0]) if c >= 0]
+            for cols, keys in zip(layer.columns, layer.keys)]
+
+
+def test_a_mapped_layer_keeps_each_slots_column_with_its_kv_through_every_cache_operation():
+    """Cropping, reordering beams, repeating and selecting rows act on a layer's slot columns as on its K/V: every
+    slot keeps its own column (the mask of later steps is built from them)."""
+    layer = _mapped_layer([[0, 1, 3], [0, 2, 3]])
+    expected = [[(0, 0.0), (1, 1.0), (3, 3.0)], [(0, 10.0), (2, 12.0), (3, 13.0)]]
+    assert _held(layer) == expected
+    step = torch.tensor([[[[4.0]]], [[[14.0]]]])
+    layer.update(step, -step, columns=torch.tensor([[4], [4]]), contiguous=True)  # a decoding step
+    assert _held(layer) == [expected[0] + [(4, 4.0)], expected[1] + [(4, 14.0)]]
+    layer.crop(-1)
+    assert _held(layer) == expected and torch.equal(layer.values, -layer.keys)
+    layer.reorder_cache(torch.tensor([1, 0]))
+    assert _held(layer) == expected[::-1]
+    layer.batch_repeat_interleave(2)
+    assert _held(layer) == [expected[1], expected[1], expected[0], expected[0]]
+    layer.batch_select_indices(torch.tensor([2]))
+    assert _held(layer) == [expected[0]]
+
+
+def test_keeping_slots_drops_the_others_and_never_keeps_an_empty_slot():
+    """``keep_slots``: the slots ``keep`` marks stay, in order; an empty slot (column -1) goes even when marked."""
+    from vismemo_hf.runtime.cache import VisMemoLayer
+
+    layer = VisMemoLayer()
+    layer.open(torch.tensor([[0, 1, 2, 3]]), 4)
+    k = torch.arange(4, dtype=torch.float32).view(1, 1, 4, 1)
+    layer.update(k[:, :, [0, 2, 3]], k[:, :, [0, 2, 3]], columns=torch.tensor([[0, 2, 3]]), contiguous=False)
+    layer.settle(4)
+    assert layer.columns.tolist() == [[0, -1, 2, 3]]
+    layer.keep_slots(torch.tensor([[True, True, False, True]]))
+    assert layer.columns.tolist() == [[0, 3]] and layer.keys[0, 0, :, 0].tolist() == [0.0, 3.0]
+
+
+def test_a_layer_that_holds_every_column_in_order_settles_to_the_plain_layout_and_refuses_absent_columns():
+    """``settle``: a layer opened with a slot layout and written whole is the plain layout again (its slots are its
+    columns); ``slot_of`` finds a mapped layer's columns and refuses one it does not hold."""
+    from vismemo_hf.runtime.cache import VisMemoLayer
+
+    layer = VisMemoLayer()
+    layer.open(torch.tensor([[0, 1, 2]]), 3)
+    k = torch.arange(3, dtype=torch.float32).view(1, 1, 3, 1)
+    layer.update(k, k, columns=torch.tensor([[0, 1, 2]]), contiguous=False)
+    layer.settle(3)
+    assert not layer.mapped and torch.equal(layer.slot_of(torch.tensor([2, 0]), 0), torch.tensor([2, 0]))
+    appended = VisMemoLayer()  # a plain layer given a column out of its contiguous order, which is its next one
+    appended.update(k[:, :, :2], k[:, :, :2], columns=torch.tensor([[0, 1]]), contiguous=True)
+    appended.update(k[:, :, 2:], k[:, :, 2:], columns=torch.tensor([[2]]), contiguous=False)
+    assert appended.mapped
+    appended.settle(3)
+    assert not appended.mapped
+    gap = _mapped_layer([[0, 1, 3]])
+    assert torch.equal(gap.slot_of(torch.tensor([3, 0]), 0), torch.tensor([2, 0]))
+    with pytest.raises(RuntimeError, match="not stored"):
+        gap.slot_of(torch.tensor([2]), 0)
+
+
+def test_a_decoding_mask_after_a_step_of_several_tokens_covers_every_slot():
+    """``attention_mask`` of a one-query step extends the last one-query step's mask by a slot; after a step that
+    appended several tokens (assisted decoding's candidates) it is built again, as wide as the layer."""
+    layer = _mapped_layer([[0, 1, 3]])
+    one = torch.ones(1, 1, 1, 1)
+    layer.update(one, one, columns=torch.tensor([[4]]), contiguous=True)
+    assert layer.attention_mask(1, None)[0, 0, 0].tolist() == [True] * 4
+    three = torch.ones(1, 1, 3, 1)
+    layer.update(three, three, columns=torch.tensor([[5, 6, 7]]), contiguous=True)
+    layer.attention_mask(3, None)
+    layer.update(one, one, columns=torch.tensor([[8]]), contiguous=True)
+    assert layer.attention_mask(1, None)[0, 0, 0].tolist() == [True] * 8
