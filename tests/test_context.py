@@ -273,6 +273,34 @@ def test_a_failed_verification_computes_the_image_in_full_exactly_as_plain(base_
     assert kept.events[0].recomputed < kept.events[0].n_tokens
 
 
+def test_a_rewound_prefill_compresses_from_one_window_statistic_per_layer(base_reader):
+    """A plan that fails verification runs the layers again from the decision layer; the window statistics those
+    layers recorded in the failed run are dropped with them, so that compression (VL-Cache's budget per layer) reads
+    exactly one per layer, each from the run that produced the layer's K/V."""
+    from vismemo_hf.runtime.compress import VLCacheCompression
+
+    seen = []
+
+    class Recording(VLCacheCompression):
+        def keep(self, stats, is_visual_column):
+            seen.append([s.columns.shape for s in stats])
+            return super().keep(stats, is_visual_column)
+
+    model, _, processor = base_reader
+    page = docpage.random_page(2**31 + 72_000, layout="invoice")
+    question = docpage.ask(page, "key", 2, 1).text
+    image = docpage.render(page)
+    store = vismemo_hf.VisMemoStore()
+    _ask(model, processor, [("text", "See:"), ("image", image)], question, vismemo_hf.VisMemoCache(store=store))
+    cache = vismemo_hf.VisMemoCache(store=store, store_misses=False, prefix_probe_tolerance=0.0,
+                                    prefix_small_tolerance=0.0, compress=Recording(0.5))
+    _ask(model, processor, [("text", "Page 7:"), ("image", image)], question, cache, 1)
+    event = cache.events[0]
+    assert event.fallback == "context" and event.timings["rewind"] > 0
+    (shapes,) = seen
+    assert len(shapes) == model.config.text_config.num_hidden_layers
+
+
 def test_an_unsure_approximate_hit_is_computed_in_full_exactly_as_plain(base_reader):
     """The same context, one cell edited: with a guard no answer passes (``min_confidence=1``), the image is computed
     in full after the layers ran, and the answer and first-token probabilities are plain transformers'."""
