@@ -243,6 +243,16 @@ def test_an_approximate_hit_after_another_text_is_flagged_checked_and_answers_li
     assert paper.events[0].prefix_changed and paper.events[0].plan.verify is None and paper.events[0].fallback is None
 
 
+def _seen_after_another_text(model, processor):
+    """(store, question, parts): an invoice page stored after one text, and the same page asked after another."""
+    page = docpage.random_page(2**31 + 72_000, layout="invoice")
+    question = docpage.ask(page, "key", 2, 1).text
+    image = docpage.render(page)
+    store = vismemo_hf.VisMemoStore()
+    _ask(model, processor, [("text", "See:"), ("image", image)], question, vismemo_hf.VisMemoCache(store=store))
+    return store, question, [("text", "Page 7:"), ("image", image)]
+
+
 @pytest.mark.parametrize("options, reason", [({"prefix_probe_tolerance": 0.0, "prefix_small_tolerance": 0.0},
                                               "context"),
                                              ({"prefix_probe_tolerance": 10.0, "prefix_small_tolerance": 10.0,
@@ -251,12 +261,7 @@ def test_a_failed_verification_computes_the_image_in_full_exactly_as_plain(base_
     """The probes (or the confidence guard) fail after the layers ran: they run again from the decision layer with
     the image computed in full, and the answer and first-token probabilities are plain transformers'."""
     model, plain, processor = base_reader
-    page = docpage.random_page(2**31 + 72_000, layout="invoice")
-    question = docpage.ask(page, "key", 2, 1).text
-    image = docpage.render(page)
-    store = vismemo_hf.VisMemoStore()
-    _ask(model, processor, [("text", "See:"), ("image", image)], question, vismemo_hf.VisMemoCache(store=store))
-    asked = [("text", "Page 7:"), ("image", image)]
+    store, question, asked = _seen_after_another_text(model, processor)
     cache = vismemo_hf.VisMemoCache(store=store, store_misses=False, **options)
     answer, logprobs = _ask(model, processor, asked, question, cache)
     event = cache.events[0]
@@ -287,14 +292,10 @@ def test_a_rewound_prefill_compresses_from_one_window_statistic_per_layer(base_r
             return super().keep(stats, is_visual_column)
 
     model, _, processor = base_reader
-    page = docpage.random_page(2**31 + 72_000, layout="invoice")
-    question = docpage.ask(page, "key", 2, 1).text
-    image = docpage.render(page)
-    store = vismemo_hf.VisMemoStore()
-    _ask(model, processor, [("text", "See:"), ("image", image)], question, vismemo_hf.VisMemoCache(store=store))
+    store, question, asked = _seen_after_another_text(model, processor)
     cache = vismemo_hf.VisMemoCache(store=store, store_misses=False, prefix_probe_tolerance=0.0,
                                     prefix_small_tolerance=0.0, compress=Recording(0.5))
-    _ask(model, processor, [("text", "Page 7:"), ("image", image)], question, cache, 1)
+    _ask(model, processor, asked, question, cache, 1)
     event = cache.events[0]
     assert event.fallback == "context" and event.timings["rewind"] > 0
     (shapes,) = seen
