@@ -267,7 +267,7 @@ def _mapped_layer(rows):
     return layer
 
 
-def _held(layer):
+def _slots_held(layer):
     """Each row's (column, key) pairs of its non-empty slots (a column for every slot)."""
     assert layer.columns.shape == layer.keys.shape[:1] + layer.keys.shape[2:3]
     return [[(int(c), float(k)) for c, k in zip(cols, keys[0, :, 0]) if c >= 0]
@@ -279,18 +279,18 @@ def test_a_mapped_layer_keeps_each_slots_column_with_its_kv_through_every_cache_
     slot keeps its own column (the mask of later steps is built from them)."""
     layer = _mapped_layer([[0, 1, 3], [0, 2, 3]])
     expected = [[(0, 0.0), (1, 1.0), (3, 3.0)], [(0, 10.0), (2, 12.0), (3, 13.0)]]
-    assert _held(layer) == expected
+    assert _slots_held(layer) == expected
     step = torch.tensor([[[[4.0]]], [[[14.0]]]])
     layer.update(step, -step, columns=torch.tensor([[4], [4]]), contiguous=True)  # a decoding step
-    assert _held(layer) == [expected[0] + [(4, 4.0)], expected[1] + [(4, 14.0)]]
+    assert _slots_held(layer) == [expected[0] + [(4, 4.0)], expected[1] + [(4, 14.0)]]
     layer.crop(-1)
-    assert _held(layer) == expected and torch.equal(layer.values, -layer.keys)
+    assert _slots_held(layer) == expected and torch.equal(layer.values, -layer.keys)
     layer.reorder_cache(torch.tensor([1, 0]))
-    assert _held(layer) == expected[::-1]
+    assert _slots_held(layer) == expected[::-1]
     layer.batch_repeat_interleave(2)
-    assert _held(layer) == [expected[1], expected[1], expected[0], expected[0]]
+    assert _slots_held(layer) == [expected[1], expected[1], expected[0], expected[0]]
     layer.batch_select_indices(torch.tensor([2]))
-    assert _held(layer) == [expected[0]]
+    assert _slots_held(layer) == [expected[0]]
 
 
 def test_keeping_slots_drops_the_others_and_never_keeps_an_empty_slot():
@@ -307,23 +307,19 @@ def test_keeping_slots_drops_the_others_and_never_keeps_an_empty_slot():
     assert layer.columns.tolist() == [[0, 3]] and layer.keys[0, 0, :, 0].tolist() == [0.0, 3.0]
 
 
-def test_a_layer_that_holds_every_column_in_order_settles_to_the_plain_layout_and_refuses_absent_columns():
-    """``settle``: a layer opened with a slot layout and written whole is the plain layout again (its slots are its
-    columns); ``slot_of`` finds a mapped layer's columns and refuses one it does not hold."""
+def test_a_layer_holding_every_column_in_order_settles_to_the_plain_layout_and_slot_of_refuses_absent_ones():
+    """``settle`` of a layer that was given columns outside a prefill's layout (they map it) and holds every
+    column in order: the plain layout again, whose slots are its columns; ``slot_of`` finds a mapped layer's columns
+    and refuses one it does not hold."""
     from vismemo_hf.runtime.cache import VisMemoLayer
 
-    layer = VisMemoLayer()
-    layer.open(torch.tensor([[0, 1, 2]]), 3)
     k = torch.arange(3, dtype=torch.float32).view(1, 1, 3, 1)
-    layer.update(k, k, columns=torch.tensor([[0, 1, 2]]), contiguous=False)
-    layer.settle(3)
-    assert not layer.mapped and torch.equal(layer.slot_of(torch.tensor([2, 0]), 0), torch.tensor([2, 0]))
-    appended = VisMemoLayer()  # a plain layer given a column out of its contiguous order, which is its next one
+    appended = VisMemoLayer()  # a plain layer given its next column as a non-contiguous write
     appended.update(k[:, :, :2], k[:, :, :2], columns=torch.tensor([[0, 1]]), contiguous=True)
     appended.update(k[:, :, 2:], k[:, :, 2:], columns=torch.tensor([[2]]), contiguous=False)
     assert appended.mapped
     appended.settle(3)
-    assert not appended.mapped
+    assert not appended.mapped and torch.equal(appended.slot_of(torch.tensor([2, 0]), 0), torch.tensor([2, 0]))
     gap = _mapped_layer([[0, 1, 3]])
     assert torch.equal(gap.slot_of(torch.tensor([3, 0]), 0), torch.tensor([2, 0]))
     with pytest.raises(RuntimeError, match="not stored"):

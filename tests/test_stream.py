@@ -4,6 +4,7 @@ the consumer's stream waiting for it) runs here on the CPU through ``StreamOps``
 arrives at once."""
 
 import threading
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -168,8 +169,6 @@ class _Store:
 
 
 def _reader(store, layers=4):
-    from types import SimpleNamespace
-
     adapter = SimpleNamespace(num_layers=layers, layer_device=lambda layer: "cpu",
                               move_keys=lambda keys, delta, shift: keys)
     match = SimpleNamespace(kind=HitKind.APPROXIMATE, alias_offset=0,
@@ -178,8 +177,6 @@ def _reader(store, layers=4):
 
 
 def _plan(reuse, first):
-    from types import SimpleNamespace
-
     reuse = torch.tensor(reuse)
     return SimpleNamespace(reuse=reuse, reuse_from=torch.full_like(reuse, first))
 
