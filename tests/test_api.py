@@ -1,12 +1,15 @@
 """Public surface and clear errors."""
 
+import inspect
+
 import pytest
 import torch
-from transformers import DynamicCache, Qwen2Config, Qwen2ForCausalLM
+from transformers import DynamicCache, PreTrainedModel, Qwen2Config, Qwen2ForCausalLM
 
 import vismemo_hf
 from vismemo_hf import HitKind
 from vismemo_hf.families import model_fingerprint
+from vismemo_hf.families.routing import ConfigView
 from vismemo_hf.runtime.context import current as current_forward
 from vismemo_hf.testing import tiny_model
 
@@ -145,6 +148,13 @@ def test_exact_hits_skip_the_vision_tower(qwen2, pages):
         hook.remove()
 
 
+def _forward_source(cls) -> str:
+    try:
+        return inspect.getsource(cls.forward)
+    except (OSError, TypeError):
+        return ""
+
+
 def test_disable_restores_the_model_exactly(family, pages):
     """enable then disable: outputs equal a never-enabled twin's, no hook, attribute or attention setting left."""
     from vismemo_hf.testing import tiny_model
@@ -154,6 +164,12 @@ def test_disable_restores_the_model_exactly(family, pages):
     inputs = build_inputs(processor, [pages["base"]])
     forward_before = model.model.language_model.forward
     with vismemo_hf.enabled(model):
+        # every module that looks its attention implementation up at call time reads it through a view
+        # (of the text model and of a tower that lends its K/V: a forward routes those)
+        roots = [model.model.language_model] + [v for v in [getattr(model.model, "visual", None)] if v is not None]
+        readers = [m for root in roots for m in root.modules() if "_attn_implementation" in _forward_source(type(m))
+                   and hasattr(m, "config") and not isinstance(m, PreTrainedModel)]
+        assert readers and all(isinstance(m.config, ConfigView) for m in readers)
         assert model.config.text_config._attn_implementation == twin.config.text_config._attn_implementation
         generate(model, inputs, vismemo_hf.VisMemoCache(store=vismemo_hf.VisMemoStore()), 2)
     assert model.config.text_config._attn_implementation == twin.config.text_config._attn_implementation
@@ -162,6 +178,7 @@ def test_disable_restores_the_model_exactly(family, pages):
     assert not any(name.startswith("_vismemo") or name == "_prepare_multimodal_encoder_kwargs_for_generation"
                    for m in model.modules() for name in m.__dict__)
     assert model.model.language_model.forward == forward_before
+    assert all(not isinstance(getattr(m, "config", None), ConfigView) for m in model.modules())
     with torch.no_grad():
         a = model.generate(**inputs, max_new_tokens=4, do_sample=False, output_scores=True, return_dict_in_generate=True)
         b = twin.generate(**inputs, max_new_tokens=4, do_sample=False, output_scores=True, return_dict_in_generate=True)

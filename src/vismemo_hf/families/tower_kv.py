@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from vismemo_hf.families import routing
 from vismemo_hf.families.base import execution_device
 
 NAME = "vismemo_tower"
@@ -41,19 +42,19 @@ class _Run:
 
 
 _RUN: ContextVar[_Run | None] = ContextVar("vismemo_tower", default=None)
-#: what each tower configuration named before an encode here switched it (another thread's encode of the same model
-#: meanwhile runs its own implementation, untouched)
-_BEFORE: dict[int, str | None] = {}
+
+
+def _own_attention(config):
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    from transformers.models.qwen2_vl.modeling_qwen2_vl import eager_attention_forward
+
+    return ALL_ATTENTION_FUNCTIONS.get_interface(routing.own_implementation(config), eager_attention_forward)
 
 
 def _attention(module, query, key, value, attention_mask=None, **kwargs):
     run = _RUN.get()
     if run is None or id(module) not in run.layers:
-        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-        from transformers.models.qwen2_vl.modeling_qwen2_vl import eager_attention_forward
-
-        inner = ALL_ATTENTION_FUNCTIONS.get_interface(_BEFORE.get(id(module.config)), eager_attention_forward)
-        return inner(module, query, key, value, attention_mask=attention_mask, **kwargs)
+        return _own_attention(module.config)(module, query, key, value, attention_mask=attention_mask, **kwargs)
     layer = run.layers[id(module)]
     if layer in run.lent:
         call = run.calls.get(layer, 0)
@@ -82,29 +83,25 @@ def full_layers(visual) -> list[int]:
 
 def can_capture(visual) -> bool:
     """Whether the tower's attention can be recorded and lent to (not a fused flash kernel)."""
-    implementation = visual.config._attn_implementation or ""
+    implementation = routing.own_implementation(visual.config) or ""
     return "flash" not in implementation and hasattr(visual, "blocks")
 
 
 @contextmanager
 def _running(visual, record=None, extra=None):
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-    from transformers.models.qwen2_vl.modeling_qwen2_vl import eager_attention_forward
-
     _register()
-    config = visual.config
-    before = config._attn_implementation
-    if before and "flash" in before:
+    view = visual.blocks[0].attn.config
+    if not isinstance(view, routing.ConfigView):
+        raise RuntimeError("the vision tower is not routed: enable(model) gives its attention modules a ConfigView")
+    own = routing.own_implementation(view)
+    if own and "flash" in own:
         raise NotImplementedError("tower K/V reuse runs the non-flash attention branch")
-    inner = ALL_ATTENTION_FUNCTIONS.get_interface(before, eager_attention_forward)
     layers = {id(block.attn): i for i, block in enumerate(visual.blocks)}
-    token = _RUN.set(_Run(layers, inner, set(full_layers(visual)), record, extra))
-    _BEFORE[id(config)] = before
-    config._attn_implementation_internal = NAME
+    token = _RUN.set(_Run(layers, _own_attention(view), set(full_layers(visual)), record, extra))
     try:
-        yield
+        with routing.routed(view, NAME):
+            yield
     finally:
-        config._attn_implementation_internal = before
         _RUN.reset(token)
 
 

@@ -1,8 +1,8 @@
 """The ``"vismemo"`` attention function: the model's own attention plus two duties, for the forwards that need them.
 
 The text model runs its own attention implementation (sdpa, eager, flash) in every forward that has a plain
-layout. A forward with a slot layout (reused, masked or left-out tokens) switches it to this function for its
-duration (``slot_attention``), which
+layout. A forward with a slot layout (reused, masked or left-out tokens) routes its attention modules to this
+function for its duration (``slot_attention``; ``families.routing``: in the forward's own thread only), which
 
 1. on a layer whose slots are not the plain sequence, builds the mask from the slots' request columns instead of
    the model's positional mask, and runs the prefill's queries in blocks that each see only the key slots up to
@@ -17,8 +17,6 @@ implementation unchanged.
 from __future__ import annotations
 
 import sys
-import threading
-from contextlib import contextmanager
 
 import torch
 from transformers import AttentionInterface
@@ -26,38 +24,21 @@ from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_f
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from vismemo_hf.families import routing
 from vismemo_hf.runtime import context
 
 ATTENTION_NAME = "vismemo"
 
-_LOCK = threading.Lock()
-_SWITCHED: dict[int, list] = {}  # id(text config) -> [forwards using slot attention, the model's implementation]
-
 
 def own_implementation(config) -> str | None:
-    """The attention implementation the model runs (also while a slot-layout forward has switched it)."""
-    state = _SWITCHED.get(id(config))
-    return state[1] if state is not None else config._attn_implementation
+    """The attention implementation the model runs (also while a forward of this thread routes it here)."""
+    return routing.own_implementation(config)
 
 
-@contextmanager
-def slot_attention(config):
-    """Route the text model's attention through ``"vismemo"`` while a forward with a slot layout runs (nested and
-    concurrent forwards share one switch; the model's implementation is back when the last one ends)."""
-    with _LOCK:
-        state = _SWITCHED.get(id(config))
-        if state is None:
-            state = _SWITCHED[id(config)] = [0, config._attn_implementation]
-            config._attn_implementation_internal = ATTENTION_NAME
-        state[0] += 1
-    try:
-        yield
-    finally:
-        with _LOCK:
-            state[0] -= 1
-            if state[0] == 0:
-                config._attn_implementation_internal = state[1]
-                del _SWITCHED[id(config)]
+def slot_attention(view: routing.ConfigView):
+    """Route the text model's attention modules (``view``: their ``routing.ConfigView``) through ``"vismemo"`` for a
+    forward with a slot layout, in this thread only: the model's other forwards, in other threads, run its own."""
+    return routing.routed(view, ATTENTION_NAME)
 
 
 def _eager_of(module):
@@ -132,7 +113,7 @@ def vismemo_attention_forward(module, query, key, value, attention_mask, scaling
     ctx = context.current()
     layer_idx = getattr(module, "layer_idx", None)
     if ctx is None or ctx.adapter is None or layer_idx is None or layer_idx >= len(ctx.cache.layers) or \
-            getattr(module, "config", None) is not ctx.adapter.text.config:
+            routing.own(getattr(module, "config", None)) is not ctx.adapter.text.config:
         return native_attention(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
     layer = ctx.cache.layers[layer_idx]
     layout = ctx.layout

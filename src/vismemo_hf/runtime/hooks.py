@@ -1,7 +1,7 @@
 """``enable(model)`` / ``disable(model)`` / ``with enabled(model)``: install and remove what routes a model's
 forwards through VisMemo. Nothing is copied from the modeling code, and the model keeps its own attention
-implementation: only a forward that runs a slot layout (reused or masked tokens) switches the text model to the
-``"vismemo"`` attention function for its duration.
+implementation: only a forward that runs a slot layout (reused or masked tokens) routes the text model's attention
+to the ``"vismemo"`` function, for its duration and in its own thread.
 
 Installed on the model (every piece is a module-level function bound to the module it serves, so a
 ``copy.deepcopy`` of an enabled model runs with its own modules, and ``disable`` finds the pieces by identity):
@@ -11,7 +11,9 @@ Installed on the model (every piece is a module-level function bound to the modu
 * the text model's ``forward``: the prefill runner when the lookup asks for it, else the model's own forward;
 * the base model's ``get_image_features``: inside ``generate`` with a ``VisMemoCache`` the images are encoded on
   first use (so exact hits skip the vision tower); everywhere else it is the model's own;
-* the generation model's ``_prepare_multimodal_encoder_kwargs_for_generation``: marks that deferral.
+* the generation model's ``_prepare_multimodal_encoder_kwargs_for_generation``: marks that deferral;
+* on the attention modules of the text model and the vision tower, a ``families.routing.ConfigView`` of their config:
+  a forward that needs VisMemo's attention routes them to it in its own thread, never for the model as a whole.
 """
 
 from __future__ import annotations
@@ -25,7 +27,9 @@ from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, TypeVar
 
-from vismemo_hf.families import ModelAdapter
+from transformers import PretrainedConfig
+
+from vismemo_hf.families import ModelAdapter, routing
 from vismemo_hf.runtime import attention, context
 from vismemo_hf.runtime.cache import VisMemoCache
 from vismemo_hf.runtime.lookup import DeferredImageFeatures, lookup_request
@@ -164,10 +168,10 @@ def _text_forward(self, *args, **kwargs):
     request = ctx.take_request()
     if request is not None and request.needs_runner:
         kwargs = {k: v for k, v in kwargs.items() if k not in ("past_key_values", "cache")}
-        with attention.slot_attention(self.config):
+        with attention.slot_attention(self.layers[0].self_attn.config):
             return run_prefill(ctx.adapter, request, **{**kwargs, "ctx": ctx})
     if cache.mapped:  # decoding over a layout with left-out slots: the slot masks
-        with attention.slot_attention(self.config):
+        with attention.slot_attention(self.layers[0].self_attn.config):
             out = _call_own(self, "forward", *args, **kwargs)
     else:
         out = _call_own(self, "forward", *args, **kwargs)
@@ -212,6 +216,13 @@ def _restore(module) -> None:
             setattr(module, name, own)
 
 
+def _routed(adapter) -> list:
+    """The parts whose attention modules a forward routes to VisMemo's functions (``families.routing``): the text
+    model, and the vision tower when it has a config of its own (whose K/V partial encodes are lent)."""
+    visual = getattr(adapter.base, "visual", None)
+    return [adapter.text] + ([visual] if isinstance(getattr(visual, "config", None), PretrainedConfig) else [])
+
+
 def enable(model: ModelT, *, image_mean: Sequence[float] | None = None,
            image_std: Sequence[float] | None = None) -> ModelT:
     """Prepare a model of a supported family (Qwen2-VL, Qwen2.5-VL, Qwen3-VL (-MoE), GLM-4.1V, GLM-4.6V, GLM-4.5V;
@@ -230,6 +241,8 @@ def enable(model: ModelT, *, image_mean: Sequence[float] | None = None,
         return model
     adapter = ModelAdapter.for_model(model, image_mean=image_mean, image_std=image_std)
     attention.register()
+    for root in _routed(adapter):
+        routing.install(routing.attention_modules(root, root.config), root.config)
     base, text = adapter.base, adapter.text
     _replace(base, "get_image_features", _signed_as(_image_features, type(base).get_image_features))
     _replace(text, "forward", _text_forward)
@@ -243,8 +256,8 @@ def enable(model: ModelT, *, image_mean: Sequence[float] | None = None,
 
 
 def disable(model: ModelT) -> ModelT:
-    """Undo ``enable``: hooks removed, the replaced methods restored; the model then computes exactly as before
-    ``enable``. Returns the model."""
+    """Undo ``enable``: hooks removed, the replaced methods and the attention modules' configs restored; the model
+    then computes exactly as before ``enable``. Returns the model."""
     adapter = getattr(model, "_vismemo", None)
     if adapter is None:
         return model
@@ -255,6 +268,8 @@ def disable(model: ModelT) -> ModelT:
             base._forward_hooks_with_kwargs.pop(hook_id, None)
             base._forward_pre_hooks_with_kwargs.pop(hook_id, None)
             base._forward_hooks_always_called.pop(hook_id, None)
+    for root in _routed(adapter):
+        routing.uninstall(routing.attention_modules(root, root.config))
     for module in {id(m): m for m in (model, base, text)}.values():
         _restore(module)
         module.__dict__.pop("_vismemo", None)
