@@ -15,6 +15,7 @@ import hashlib
 import importlib
 import json
 import sys
+import threading
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import ClassVar
@@ -114,6 +115,10 @@ def tower_flops(vision, patches: int, width: int, mlp: int, gated: bool, attenti
 def _weights_signature(params: tuple) -> tuple:
     """Where every parameter lives and how often it was written in place: changes whenever weights do."""
     return tuple((p.data_ptr(), p._version) for p in params)
+
+
+#: guards ``WeightsIdentity.held`` (module-wide: a lock on the dataclass would not survive a deepcopy of the model)
+_HOLDING = threading.Lock()
 
 
 @dataclass
@@ -325,7 +330,8 @@ class ModelAdapter(VisionTower):
         lookups, reads and writes (a check reads every parameter's address and version: ~0.1 ms per decoder layer)."""
         if held:
             self._weights.of(self.model)
-        self._weights.held = max(0, self._weights.held + (1 if held else -1))
+        with _HOLDING:  # forwards of several threads: no count lost (a lost one would hold the value for ever)
+            self._weights.held = max(0, self._weights.held + (1 if held else -1))
 
     # -- parts -----------------------------------------------------------------------------
     @property
