@@ -516,6 +516,7 @@ def _add_bench(sub) -> None:
     _device_options(p)
     _out_option(p, "results/perf")
     p.set_defaults(func=_bench("latency"))
+    _add_workload(bench_sub)
     p = bench_sub.add_parser("overhead", help="host syncs, fixed cost per layer and time outside the kernels of "
                                               "each kind, against plain transformers, at two depths")
     _preset_options(p, "medium")
@@ -553,6 +554,19 @@ def _add_bench(sub) -> None:
     _out_option(p, "results/perf")
     p.set_defaults(func=_bench("trace"))
     _add_soak(bench_sub)
+
+
+def _add_workload(bench_sub) -> None:
+    p = bench_sub.add_parser("workload", help="streams as users send them (chat, agent loops, mixed traffic, the "
+                                              "readers' streams) back to back against plain transformers")
+    p.add_argument("--models", default="all", help="comma-separated tiny:FAMILY, presets or readers (all: the tiny "
+                                                   "model of each family, the stand-ins and both readers)")
+    p.add_argument("--streams", default="all", help="comma-separated chat, agent-1, agent-2, agent-3, mixed, reader")
+    p.add_argument("--rounds", type=positive, default=2, help="rounds of each stream, a fresh store each")
+    p.add_argument("--new-tokens", type=positive, default=4, help="greedy tokens of every request")
+    p.add_argument("--seed", type=nonnegative, default=0, help="seed of the streams' pages and questions")
+    _out_option(p, "results/perf")
+    p.set_defaults(func=_bench("workload"))
 
 
 def _add_soak(bench_sub) -> None:
