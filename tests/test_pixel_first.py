@@ -220,8 +220,10 @@ def test_an_edit_is_found_by_its_pixels_and_encodes_what_changed(family):
     store = stored(model, processor, base)
     entry = store.peek(edit_key(model, processor, base), vismemo_hf.VisMemoCache().owner(model._vismemo.fingerprint))
     assert entry.tower_kv is not None  # the default keeps the tower's K/V with the entry
-    assert _event(model, processor, store, edit, reuse_encoder=False).encoded_tokens == event_tokens(processor, edit)
-    event = _event(model, processor, store, edit)
+    # nothing stored by these requests (store_misses=False): each meets the same store
+    assert _event(model, processor, store, edit, reuse_encoder=False, store_misses=False).encoded_tokens == \
+        event_tokens(processor, edit)
+    event = _event(model, processor, store, edit, store_misses=False)
     assert event.kind is HitKind.APPROXIMATE and event.found_by == "pixels"
     assert 0 < event.encoded_tokens < event.n_tokens / 2
     pixels, grid = _image_inputs(processor, edit)
@@ -229,9 +231,19 @@ def test_an_edit_is_found_by_its_pixels_and_encodes_what_changed(family):
                             model._vismemo.patch_hashes(*_image_inputs(processor, base)))
     assert set(torch.nonzero(changed).flatten().tolist()) <= set(event.plan.recompute.tolist())  # always recomputed
     assert edit_key(model, processor, base) in store
-    assert edit_key(model, processor, edit) not in store  # K/V partly from the alias's encoder output: not an entry
-    again = _event(model, processor, store, edit)
+    assert edit_key(model, processor, edit) not in store
+    again = _event(model, processor, store, edit, store_misses=False)
     assert again.found_by == "pixels" and again.alias == event.alias
+    # stored, the edit becomes an entry of its own, completed off the request's path from its own whole encode
+    # (never the alias's lent encoder output)
+    _event(model, processor, store, edit)
+    store.flush()
+    owner = vismemo_hf.VisMemoCache().owner(model._vismemo.fingerprint)
+    own = store.peek(edit_key(model, processor, edit), owner)
+    with torch.no_grad():
+        whole = model._vismemo.encode(_own(model._vismemo.base, "get_image_features"), pixels, torch.tensor([grid]))
+    torch.testing.assert_close(own.embeds, whole[0][0].to(own.embeds.dtype), atol=1e-5, rtol=1e-5)
+    assert _event(model, processor, store, edit).kind is HitKind.EXACT
     bare = stored(model, processor, base, reuse_encoder=False)  # an entry without the tower's K/V: encoded in full
     assert _event(model, processor, bare, edit).encoded_tokens == event_tokens(processor, edit)
 

@@ -1,5 +1,6 @@
 """Reused K/V is really read, moved to the new offset, and only ever from the same model."""
 
+import pytest
 import torch
 from transformers import DynamicCache
 
@@ -61,7 +62,7 @@ def test_exact_hit_with_other_prefix_is_flagged_and_checked(tiny, pages):
 
 def test_perturbing_the_stored_alias_changes_the_output(qwen2, pages):
     model, processor = qwen2
-    store = vismemo_hf.VisMemoStore()
+    store = vismemo_hf.VisMemoStore(prefix_bytes=0)  # the image's entry serves it, not a prefix
     inputs = build_inputs(processor, [pages["base"]])
     first = vismemo_hf.VisMemoCache(store=store)
     generate(model, inputs, first, 1)
@@ -81,7 +82,7 @@ def test_approximate_hit_reads_reused_tokens(qwen2, pages):
     generate(model, build_inputs(processor, [pages["base"]]), first, 1)
     inputs = build_inputs(processor, [pages["edit"]])
     opts = dict(store=store, policy="vismemo", recompute_ratio=0.0, reuse_ratio=0.5, entropy_threshold=1.0,
-                guard_cosine=None)
+                guard_cosine=None, store_misses=False)  # the edited page never becomes an entry of its own
     c1 = vismemo_hf.VisMemoCache(**opts)
     _, clean = generate(model, inputs, c1, 1)
     assert c1.events[0].reused > 0
@@ -113,3 +114,27 @@ def test_miss_then_same_request_is_exact_and_other_weights_never_hit(pages):
     assert cache.events[0].kind is HitKind.APPROXIMATE
     alias = store.peek(cache.events[0].alias, other._vismemo.fingerprint)
     assert alias is not None and store.peek(alias.key, model._vismemo.fingerprint) is None
+
+
+@pytest.mark.approximate
+def test_an_image_served_approximately_is_an_exact_hit_the_next_time(tiny, pages):
+    """An approximate hit's image becomes an entry of its own, completed off the request's path (its tokens computed
+    in full over the context before it): the next request with it is an exact hit, and its answer and first-token
+    scores are plain transformers'."""
+    from transformers import DynamicCache
+
+    model, processor = tiny
+    store = stored(model, processor, pages["base"])
+    inputs = build_inputs(processor, [pages["edit"]], prefix="Read the form.")
+    first = vismemo_hf.VisMemoCache(store=store)
+    generate(model, inputs, first, 1)
+    assert first.events[0].kind is HitKind.APPROXIMATE
+    store.flush()
+    again = vismemo_hf.VisMemoCache(store=store)
+    tokens, scores = generate(model, inputs, again, 3)
+    assert again.events[0].kind is HitKind.EXACT and again.events[0].found_by in ("key", "prefix")
+    plain_tokens, plain_scores = generate(model, inputs, DynamicCache(), 3)
+    assert torch.equal(tokens, plain_tokens) and (scores - plain_scores).abs().max() <= 1e-4
+    other = vismemo_hf.VisMemoCache(store=store)
+    generate(model, build_inputs(processor, [pages["edit"]], question="Which row holds 9999?"), other, 1)
+    assert other.events[0].kind is HitKind.EXACT

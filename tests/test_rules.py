@@ -15,7 +15,7 @@ from vismemo_hf.core.thresholds import regional_cosines
 from vismemo_hf.eval import synthetic
 from vismemo_hf.policies.attend_deviate import AttendDeviatePolicy
 from vismemo_hf.runtime import lookup
-from vismemo_hf.runtime.lookup import _REFERENCES
+from vismemo_hf.runtime.reference import _REFERENCES
 from vismemo_hf.store import blob
 from vismemo_hf.store.remote import _record
 from vismemo_hf.store.tiers import SafeDisk

@@ -305,6 +305,26 @@ def test_the_model_reference_is_computed_once_per_process(qwen2, pages):
         hook.remove()
 
 
+def test_the_lookup_setup_runs_at_enable_not_in_the_first_request(pages):
+    """``enable`` encodes the reference images (the lookup's one-time setup): the process's first request runs the
+    tower for its own image only."""
+    from vismemo_hf.runtime.reference import _REFERENCES
+    from vismemo_hf.testing import tiny_model
+
+    model, processor = tiny_model("qwen2_vl", seed=11)
+    vismemo_hf.enable(model)
+    assert model_fingerprint(model) in _REFERENCES
+    calls = []
+    hook = model.model.visual.register_forward_hook(lambda *a: calls.append(1))
+    try:
+        store = vismemo_hf.VisMemoStore()
+        generate(model, build_inputs(processor, [pages["base"]]), vismemo_hf.VisMemoCache(store=store), 1)
+        generate(model, build_inputs(processor, [pages["noise"]]), vismemo_hf.VisMemoCache(store=store), 1)
+        assert len(calls) == 2 and store.reference(model_fingerprint(model)) is not None
+    finally:
+        hook.remove()
+
+
 @pytest.mark.parametrize("bad, match", [({"tau": 0.7}, "lack"), ({"tau": "high", "tau_fine": 0.9}, "cosine"),
                                         ({"tau": 0.7, "tau_fine": 1.5}, "cosine"),
                                         ({"tau": 0.7, "tau_fine": 0.9, "fingerprint": 12}, "string"),

@@ -44,7 +44,7 @@ def test_sparse_read_returns_selected_late_layers():
 
 class FaultyStore(VisMemoStore):
     def __init__(self, fail):
-        super().__init__()
+        super().__init__(prefix_bytes=0)  # the entries serve repeated requests, their faults seen
         self.fail = fail
 
     def get_tokens(self, *a, **k):
@@ -280,3 +280,77 @@ def test_tile_digests_travel_in_the_checked_metadata_and_a_bad_count_is_refused(
         replace(entry, tile_digests=torch.zeros(5, dtype=torch.int64)).check()
     store = VisMemoStore(device_bytes=0, host_bytes="1MB")  # the host tier keeps blobs
     assert store.put(entry) and torch.equal(store.peek("t", "fp").tile_digests, entry.tile_digests)
+
+
+_SCRIPT = """
+import torch, vismemo_hf
+from vismemo_hf.testing import tiny_model
+from vismemo_hf.eval import synthetic
+model, processor = tiny_model("qwen2_vl", seed=0)
+vismemo_hf.enable(model)
+messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is the value of row 1?"}]}]
+text = processor.apply_chat_template(messages, add_generation_prompt=True)
+inputs = processor(text=[text], images=[synthetic.page(3)], return_tensors="pt")
+cache = vismemo_hf.VisMemoCache()
+with torch.no_grad():
+    out = model.generate(**inputs, cache=cache, max_new_tokens=3, do_sample=False)
+print(cache.events[0].kind, out[0, inputs["input_ids"].shape[1]:].tolist())
+"""
+
+
+def test_a_script_run_twice_with_the_default_store_hits_the_second_time(tmp_path):
+    """What a new user tries first: the same script twice, each a process of its own with the default store (whose
+    disk tier lives in the user's cache directory). The first run's entry, written after its first token, reaches the
+    disk before the process exits; the second run is an exact hit with the same answer, and neither run logs a
+    failed write."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "VISMEMO_STORE"}
+    env["XDG_CACHE_HOME"] = str(tmp_path / "cache")
+    runs = [subprocess.run([sys.executable, "-c", _SCRIPT], capture_output=True, text=True, env=env, timeout=300)
+            for _ in range(2)]
+    for run in runs:
+        assert run.returncode == 0, run.stderr
+        assert "failed" not in run.stderr and "dropped" not in run.stderr, run.stderr
+    first, second = (run.stdout.split()[0] for run in runs)
+    assert (first, second) == ("miss", "exact")
+    assert runs[0].stdout.split(" ", 1)[1] == runs[1].stdout.split(" ", 1)[1]
+
+
+def test_a_read_waits_for_the_write_of_its_own_entry_only(qwen2, pages):
+    """A request never waits for another image's entry: while one entry's write is held back, a read of another
+    entry returns at once, and the held entry is already in the index (the next request finds it); a read of the
+    held entry itself waits for its write and then serves it."""
+    import threading
+
+    from vismemo_hf.store.background import Announced
+
+    model, processor = qwen2
+    store = VisMemoStore()
+    generate(model, build_inputs(processor, [pages["base"]]), vismemo_hf.VisMemoCache(store=store), 1)
+    store.flush()
+    (stored_key,) = list(store.catalog.where)
+    entry = store.peek(stored_key, store.catalog.fingerprint_of(stored_key))
+    held, release = threading.Event(), threading.Event()
+    twin = Entry(key="held" + stored_key[4:], fingerprint=entry.fingerprint, grid=entry.grid, embeds=entry.embeds,
+                 deepstack=entry.deepstack, descriptors=entry.descriptors, entropy=entry.entropy,
+                 kv=store.get(stored_key, entry.fingerprint).kv, offset=entry.offset, patch_hashes=entry.patch_hashes)
+
+    def build():
+        held.set()
+        release.wait(30)
+        return twin, None
+
+    store.put_later(build, Announced(twin.key, twin.fingerprint, twin.grid, twin.descriptors, twin.patch_hashes))
+    assert held.wait(30)
+    t0 = time.perf_counter()
+    assert store.get(stored_key, entry.fingerprint) is not None
+    assert store.lookup_section(stored_key, entry.fingerprint) is not None
+    found = store.candidates(entry.fingerprint, entry.grid, entry.descriptors, -1.0, 5)
+    assert time.perf_counter() - t0 < 5 and twin.key in {k for k, _ in found}
+    threading.Timer(0.3, release.set).start()
+    got = store.get(twin.key, twin.fingerprint)
+    assert got is not None and torch.equal(got.kv, twin.kv)
+    store.close()

@@ -53,7 +53,7 @@ def test_a_stores_threads_built_entries_on_one_thread_while_requests_kept_theirs
     store.flush()
     ours = [t for t in threading.enumerate() if t.name.startswith(("vismemo-put", "vismemo-disk", "vismemo-fetch"))]
     assert {t.name.split("_")[0] for t in ours} >= {"vismemo-put", "vismemo-disk"}
-    assert _threads_of(store._builder) == 1 and torch.get_num_threads() == before
+    assert _threads_of(store.writer.pool) == 1 and torch.get_num_threads() == before
 
 
 def _requests(pages):

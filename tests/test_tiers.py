@@ -170,7 +170,8 @@ def test_a_full_victim_share_displaces_its_lowest_scored_entry_for_a_higher_one(
 
 
 def _corrupt_then_generate(model, processor, image, directory, damage):
-    store = VisMemoStore(device_bytes=0, host_bytes=0, disk_dir=directory, disk_bytes=None)
+    # the entry's blob serves the second request (no prefix blocks in RAM)
+    store = VisMemoStore(device_bytes=0, host_bytes=0, disk_dir=directory, disk_bytes=None, prefix_bytes=0)
     inputs = build_inputs(processor, [image])
     first = vismemo_hf.VisMemoCache(store=store)
     generate(model, inputs, first, 1)

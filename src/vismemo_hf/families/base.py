@@ -136,7 +136,8 @@ class WeightsIdentity:
             return self.value
         if self.params is None:
             self.params = tuple(model.parameters())
-        signature = _weights_signature(self.params)
+        # the architectures field is the one config field a model's own methods write (``save_pretrained``)
+        signature = (_weights_signature(self.params), tuple(getattr(model.config, "architectures", None) or ()))
         if signature != self.signature:
             self.value, self.signature = model_fingerprint(model), signature
         return self.value
@@ -222,6 +223,15 @@ class VisionTower:
         """The tower's output per image: (embeds (N, d), extra visual features (k, N, d) | None)."""
         return [(e, None) for e in out.pooler_output]
 
+    def placeholder_output(self, n_tokens: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Zeros in place of an image's encoder output (embeds, extra features), for an image whose tokens a prefill
+        does not compute (inside a reused prefix)."""
+        text = self.model.config.text_config
+        device, dtype = execution_device(self.text), next(self.text.parameters()).dtype
+        embeds = torch.zeros(n_tokens, text.hidden_size, device=device, dtype=dtype)
+        levels = self.deepstack_levels
+        return embeds, (torch.zeros(levels, n_tokens, text.hidden_size, device=device, dtype=dtype) if levels else None)
+
     def encoder_outputs(self, per_image: list[tuple[torch.Tensor, torch.Tensor | None]]):
         """The ``mm_encoder_outputs["image"]`` object the model's forward expects."""
         return BaseModelOutputWithPooling(pooler_output=tuple(e for e, _ in per_image))
@@ -301,6 +311,8 @@ class ModelAdapter(VisionTower):
     #: whether a copy moved by whole visual tokens is matched moved (``core.thresholds.best_shift``): the tokens form
     #: one row-major grid in which a move is a shift of rows and columns
     movable: ClassVar[bool] = True
+    #: the text model takes 1-D positions (the first row of the runner's (3, B, L) ones), not M-RoPE's three
+    positions_1d: ClassVar[bool] = False
 
     @property
     def max_shift(self) -> int:

@@ -350,6 +350,8 @@ class LlavaOnevisionAdapter(TileReuse, QwenAdapter):
             image_mean=list(self.image_mean), image_std=list(self.image_std))
 
     # -- 1-D positions ---------------------------------------------------------------------------------------
+    positions_1d = True
+
     def rope(self, hidden: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.text.rotary_emb(hidden, positions[0])
 

@@ -209,6 +209,11 @@ class RoutingPolicy:
         routing that reads the encoder output of every token, as the paper's does)."""
         return False
 
+    def reuses_prefix(self) -> bool:
+        """Whether a request that starts as an earlier one did reuses that prefix's K/V whole (``runtime.prefix``:
+        exact, so every routing does, but ``full``, the baseline that computes everything)."""
+        return True
+
     def decision_layer(self, kind: HitKind) -> int:
         """The layer before which the plan of an image of ``kind`` is made (the end of its warmup)."""
         return self.prefix_check_layer if kind is HitKind.EXACT else self.warmup_layers

@@ -14,6 +14,9 @@ from vismemo_hf.policies.base import RoutingPolicy, register_policy
 class FullPolicy(RoutingPolicy):
     name: ClassVar[str] = "full"
 
+    def reuses_prefix(self) -> bool:
+        return False
+
     def exact_plan(self, image: ImageFeatures, alias: str, prefix_changed: bool = False) -> ImagePlan:
         return ImagePlan.full(HitKind.EXACT, image.n_tokens, alias)
 

@@ -20,7 +20,7 @@ from vismemo_hf.core.plan import HitKind
 from vismemo_hf.runtime.schedule import on_device
 from vismemo_hf.runtime.stream import LayerArrival, StreamOps, stream_layers, streams_for
 from vismemo_hf.store.background import torch_pool
-from vismemo_hf.store.store import store_call
+from vismemo_hf.store.faults import store_call
 from vismemo_hf.store.tiers import token_rows
 
 logger = logging.getLogger(__name__)

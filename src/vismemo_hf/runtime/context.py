@@ -46,6 +46,8 @@ class ForwardContext:
     capture: AttentionCapture | None = None
     started: float = field(default_factory=time.perf_counter)
     first_event: int = 0
+    #: tokens of a reused prefix the cache holds before this forward computes the rest (``runtime.prefix``)
+    reused_prefix: int = 0
     token: Token | None = field(default=None, repr=False)
     _valid: object = field(default=None, repr=False)
 
@@ -93,7 +95,7 @@ def close_forward(ctx: ForwardContext, new_tokens: int) -> None:
     for event in ctx.cache.events[ctx.first_event:]:
         event.timings["prefill"] = elapsed
     try:
-        ctx.cache.advance(new_tokens)
+        ctx.cache.advance(new_tokens - ctx.reused_prefix)  # a reused prefix was counted when it was loaded
     finally:
         if ctx.adapter is not None:
             ctx.adapter.hold_fingerprint(False)

@@ -30,7 +30,9 @@ from typing import TYPE_CHECKING, TypeVar
 from transformers import PretrainedConfig
 
 from vismemo_hf.families import ModelAdapter, routing
-from vismemo_hf.runtime import attention, context
+from vismemo_hf.families.base import execution_device
+from vismemo_hf.runtime import attention, context, reference
+from vismemo_hf.runtime import prefix as prefixes
 from vismemo_hf.runtime.cache import VisMemoCache
 from vismemo_hf.runtime.lookup import DeferredImageFeatures, lookup_request
 from vismemo_hf.runtime.runner import finish_native, run_prefill
@@ -44,6 +46,8 @@ ModelT = TypeVar("ModelT", bound="torch.nn.Module")
 #: set while ``generate`` pre-encodes the images of a request that has a VisMemoCache
 _DEFER_IMAGES: ContextVar[bool] = ContextVar("vismemo_defer_images", default=False)
 _PREPARE = "_prepare_multimodal_encoder_kwargs_for_generation"
+#: the tokens that restore ``prefix.LAST_ONLY`` after each generation-model forward in progress in this context
+_LAST_TOKENS: ContextVar[tuple] = ContextVar("vismemo_last_tokens", default=())
 
 
 def _cache_of(kwargs) -> VisMemoCache | None:
@@ -166,6 +170,10 @@ def _text_forward(self, *args, **kwargs):
     if ctx is None:
         return _call_own(self, "forward", *args, **kwargs)
     request = ctx.take_request()
+    if request is not None and request.prefix is not None and request.prefix.length:
+        out = _after_prefix(self, ctx, request, kwargs)
+        finish_native(ctx.adapter, request, ctx, kwargs.get("position_ids"))
+        return out
     if request is not None and request.needs_runner:
         kwargs = {k: v for k, v in kwargs.items() if k not in ("past_key_values", "cache")}
         with attention.slot_attention(self.layers[0].self_attn.config):
@@ -183,6 +191,29 @@ def _text_forward(self, *args, **kwargs):
         else:
             out = cache.watch.after_step(self, kwargs, out, cache, ctx.adapter.output_head, _own_forward)
     return out
+
+
+def _after_prefix(text, ctx, request, kwargs):
+    """The text model's own forward over the tokens after a reused prefix (``runtime.prefix``), the prefix's K/V in
+    the cache first, as in a continuation of a cache."""
+    length = request.prefix.length
+    prefixes.preload(ctx.cache, request.prefix, lambda i: execution_device(text.layers[i]))
+    ctx.reused_prefix = length
+    return _call_own(text, "forward", **prefixes.suffix(kwargs, length))
+
+
+def _last_only(module, args, kwargs):
+    """Before the generation model's forward: whether its caller reads the last position's logits only."""
+    keep = kwargs.get("logits_to_keep")
+    last = isinstance(keep, int) and keep == 1 and kwargs.get("labels") is None
+    _LAST_TOKENS.set((*_LAST_TOKENS.get(), prefixes.LAST_ONLY.set(last)))
+
+
+def _last_only_done(module, args, kwargs, output):
+    tokens = _LAST_TOKENS.get()
+    if tokens:
+        prefixes.LAST_ONLY.reset(tokens[-1])
+        _LAST_TOKENS.set(tokens[:-1])
 
 
 def _own_forward(module, **kwargs):
@@ -231,7 +262,8 @@ def enable(model: ModelT, *, image_mean: Sequence[float] | None = None,
 
     Idempotent (a second call refreshes the normalisation; the model fingerprint follows weight changes by
     itself). ``image_mean`` / ``image_std`` override the family's processor normalisation (used to recover pixels
-    for patch entropy). The model keeps its attention implementation.
+    for patch entropy). The model keeps its attention implementation. The lookup's one-time setup (encoding the
+    reference images with the model's tower, ``runtime.reference``) runs here, not in the first request.
     """
     previous = getattr(model, "_vismemo", None)
     if previous is not None:
@@ -250,8 +282,12 @@ def enable(model: ModelT, *, image_mean: Sequence[float] | None = None,
         _replace(model, _PREPARE, _prepare_multimodal)
     base.register_forward_pre_hook(_before, with_kwargs=True)
     base.register_forward_hook(_after, with_kwargs=True, always_call=True)
+    if model is not base:
+        model.register_forward_pre_hook(_last_only, with_kwargs=True)
+        model.register_forward_hook(_last_only_done, with_kwargs=True, always_call=True)
     for module in {id(m): m for m in (model, base, text)}.values():
         module._vismemo = adapter
+    reference.prepare(adapter, _own(base, "get_image_features"))  # the one-time setup, here instead of a request's
     return model
 
 
@@ -262,12 +298,14 @@ def disable(model: ModelT) -> ModelT:
     if adapter is None:
         return model
     base, text = adapter.base, adapter.text
-    for hooks, ours in ((base._forward_pre_hooks, _before), (base._forward_hooks, _after)):
-        for hook_id in [i for i, hook in hooks.items() if hook is ours]:
-            del hooks[hook_id]
-            base._forward_hooks_with_kwargs.pop(hook_id, None)
-            base._forward_pre_hooks_with_kwargs.pop(hook_id, None)
-            base._forward_hooks_always_called.pop(hook_id, None)
+    for module in {id(m): m for m in (model, base)}.values():
+        for hooks, ours in ((module._forward_pre_hooks, (_before, _last_only)),
+                            (module._forward_hooks, (_after, _last_only_done))):
+            for hook_id in [i for i, hook in hooks.items() if hook in ours]:
+                del hooks[hook_id]
+                module._forward_hooks_with_kwargs.pop(hook_id, None)
+                module._forward_pre_hooks_with_kwargs.pop(hook_id, None)
+                module._forward_hooks_always_called.pop(hook_id, None)
     for root in _routed(adapter):
         routing.uninstall(routing.attention_modules(root, root.config))
     for module in {id(m): m for m in (model, base, text)}.values():

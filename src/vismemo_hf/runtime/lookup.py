@@ -41,9 +41,10 @@ from vismemo_hf.core.thresholds import (
     regional_cosines,
     zoom_drift,
 )
-from vismemo_hf.runtime.reference import model_reference
+from vismemo_hf.runtime import prefix as prefixes
+from vismemo_hf.runtime.reference import reference_for
 from vismemo_hf.store.entry import Entry
-from vismemo_hf.store.store import store_call
+from vismemo_hf.store.faults import store_call
 
 logger = logging.getLogger(__name__)
 
@@ -183,6 +184,9 @@ class PrefillRequest:
 
     images: tuple[ImageMatch, ...]
     needs_runner: bool = True
+    #: the row's prefix blocks (``runtime.prefix``): their K/V reused when ``prefix.length`` > 0 (the model's own
+    #: forward then computes the rest), written at the end of the prefill; None: the request keeps no prefix
+    prefix: prefixes.PrefixPlan | None = None
 
 
 def host_copies(tree):
@@ -331,17 +335,16 @@ def lookup_request(adapter, cache, input_ids, pixel_values, grids, get_image_fea
     owner = cache.owner(adapter.fingerprint)
     host = adapter.split_images(adapter.tower_pixels(pixel_values).cpu(), grids, lengths)  # as the tower reads them
     keys = {i: exact_key(owner, host[i][0], grid_list[j]) for i, j in originals.items()}
-    entries = {i: _exact_entry(adapter, cache, keys[i], grid_list[j]) for i, j in originals.items()}
+    compressing = cache.compress is not None or (cache.store_misses and cache.store.keep_ratio is not None)
+    prefix, covered = _prefix(adapter, cache, owner, input_ids, spans, grid_list, [keys[i] for i in source],
+                              expand == 1 and valid is None and videos is None and not compressing)
+    reused = bool(covered) or (prefix is not None and prefix.length > 0)
+    entries = {i: None if reused else _exact_entry(adapter, cache, keys[i], grid_list[j]) for i, j in originals.items()}
     exact_ms = (time.perf_counter() - t0) * 1e3 / max(1, len(source))
-    t0 = time.perf_counter()
-    todo = [i for i in originals if entries[i] is None]
+    todo = [i for i in originals if entries[i] is None and originals[i] not in covered]
     pixels, extras = [host[i][0] for i in source], [host[i][2] for i in source]
-    hashes = {i: _hashes_for_lookup(adapter, cache, owner, pixels[originals[i]], grid_list[originals[i]],
-                                    extras[originals[i]]) for i in todo}
-    firsts = {i: found for i in todo if (found := _pixel_alias(adapter, cache, owner, grid_list[originals[i]],
-                                                               hashes[i], keys[i])) is not None}
-    tiles = {i: adapter.tile_digests(pixels[originals[i]], grid_list[originals[i]], extras[originals[i]]) for i in todo}
-    pixel_ms = (time.perf_counter() - t0) * 1e3 / max(1, len(todo))  # the pixel-first stage, per image
+    hashes, firsts, tiles, pixel_ms = _pixel_stage(adapter, cache, owner, {i: originals[i] for i in todo}, pixels,
+                                                   extras, grid_list, keys, reused)
     contexts = _contexts(input_ids, valid, spans, [keys[i] for i in source],
                          video_items(adapter.video_mask(input_ids, token_types), merge, videos),
                          owner.encode() + getattr(cache.store, "context_key", b""))
@@ -354,9 +357,11 @@ def lookup_request(adapter, cache, input_ids, pixel_values, grids, get_image_fea
     images = []
     for j, i in enumerate(source):
         t0 = time.perf_counter()
-        (row, start), (prefix, sketch), entry = spans[j], contexts[j], entries[i]
-        if entry is not None:
-            match = _exact_match(row, start, entry, prefix, sketch)
+        (row, start), (digest, sketch), entry = spans[j], contexts[j], entries[i]
+        if j in covered:
+            match = _prefix_match(adapter, row, start, keys[i], grid_list[j], digest, sketch)
+        elif entry is not None:
+            match = _exact_match(row, start, entry, digest, sketch)
             store_call("index", lambda e=entry: cache.store.note_pixels(e.key, e.patch_hashes), None)
         else:
             embeds, deepstack, tower = encodings[i]
@@ -364,18 +369,52 @@ def lookup_request(adapter, cache, input_ids, pixel_values, grids, get_image_fea
                                   pixel_features=adapter.pixel_features(pixels[j], grid_list[j], hashes[i], extras[j]))
             host_embeds = embeds.detach().float().cpu()
             match = ImageMatch(row, start, feats, embeds, deepstack, region_descriptors(host_embeds, grid_list[j], merge),
-                               HitKind.MISS, prefix, encoder_ms=encoder_ms, context=sketch,
+                               HitKind.MISS, digest, encoder_ms=encoder_ms, context=sketch,
                                thumbnail=adapter.thumbnail_of(pixels[j], grid_list[j], extras[j]), host_embeds=host_embeds,
                                encoded_tokens=partial[i][2] if i in partial else None, tower_kv=tower,
                                tile_digests=tiles[i], whole_encode=wholes.get(i))
-            match = _pixel_first_match(match, *firsts[i]) if i in firsts else \
-                _approximate(adapter, match, cache, get_image_features)
+            if i in firsts:
+                match = _pixel_first_match(match, *firsts[i])
+            elif not reused:
+                match = _approximate(adapter, match, cache, get_image_features)
         stages = exact_ms + (pixel_ms if entry is None else 0.0)
         images.append(replace(match, lookup_ms=stages + (time.perf_counter() - t0) * 1e3))
     outputs = adapter.encoder_outputs([(m.embeds, m.deepstack) for m in images])
-    compressing = cache.compress is not None or (cache.store_misses and cache.store.keep_ratio is not None)
-    needs_runner = compressing or any(m.kind is not HitKind.MISS for m in images)
-    return PrefillRequest(tuple(images), needs_runner), outputs
+    needs_runner = not reused and (compressing or any(m.kind is not HitKind.MISS for m in images))
+    return PrefillRequest(tuple(images), needs_runner, prefix), outputs
+
+
+def _prefix(adapter, cache, owner: str, input_ids, spans, grids, keys: list[str], eligible: bool):
+    """(the request's ``prefix.PrefixPlan`` or None, the images inside its reused prefix): those are neither
+    looked up nor encoded, and every image after the prefix is computed in full. Reused only by a prefill whose caller
+    reads the last position's logits alone (``prefix.LAST_ONLY``)."""
+    counts = [adapter.tokens_in(g) for g in grids]
+    plan = prefixes.plan(cache, owner, input_ids, spans, counts, keys,
+                         eligible and prefixes.LAST_ONLY.get() and cache.policy.reuses_prefix())
+    if plan is None or not plan.length:
+        return plan, set()
+    return plan, {j for j, (_, start) in enumerate(spans) if start + counts[j] <= plan.length}
+
+
+def _pixel_stage(adapter, cache, owner: str, todo: dict[int, int], pixels, extras, grids, keys: dict, reused: bool):
+    """(hashes, pixel-first aliases, tile digests, ms per image) of the images ``todo`` (image -> its first copy)
+    without an exact hit; after a reused prefix no alias is looked for (every image there is computed in full)."""
+    t0 = time.perf_counter()
+    hashes = {i: None if reused else _hashes_for_lookup(adapter, cache, owner, pixels[j], grids[j], extras[j])
+              for i, j in todo.items()}
+    firsts = {i: found for i, j in todo.items()
+              if (found := _pixel_alias(adapter, cache, owner, grids[j], hashes[i], keys[i])) is not None}
+    tiles = {i: adapter.tile_digests(pixels[j], grids[j], extras[j]) for i, j in todo.items()}
+    return hashes, firsts, tiles, (time.perf_counter() - t0) * 1e3 / max(1, len(todo))
+
+
+def _prefix_match(adapter, row: int, start: int, key: str, grid, digest: str, sketch) -> ImageMatch:
+    """An image inside a reused prefix: its K/V come with the prefix's, so it needs no encoder output (zeros stand
+    in for it in the model's inputs, at positions the prefill does not compute)."""
+    embeds, deepstack = adapter.placeholder_output(adapter.tokens_in(grid))
+    feats = ImageFeatures(key, tuple(grid), embeds)
+    return ImageMatch(row, start, feats, embeds, deepstack, None, HitKind.EXACT, digest, alias=feats, score=1.0,
+                      context=sketch, encoded_tokens=0, found_by="prefix")
 
 
 def _exact_entry(adapter, cache, key: str, grid) -> Entry | None:
@@ -577,20 +616,12 @@ def _contexts(input_ids, valid, spans, keys, videos: dict, sketch_key: bytes) ->
     return out
 
 
-#: model references computed in this process, by fingerprint (a new store of a known model reuses them)
-_REFERENCES: dict = {}
-
-
 def _reference(adapter, store, get_image_features, owner: str):
-    """The model's reference: computed with its tower once per process, kept by every store that serves it (for
-    the model and for ``owner``, the namespace whose index it centres)."""
-    fp = adapter.fingerprint
+    """The model's reference (``runtime.reference``), kept by every store that serves it (for the model and for
+    ``owner``, the namespace whose index it centres)."""
     if store.reference(owner) is None:
-        if fp not in _REFERENCES:
-            if len(_REFERENCES) >= 16:
-                _REFERENCES.pop(next(iter(_REFERENCES)))
-            _REFERENCES[fp] = model_reference(adapter, get_image_features)
-        store.set_reference(fp, _REFERENCES[fp])
+        fp = adapter.fingerprint
+        store.set_reference(fp, reference_for(adapter, get_image_features))
         store.set_reference(owner, store.reference(fp))
     return store.reference(owner)
 

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import logging
+import threading
+
 import torch
 import torch.nn.functional as F
 
 from vismemo_hf.core.features import region_descriptors, thumb_per_token
 from vismemo_hf.core.images import IMAGE_KINDS, reference_images
 from vismemo_hf.core.thresholds import ModelReference, aligned_similarity, fine_score
+
+logger = logging.getLogger(__name__)
 
 
 def encode_images(adapter, get_image_features, images) -> list[tuple[torch.Tensor, tuple[int, int, int]]]:
@@ -50,3 +55,35 @@ def model_reference(adapter, get_image_features) -> ModelReference:
     pixel = [aligned_similarity(thumbs[i], thumbs[j], thumb_per_token(adapter.thumbnail_hw(encoded[i][1])))[0]
              for i, j in pairs if thumbs[i] is not None and thumbs[j] is not None]
     return ModelReference(descriptors.mean((0, 1)), token_mean, max(unrelated), max(pixel) if pixel else None)
+
+
+#: model references computed in this process, by fingerprint (a new store of a known model reuses them)
+_REFERENCES: dict[str, ModelReference] = {}
+_COMPUTING = threading.Lock()
+
+
+def reference_for(adapter, get_image_features) -> ModelReference:
+    """The model's reference, computed with its tower once per process and weights (threads asking together wait
+    for one computation)."""
+    fp = adapter.fingerprint
+    found = _REFERENCES.get(fp)
+    if found is not None:
+        return found
+    with _COMPUTING:
+        if fp not in _REFERENCES:
+            if len(_REFERENCES) >= 16:
+                _REFERENCES.pop(next(iter(_REFERENCES)))
+            _REFERENCES[fp] = model_reference(adapter, get_image_features)
+        return _REFERENCES[fp]
+
+
+def prepare(adapter, get_image_features) -> None:
+    """Compute the model's reference now (``enable``), so that no request pays for it. A model that cannot encode
+    the reference images yet (weights still on ``meta``, say) computes it on its first approximate lookup."""
+    if not adapter.approximate:
+        return
+    try:
+        reference_for(adapter, get_image_features)
+    except (RuntimeError, ValueError, NotImplementedError) as err:
+        logger.info("vismemo: the lookup reference is computed on the first lookup instead (%s: %s)",
+                    type(err).__name__, err)

@@ -17,6 +17,7 @@ import torch
 from transformers.modeling_outputs import BaseModelOutputWithPast
 
 from vismemo_hf.core.plan import CacheEvent, HitKind, ImagePlan
+from vismemo_hf.runtime import prefix as prefixes
 from vismemo_hf.runtime.alias import AliasReader, stored_tokens
 from vismemo_hf.runtime.context import ForwardContext
 from vismemo_hf.runtime.lookup import ImageMatch, PrefillRequest
@@ -24,8 +25,8 @@ from vismemo_hf.runtime.schedule import ActiveStates, Layout, Placement, Schedul
 from vismemo_hf.runtime.signals import SignalCollector
 from vismemo_hf.runtime.verify import Verifier
 from vismemo_hf.runtime.watch import Watch
-from vismemo_hf.runtime.writeback import write_entries
-from vismemo_hf.store.store import store_call
+from vismemo_hf.runtime.writeback import complete_later, reused_encoder, write_entries
+from vismemo_hf.store.faults import store_call
 
 logger = logging.getLogger(__name__)
 
@@ -139,6 +140,7 @@ class PrefillRunner:
         self.verifier = Verifier(adapter.num_layers)
         self._snapshot = None  # (layer, states, time) to run the layers from again when a plan fails verification
         self._kept = None  # (plans, columns) of the masked tokens given back for decoding
+        self.prefix = request.prefix  # its blocks are written up to the first image not computed as in full
 
     # -- planning -----------------------------------------------------------------------------------------
     def _demote(self, i: int) -> None:
@@ -339,12 +341,18 @@ class PrefillRunner:
         for layer, keys, values, columns in self.reader.restore(plans, {i: r.offset for i, r in enumerate(self.runs)},
                                                                 self.batch):
             cache.layer(layer).preload(keys, values, columns)
-        write_entries(self.adapter, cache, [(i, r.match, r.plan, r.offset) for i, r in enumerate(self.runs)],
-                      self.signals.token_importance)
+        done = [(i, r.match, r.plan, r.offset) for i, r in enumerate(self.runs)]
+        write_entries(self.adapter, cache, done, self.signals.token_importance)
+        lossless = cache.store.kv_format is None and cache.store.keep_ratio is None
+        complete_later(self.adapter, cache, done, self.positions,
+                       lambda i: all(exact_kv(r, lossless) for r in self.runs
+                                     if r.match.row == self.runs[i].match.row and r.match.start < self.runs[i].match.start))
         for i, estimate in self.verifier.estimates.items():
             self.runs[i].verify_estimate = estimate
         for layer in cache.layers:
             layer.settle(self.length)
+        prefixes.write(cache, self.prefix,
+                       min([self.length, *(r.match.start for r in self.runs if not exact_kv(r, lossless))]))
         if cache.compress is not None and self.runs:
             keep = cache.compress.keep(self.signals.layer_stats, self.signals.visual_columns())
             for layer, kept in zip(cache.layers, keep or []):
@@ -356,6 +364,16 @@ class PrefillRunner:
             events.append(run.event(self.reader, i))
             record_event(cache, events[-1])
         return events
+
+
+def exact_kv(run: ImageRun, lossless: bool) -> bool:
+    """Whether an image's K/V are what a full prefill computes: computed at every layer from its own encoder output,
+    or an exact hit reused whole after the same context from a store that keeps K/V as computed (``lossless``: no
+    8-bit format, no compressed entries)."""
+    m, plan = run.match, run.plan
+    if m.kind is HitKind.EXACT and not plan.complete:
+        return lossless and not m.prefix_changed and plan.mask.numel() == 0 and m.alias.kv_tokens is None
+    return plan.complete and not reused_encoder(m)
 
 
 class _DeepstackAdder:
@@ -393,9 +411,11 @@ def finish_native(adapter, request: PrefillRequest, ctx: ForwardContext, positio
     cache = ctx.cache
     positions = None if position_ids is None else _positions(position_ids)
     offsets = _offsets(positions, request.images) if positions is not None else [m.start for m in request.images]
-    runs = [ImageRun(m, at, cache.policy.miss_plan(m.features), timings={"warmup": 0.0, "recompute": 0.0})
+    runs = [ImageRun(m, at, ImagePlan.exact(m.n_tokens, m.features.key) if m.kind is HitKind.EXACT
+                     else cache.policy.miss_plan(m.features), timings={"warmup": 0.0, "recompute": 0.0})
             for m, at in zip(request.images, offsets)]
     write_entries(adapter, cache, [(i, r.match, r.plan, r.offset) for i, r in enumerate(runs)])
+    prefixes.write(cache, request.prefix, cache.layers[0].get_seq_length() if cache.layers else 0)
     for i, run in enumerate(runs):
         record_event(cache, run.event(None, i))
 

@@ -9,8 +9,10 @@ import torch
 
 from vismemo_hf.core.checks import all_finite
 from vismemo_hf.core.plan import HitKind
+from vismemo_hf.families.base import execution_device
+from vismemo_hf.store.background import Announced
 from vismemo_hf.store.entry import Entry
-from vismemo_hf.store.store import store_call
+from vismemo_hf.store.faults import store_call
 
 logger = logging.getLogger(__name__)
 
@@ -81,7 +83,8 @@ def write_entries(adapter, cache, done: list[tuple], importance=lambda i: None) 
     """Store the images of ``done`` ((index, match, plan, offset)) whose plan computed every token at every layer
     from their own encoder output (``reused_encoder``), each key once, off the request's critical path: the cache
     layers' tensors as they are now are handed to the store, which gathers and writes the entries on its writer
-    thread (later reads of the store wait for them). Non-finite K/V are never stored. ``importance(index)``: what a
+    thread; each is announced to its index at once (the next request finds it, a read of it waits for its
+    write). Non-finite K/V are never stored. ``importance(index)``: what a
     compressed store keeps first."""
     if not cache.store_misses:
         return
@@ -99,16 +102,82 @@ def write_entries(adapter, cache, done: list[tuple], importance=lambda i: None) 
             if not all_finite(kv):
                 logger.warning("vismemo: image %s has non-finite K/V; not stored", match.features.key[:12])
                 return None
-            feats = match.features
-            tower = match.tower_kv
-            if tower is not None and not all_finite(tower):
-                tower = None  # an entry without it: its edits encode whole images
-            return Entry(key=feats.key, fingerprint=fingerprint, grid=feats.grid, embeds=match.embeds.detach(),
-                         deepstack=match.deepstack.detach() if match.deepstack is not None else None,
-                         descriptors=match.descriptors, entropy=feats.entropy, kv=kv, offset=offset,
-                         patch_hashes=feats.patch_hashes, prefix=match.prefix, context=match.context,
-                         thumbnail=match.thumbnail() if match.thumbnail is not None else None,
-                         tower_kv=to_host(tower) if tower is not None else None,
-                         tile_digests=match.tile_digests() if match.tile_digests is not None else None), weights
+            return _entry(match, fingerprint, kv, offset), weights
+
+        announced = Announced(key, fingerprint, tuple(match.features.grid), match.descriptors,
+                              match.features.patch_hashes) if match.descriptors is not None else None
+        store_call("write", lambda b=build, a=announced: cache.store.put_later(b, a), None)
+
+
+def columns_kv(layers: list[tuple], row: int, columns: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer, (K, V) (1, H, len(columns), D) of request ``columns`` of ``row`` from ``layers`` ((keys, values,
+    slot columns or None) of each cache layer), on the layer's device."""
+    out = []
+    for keys, values, slot_columns in layers:
+        slots = columns if slot_columns is None else _slots(slot_columns[row], columns)
+        slots = slots.to(keys.device)
+        out.append((keys[row:row + 1].index_select(2, slots), values[row:row + 1].index_select(2, slots)))
+    return out
+
+
+def complete_later(adapter, cache, runs: list[tuple], positions: torch.Tensor, exact_before) -> None:
+    """Make the images an approximate hit served entries of their own, so that the next request with one is an
+    exact hit: on the store's writer thread, off the request's path, each image's tokens are computed in full over
+    the K/V of the columns before it (which ``exact_before(index)`` says a full prefill computed: nothing inexact
+    before the image), from its own whole encoder output, with the model's own text layers, as a miss's prefill
+    computes them. ``runs``: (index, match, plan, offset) of the request's images; ``positions`` (3, B, L)."""
+    if not cache.store_misses or positions.shape[1] != 1:
+        return
+    layers = [(layer.keys, layer.values, layer.columns) for layer in cache.layers]
+    fingerprint, seen = cache.owner(adapter.fingerprint), set()
+    for i, match, plan, offset in runs:
+        key = match.features.key
+        if match.kind is not HitKind.APPROXIMATE or key in seen or not exact_before(i) or \
+                (plan.complete and not reused_encoder(match)):
+            continue
+        seen.add(key)
+
+        def build(match=match, offset=offset):
+            own = match.whole_encode(match) if match.whole_encode is not None else match
+            kv = _computed_kv(adapter, layers, own, positions[:, :, own.start:own.start + own.n_tokens])
+            if not all_finite(kv):
+                return None
+            return _entry(own, fingerprint, kv, offset), None
 
         store_call("write", lambda b=build: cache.store.put_later(b), None)
+
+
+@torch.no_grad()
+def _computed_kv(adapter, layers: list[tuple], match, positions: torch.Tensor) -> torch.Tensor:
+    """(N, L, 2, H, D) K/V of ``match``'s tokens computed by the text model over the K/V of the columns before it."""
+    from transformers import DynamicCache
+
+    before = DynamicCache()
+    if match.start:
+        for i, (k, v) in enumerate(columns_kv(layers, match.row, torch.arange(match.start))):
+            before.update(k, v, i)
+    device = execution_device(adapter.text)
+    embeds = match.embeds.to(device)[None]
+    extra = {}
+    if match.deepstack is not None:  # Qwen3-VL: the tower's intermediate features of every token
+        extra = {"visual_pos_masks": torch.ones(1, match.n_tokens, dtype=torch.bool, device=device),
+                 "deepstack_visual_embeds": [d.to(device, embeds.dtype) for d in match.deepstack]}
+    positions = positions[0] if adapter.positions_1d else positions
+    adapter.text(inputs_embeds=embeds.to(next(adapter.text.parameters()).dtype), position_ids=positions.to(device),
+                 cache=before, use_cache=True, **extra)
+    span = slice(match.start, match.start + match.n_tokens)
+    per_layer = [torch.stack([to_host(layer.keys[0, :, span]), to_host(layer.values[0, :, span])])
+                 for layer in before.layers]
+    return torch.stack(per_layer).permute(3, 0, 1, 2, 4).contiguous()
+
+
+def _entry(match, fingerprint: str, kv: torch.Tensor, offset: int) -> Entry:
+    feats = match.features
+    tower = match.tower_kv if match.tower_kv is not None and all_finite(match.tower_kv) else None
+    return Entry(key=feats.key, fingerprint=fingerprint, grid=feats.grid, embeds=match.embeds.detach(),
+                 deepstack=match.deepstack.detach() if match.deepstack is not None else None,
+                 descriptors=match.descriptors, entropy=feats.entropy, kv=kv, offset=offset,
+                 patch_hashes=feats.patch_hashes, prefix=match.prefix, context=match.context,
+                 thumbnail=match.thumbnail() if match.thumbnail is not None else None,
+                 tower_kv=to_host(tower) if tower is not None else None,
+                 tile_digests=match.tile_digests() if match.tile_digests is not None else None)

@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
-from concurrent.futures import ThreadPoolExecutor
+import time
+import weakref
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 #: how much lower than the serving threads a background thread runs (a Linux nice increment, per thread)
 NICE = 10
@@ -55,3 +62,123 @@ def torch_pool(name: str, workers: int) -> ThreadPoolExecutor:
     """A pool of ``workers`` threads named ``name`` that serve requests (reads ahead of the layers that need them): at
     the serving threads' priority, torch on one thread each (``one_torch_thread``)."""
     return ThreadPoolExecutor(max_workers=workers, thread_name_prefix=name, initializer=one_torch_thread)
+
+
+#: how long a process that exits waits for the entries its stores are still writing (seconds), unless
+#: ``VISMEMO_EXIT_WRITE_S`` says otherwise; what is left then is dropped, counted and logged
+EXIT_WRITE_S = 30.0
+
+
+@dataclass(frozen=True)
+class Announced:
+    """What a lookup needs of an entry still being built: its key, model, grid, region descriptors and token pixel
+    hashes. The store indexes it at once, so the next request finds it; a read of its bytes waits for the write."""
+
+    key: str
+    fingerprint: str
+    grid: tuple
+    descriptors: torch.Tensor
+    patch_hashes: torch.Tensor | None = None
+
+
+class Writer:
+    """Entries being built and written on one background thread, off the requests' path.
+
+    A write is pending from ``submit`` until its job has run; ``wait_for(key)`` waits for that key's job alone (a
+    request never waits for another image's write), ``drain`` for all of them. Pending writes are completed when the
+    process exits (``EXIT_WRITE_S``): a second process then finds them."""
+
+    def __init__(self, name: str = "vismemo-put") -> None:
+        self.name = name
+        self._pool: ThreadPoolExecutor | None = None
+        self._pending: dict[str, Future] = {}
+        self._anonymous: list[Future] = []
+        self._lock = threading.Lock()
+        self.wait_ms = 0.0
+        self.dropped = 0
+        #: what runs once the pending writes are done when the process exits (the store's tiers' own writes)
+        self.at_exit: list[Callable[[], None]] = []
+
+    @property
+    def pool(self) -> ThreadPoolExecutor | None:
+        return self._pool
+
+    def submit(self, job: Callable[[], None], key: str | None = None) -> Future:
+        """Run ``job`` on the writer thread; ``key``: the entry it writes (what ``wait_for`` waits for)."""
+        with self._lock:
+            if self._pool is None:
+                self._pool = background_pool(self.name)
+            _watch_exit(self)
+            future = self._pool.submit(job)
+            if key is None:
+                self._anonymous.append(future)
+            else:
+                self._pending[key] = future
+        future.add_done_callback(lambda f, k=key: self._done(k, f))
+        return future
+
+    def _done(self, key: str | None, future: Future) -> None:
+        with self._lock:
+            if key is not None and self._pending.get(key) is future:
+                del self._pending[key]
+            elif future in self._anonymous:
+                self._anonymous.remove(future)
+
+    def pending(self, key: str) -> bool:
+        return key in self._pending
+
+    def wait_for(self, key: str) -> None:
+        """Wait for the write of ``key``, if one is pending."""
+        future = self._pending.get(key)
+        if future is not None:
+            self._wait([future])
+
+    def drain(self, timeout: float | None = None) -> int:
+        """Wait for every pending write (at most ``timeout`` seconds); returns how many were left."""
+        with self._lock:
+            futures = list(self._pending.values()) + list(self._anonymous)
+        return self._wait(futures, timeout)
+
+    def _wait(self, futures: list[Future], timeout: float | None = None) -> int:
+        if not futures:
+            return 0
+        t0 = time.perf_counter()
+        done, left = wait(futures, timeout=timeout)
+        self.wait_ms += (time.perf_counter() - t0) * 1e3
+        for future in done:
+            future.result()  # a job's own faults are caught inside it: this raises only for a bug
+        return len(left)
+
+    def close(self) -> None:
+        self.drain()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+
+
+#: the writers that may hold pending writes when the process exits
+_WRITERS: weakref.WeakSet[Writer] = weakref.WeakSet()
+_EXIT_HOOKED = False
+
+
+def _watch_exit(writer: Writer) -> None:
+    """Complete ``writer``'s pending writes when the process exits. The hook runs with ``threading``'s exit hooks,
+    before ``concurrent.futures`` refuses new work (a disk tier's write scheduled later would be lost)."""
+    global _EXIT_HOOKED
+    _WRITERS.add(writer)
+    if not _EXIT_HOOKED:
+        try:
+            threading._register_atexit(_complete_at_exit)  # type: ignore[attr-defined]
+            _EXIT_HOOKED = True
+        except RuntimeError:  # already shutting down: nothing more can be scheduled anyway
+            pass
+
+
+def _complete_at_exit() -> None:
+    deadline = time.monotonic() + float(os.environ.get("VISMEMO_EXIT_WRITE_S", EXIT_WRITE_S))
+    for writer in list(_WRITERS):
+        left = writer.drain(max(0.0, deadline - time.monotonic()))
+        if left:
+            writer.dropped += left
+            logger.warning("vismemo: %d entries still being written when the process exited; dropped", left)
+        for hook in writer.at_exit:
+            hook()

@@ -24,7 +24,7 @@ import math
 import operator
 import os
 import re
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -34,12 +34,14 @@ import torch
 from vismemo_hf.core.features import checked_namespace
 from vismemo_hf.presets import find, load
 from vismemo_hf.store import blob
-from vismemo_hf.store.background import background_pool
+from vismemo_hf.store.background import Writer
 from vismemo_hf.store.catalog import Catalog
 from vismemo_hf.store.entry import Entry
 from vismemo_hf.store.eviction import ExactPriorityLRU
 from vismemo_hf.store.placement import Placement
+from vismemo_hf.store.prefixes import PrefixBlocks
 from vismemo_hf.store.tiers import ENTRY, NAMES, PUBLISH, Roles, Tier, TierUnavailable, chain
+from vismemo_hf.store.writes import PendingWrites
 
 if TYPE_CHECKING:
     from vismemo_hf.core.thresholds import LookupThresholds, ModelReference
@@ -53,6 +55,7 @@ logger = logging.getLogger(__name__)
 _NOT_THE_BLOB = (TypeError, AttributeError, NameError, AssertionError, IndexError)
 
 _OPTIONS = {"device_bytes", "host_bytes", "disk_dir", "disk_bytes", "device", "protect", "victim_share", "priors",
+            "prefix_bytes",
             "write_through", "remote_url", "remote_options", "kv_format", "keep_ratio", "thresholds", "secret",
             "namespace"}
 #: the environment variable a store without an explicit ``secret`` takes its secret from
@@ -138,7 +141,7 @@ def _check_options(budgets: dict, host_bytes: int | None, disk_bytes: int | None
         raise ValueError(f"keep_ratio must lie in (0, 1] or be None, got {keep_ratio!r}")
 
 
-class VisMemoStore(Roles):
+class VisMemoStore(Roles, PendingWrites):
     """Entries of any number of models in a chain of tiers with byte budgets that are never exceeded.
 
     ``device_bytes`` / ``host_bytes``: RAM (GPU memory for ``device`` when ``device`` is a CUDA
@@ -162,6 +165,8 @@ class VisMemoStore(Roles):
     reads must carry valid ones (docs/METHOD.md §5): an unsealed, altered or planted blob is a miss, removed and
     counted in ``stats()["forged"]``. Every process sharing a disk directory or Redis tier needs the same secret.
     ``namespace``: the namespace of the caches on this store that name none (``VisMemoCache(namespace=...)``).
+    ``prefix_bytes``: host RAM for prefix blocks (``runtime.prefix``: a request that starts as an earlier one did
+    reuses that prefix's K/V whole); 0: none, None: unbounded.
     ``tiers``: the chain itself, fastest first, instead of the one ``tiers.chain`` builds from the options above (a
     tier of one's own among the built-in ones); the tiers then carry their own budgets, directory, server and seal.
     The built-in tiers stay reachable by name (``devices``, ``device``, ``host``, ``victim``, ``disk``, ``remote``).
@@ -174,7 +179,7 @@ class VisMemoStore(Roles):
                  remote_options: Mapping[str, object] | None = None, kv_format: str | None = None,
                  keep_ratio: float | None = None, thresholds: str | Iterable[str | LookupThresholds] | None = None,
                  secret: str | bytes | bool | None = None, namespace: str | None = None,
-                 tiers: Iterable[Tier] | None = None) -> None:
+                 tiers: Iterable[Tier] | None = None, prefix_bytes: Bytes = "1GiB") -> None:
         budgets = _device_budgets(device_bytes, device)
         host_bytes, disk_bytes = parse_bytes(host_bytes), parse_bytes(disk_bytes)
         _check_options(budgets, host_bytes, disk_bytes, victim_share, kv_format, keep_ratio)
@@ -199,8 +204,10 @@ class VisMemoStore(Roles):
         self.placement = Placement(self.tiers, self.catalog, self.eviction, self._stats, kv_format,
                                    json.loads(Path(priors).read_text()) if priors else {}, seal)
         self._lock = self.placement.lock
-        self._later: list = []  # entries being built and stored on the writer thread (``put_later``)
-        self._builder = None
+        self.writer = Writer()  # entries being built and stored off the requests' path (``put_later``)
+        prefix_budget = parse_bytes(prefix_bytes)
+        self.prefixes = PrefixBlocks(prefix_budget) if prefix_budget != 0 else None
+        self.writer.at_exit.append(self._flush_tiers)
         self._open_tiers()
 
     # -- construction ------------------------------------------------------------------------------
@@ -265,35 +272,11 @@ class VisMemoStore(Roles):
             self._stats["puts"] += 1
             return True
 
-    def put_later(self, build: Callable[[], tuple[Entry, torch.Tensor | None] | None]) -> None:
-        """Build an entry with ``build()`` (-> (entry, importance) or None) and ``put`` it on the store's writer
-        thread, off the request's critical path. Every later read of the store waits for it first."""
-        if self._builder is None:
-            self._builder = background_pool("vismemo-put")
-
-        def run():
-            built = store_call("build", build, None)
-            if built is not None:
-                store_call("write", lambda: self.put(*built), None)
-
-        self._later.append(self._builder.submit(run))
-
-    def _drain(self) -> None:
-        """Wait for the entries ``put_later`` is still building (never called with the lock held)."""
-        while self._later:
-            self._later.pop(0).result()
-
-    def flush(self) -> None:
-        """Wait for entries being built and for the tiers' background writes (disk, remote)."""
-        self._drain()
-        for tier in self.tiers:
-            tier.flush()
-        self.placement.settle_writes()
 
     def clear(self) -> None:
         """Empty this process's tiers (a ``PUBLISH`` tier, the shared remote one, is left to those who share it)."""
+        self.flush()
         with self._lock:
-            self.flush()
             for tier in (t for t in self.tiers if t.admits != PUBLISH):
                 for key in list(tier.lru):
                     tier.discard(key)
@@ -334,7 +317,7 @@ class VisMemoStore(Roles):
 
     def get(self, key: str, fingerprint: str) -> Entry | None:
         """Whole entry (an exact hit's full read); it earns protection and moves to the first tier."""
-        self._drain()
+        self._wait_for(key)
         with self._lock:
             entry, tier = self._read(key, fingerprint, "full")
             if entry is None:
@@ -360,7 +343,7 @@ class VisMemoStore(Roles):
 
     def peek(self, key: str, fingerprint: str) -> Entry | None:
         """Metadata (encoder output, entropy, descriptors; ``kv`` may be None): no recency change, no K/V read."""
-        self._drain()
+        self._wait_for(key)
         with self._lock:
             return self._read(key, fingerprint, "meta")[0]
 
@@ -368,7 +351,7 @@ class VisMemoStore(Roles):
         """K/V rows ``tokens`` at layers >= ``first_layer``: (|tokens|, L - first_layer, 2, H, D). Sparse, never
         promotes. Rows are token indices, except in a compressed entry (``ImageFeatures.stored_rows``)."""
         first_layer = operator.index(first_layer)  # a TypeError for the caller, before any tier is asked
-        self._drain()
+        self._wait_for(key)
         with self._lock:
             out, tier = self._read(key, fingerprint, "tokens", tokens.to(torch.long).cpu(), first_layer)
             if out is None:
@@ -382,7 +365,7 @@ class VisMemoStore(Roles):
 
     def lookup_section(self, key: str, fingerprint: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
         """Fine stage: a candidate's (descriptors, token sketches, thumbnail or None), its lookup section alone."""
-        self._drain()
+        self._wait_for(key)
         with self._lock:
             out = self._read(key, fingerprint, "lookup")[0]
             if out is None:
@@ -393,8 +376,8 @@ class VisMemoStore(Roles):
 
     def candidates(self, fingerprint: str, grid: tuple[int, int, int], descriptors: torch.Tensor, tau: float,
                    top_k: int) -> list[tuple[str, float]]:
-        """Coarse stage: (key, mean centred regional cosine) of same-grid entries passing all four regions."""
-        self._drain()
+        """Coarse stage: (key, mean centred regional cosine) of same-grid entries passing all four regions (entries
+        still being written among them)."""
         with self._lock:
             for tier in self.tiers:  # what other processes published since the last look
                 self._take_news(tier)
@@ -404,13 +387,11 @@ class VisMemoStore(Roles):
                          top_k: int) -> list[tuple[str, float]]:
         """Pixel-first stage: (key, share of its sampled distinctive tokens the image shows) of same-grid entries
         whose pixels the image shows at the same places (``store.pixels``), best first."""
-        self._drain()
         with self._lock:
             return self.catalog.pixels.candidates(fingerprint, grid, hashes, top_k)
 
     def knows_pixels(self, fingerprint: str, grid: tuple[int, int, int]) -> bool:
         """Whether the pixel-first index holds any entry of this model and grid."""
-        self._drain()
         with self._lock:
             return self.catalog.pixels.knows(fingerprint, grid)
 
@@ -438,7 +419,7 @@ class VisMemoStore(Roles):
 
     def discard(self, key: str) -> None:
         """Remove ``key`` from every tier (an entry found unusable for its model); counted as corrupt."""
-        self._drain()
+        self._wait_for(key)
         with self._lock:
             self._stats["corrupt"] += 1
             for tier in self.tiers:
@@ -479,13 +460,13 @@ class VisMemoStore(Roles):
             for tier in self.tiers:  # e.g. forged index records, damaged indexes moved aside
                 for name, n in tier.counts().items():
                     out[name] = out.get(name, 0) + n
+            out["wait_ms"], out["dropped_at_exit"] = self.writer.wait_ms, self.writer.dropped
             return {**out, "sealed": self.sealed, "entries": len(self.catalog),
                     "bytes": sum(t["bytes"] for t in tiers.values()), "tiers": tiers}
 
     def close(self) -> None:
         self.flush()
-        if self._builder is not None:
-            self._builder.shutdown(wait=True)
+        self.writer.close()
         for tier in self.tiers:
             tier.close()
 
@@ -508,15 +489,6 @@ def _tier_stats(tiers: list[Tier]) -> dict:
             tier.add_stats(summed, own)
         out[name] = summed
     return out
-
-
-def store_call(what: str, fn, default):
-    """Run a store call; a fault is logged and gives ``default`` (a miss, no entry stored), never an error."""
-    try:
-        return fn()
-    except Exception as err:  # noqa: BLE001 - any store failure must degrade, not break serving
-        logger.warning("vismemo: store %s failed (%s: %s); continuing without it", what, type(err).__name__, err)
-        return default
 
 
 _DEFAULT: VisMemoStore | None = None

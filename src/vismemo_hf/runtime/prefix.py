@@ -1,0 +1,115 @@
+"""Prefix reuse (docs/METHOD.md §9): a request whose leading tokens equal an earlier request's, text by its ids and
+images by their exact keys, takes that prefix's K/V whole from the store's prefix blocks (``store.prefixes``) and
+computes only the rest with the model's own forward, as ``generate`` computes a continuation of a cache.
+
+Exact: a block is reused only where everything up to its end is the same, and only blocks whose K/V a full prefill
+computed (or reused whole from such blocks) are stored: nothing after the first image an approximate hit
+served. The images inside a reused prefix are neither looked up nor encoded; a prefix is reused only when it holds
+one. Used for one unpadded row whose caller reads the last position's logits only (``generate``'s prefill); any other
+prefill still stores its blocks.
+"""
+
+from __future__ import annotations
+
+from contextvars import ContextVar
+from dataclasses import dataclass
+
+import torch
+
+from vismemo_hf.store.faults import store_call
+from vismemo_hf.store.prefixes import BLOCK, block_hashes
+
+#: set while a model forward whose caller reads the last position's logits only runs (``generate``'s
+#: ``logits_to_keep=1``): only such a prefill may skip the hidden states of a reused prefix
+LAST_ONLY: ContextVar[bool] = ContextVar("vismemo_last_only", default=False)
+
+
+@dataclass(frozen=True)
+class PrefixPlan:
+    """One row's blocks: their chain hashes, how many the store holds, and the tokens reused (0: none) with their
+    K/V, one (layers, 2, KV heads, BLOCK, head dim) tensor per block."""
+
+    hashes: tuple[str, ...]
+    held: int = 0
+    length: int = 0
+    blocks: tuple[torch.Tensor, ...] = ()
+
+
+def plan(cache, owner: str, input_ids: torch.Tensor, spans: list[tuple[int, int]], counts: list[int],
+         keys: list[str], eligible: bool) -> PrefixPlan | None:
+    """The prefix plan of a one-row request (host ``input_ids`` (1, L); ``spans`` / ``counts`` / ``keys``: each
+    image's (row, first column), tokens and exact key); None when the store keeps no prefixes or the request is not
+    one row. ``eligible``: the prefix may be reused (else its blocks are only written)."""
+    prefixes = getattr(cache.store, "prefixes", None)
+    if prefixes is None or input_ids.shape[0] != 1 or not cache.store_misses and not eligible:
+        return None
+    ids = input_ids[0].tolist()
+    images = sorted((start, n, key) for (_, start), n, key in zip(spans, counts, keys))
+    hashes = tuple(block_hashes(owner, ids, images))
+    held = store_call("prefix", lambda: prefixes.longest(hashes), 0)
+    length = min(held * BLOCK, len(ids) - 1)  # the last token is computed: its logits are the answer's
+    for start, n, _ in images:
+        if start < length < start + n:  # an image is reused whole or not at all
+            length = start
+    # a prefix is reused when it holds an image: text alone (a system prompt) saves little, and the images after a
+    # reused prefix are computed in full, without their own lookup
+    if not eligible or length < BLOCK or not any(start + n <= length for start, n, _ in images):
+        return PrefixPlan(hashes, held)
+    blocks = store_call("prefix", lambda: prefixes.read(hashes[:-(-length // BLOCK)]), None)
+    if blocks is None:
+        return PrefixPlan(hashes, held)
+    return PrefixPlan(hashes, held, length, tuple(blocks))
+
+
+def preload(cache, prefix: PrefixPlan, device_of) -> None:
+    """Fill ``cache``'s layers with the reused prefix's K/V (``device_of(layer)``: where each layer computes)."""
+    kv = torch.cat(prefix.blocks, dim=3)[:, :, :, :prefix.length]  # (layers, 2, H, P, D)
+    for i in range(kv.shape[0]):
+        device = device_of(i)
+        layer = cache.layer(i)
+        layer.lazy_initialization(kv[i, 0][None], kv[i, 1][None])
+        layer.keys = kv[i, 0][None].to(device, non_blocking=True)
+        layer.values = kv[i, 1][None].to(device, non_blocking=True)
+    cache.advance(prefix.length)
+
+
+def suffix(kwargs: dict, length: int) -> dict:
+    """The text model's arguments for the tokens after a reused prefix of ``length`` tokens."""
+    out = dict(kwargs)
+    out["inputs_embeds"] = kwargs["inputs_embeds"][:, length:]
+    if kwargs.get("position_ids") is not None:
+        out["position_ids"] = kwargs["position_ids"][..., length:]
+    visual = kwargs.get("visual_pos_masks")
+    if visual is not None:  # Qwen3-VL's deepstack: the features of the visual tokens after the prefix
+        before = int(visual[:, :length].sum())
+        out["visual_pos_masks"] = visual[:, length:]
+        if kwargs.get("deepstack_visual_embeds") is not None:
+            out["deepstack_visual_embeds"] = [d[before:] for d in kwargs["deepstack_visual_embeds"]]
+    return out
+
+
+def write(cache, prefix: PrefixPlan | None, exact_until: int) -> None:
+    """Store the blocks of ``prefix`` that lie before column ``exact_until`` (what a full prefill computed there)
+    and the store does not hold yet: gathered from the cache's layers as they are now, on the store's writer
+    thread."""
+    if prefix is None or not cache.store_misses:
+        return
+    whole = min(len(prefix.hashes), exact_until // BLOCK)
+    first = max(prefix.held, prefix.length // BLOCK)
+    if whole <= first or any(layer.mapped for layer in cache.layers):
+        return
+    layers = [(layer.keys, layer.values) for layer in cache.layers]
+    hashes = prefix.hashes[first:whole]
+    prefixes = cache.store.prefixes
+
+    def gather():
+        blocks = []
+        for b in range(first, whole):
+            s, e = b * BLOCK, (b + 1) * BLOCK
+            blocks.append(torch.stack([torch.stack([k[0, :, s:e], v[0, :, s:e]]) for k, v in layers]).cpu().clone())
+        prefixes.add(hashes, blocks)
+
+    def announce():
+        prefixes.announce(hashes, cache.store.writer.submit(lambda: store_call("prefix", gather, None)))
+
+    store_call("prefix", announce, None)

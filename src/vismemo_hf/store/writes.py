@@ -1,0 +1,77 @@
+"""The store's writes off the requests' path: entries built and put on its writer thread, announced to its index
+at once, completed before the process exits (``store.background.Writer``)."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+
+from vismemo_hf.store.background import Announced
+from vismemo_hf.store.entry import Entry
+from vismemo_hf.store.faults import store_call
+
+if TYPE_CHECKING:
+    from vismemo_hf.store.background import Writer
+    from vismemo_hf.store.catalog import Catalog
+    from vismemo_hf.store.placement import Placement
+    from vismemo_hf.store.tiers import Tier
+
+
+class PendingWrites:
+    """What ``VisMemoStore`` does with entries it is still writing (it provides the attributes declared here)."""
+
+    writer: Writer
+    placement: Placement
+    catalog: Catalog
+    tiers: list[Tier]
+    _lock: threading.RLock
+    put: Callable[[Entry, torch.Tensor | None], bool]
+
+    def put_later(self, build: Callable[[], tuple[Entry, torch.Tensor | None] | None],
+                  announced: Announced | None = None) -> None:
+        """Build an entry with ``build()`` (-> (entry, importance) or None) and ``put`` it on the store's writer
+        thread, off the request's critical path. ``announced``: what the lookup needs of it, indexed at once (the
+        next request finds it; a read of its bytes waits for this write alone); else it is found once written."""
+        key = announced.key if announced is not None else None
+        if key is not None:
+            with self._lock:
+                if self.placement.tier_of(key) is not None or self.writer.pending(key):
+                    return
+                self.placement.moving.add(key)  # in transit to its first tier: never forgotten meanwhile
+                self.catalog.add(key, announced.fingerprint, announced.grid, announced.descriptors)
+                self.catalog.add_pixels(key, announced.patch_hashes)
+
+        def run():
+            try:
+                built = store_call("build", build, None)
+                if built is not None:
+                    store_call("write", lambda: self.put(*built), None)
+            finally:
+                if key is not None:
+                    with self._lock:
+                        self.placement.moving.discard(key)
+                        self.placement.forget_if_gone(key)  # not written: no longer announced
+
+        self.writer.submit(run, key)
+
+    def _wait_for(self, key: str) -> None:
+        """Wait for the pending write of ``key`` (never called with the lock held)."""
+        if self.writer.pending(key):
+            self.writer.wait_for(key)
+
+    def _drain(self) -> None:
+        """Wait for every entry ``put_later`` is still building (never called with the lock held)."""
+        self.writer.drain()
+
+    def _flush_tiers(self) -> None:
+        for tier in self.tiers:
+            tier.flush()
+        self.placement.settle_writes()
+
+    def flush(self) -> None:
+        """Wait for entries being built and for the tiers' background writes (disk, remote)."""
+        self._drain()
+        self._flush_tiers()

@@ -1,0 +1,175 @@
+"""Prefix reuse (``runtime.prefix``): a request that starts as an earlier one did reuses that prefix's K/V whole and
+computes the rest, with the answers of plain transformers."""
+
+import pytest
+import torch
+
+import vismemo_hf
+from vismemo_hf import HitKind
+from vismemo_hf.store.prefixes import BLOCK, block_hashes
+
+from conftest import generate
+
+
+def _chat_inputs(processor, turns):
+    """Processor inputs of a chat whose user turns are ``turns`` ((images, text) each), with fixed answers."""
+    messages, images = [], []
+    for k, (imgs, text) in enumerate(turns):
+        content = [{"type": "image"} for _ in imgs] + [{"type": "text", "text": text}]
+        messages.append({"role": "user", "content": content})
+        images.extend(imgs)
+        if k < len(turns) - 1:
+            messages.append({"role": "assistant", "content": [{"type": "text", "text": f"Answer {k} is 12{k}."}]})
+    text = processor.apply_chat_template(messages, add_generation_prompt=True)
+    return processor(text=[text], images=images or None, return_tensors="pt")
+
+
+def _plain(model, inputs, n=3):
+    with torch.no_grad():
+        out = model.generate(**inputs, max_new_tokens=n, do_sample=False, output_scores=True,
+                             return_dict_in_generate=True)
+    return out.sequences[:, inputs["input_ids"].shape[1]:], torch.stack(out.scores, 1)
+
+
+def test_a_chat_reuses_its_history_and_answers_as_plain_transformers(family, pages):
+    """Every turn re-sends the conversation: from the second turn on the history's K/V are reused whole (its images
+    neither looked up nor encoded, counted as exact hits found by the prefix) and only the new tokens computed; a new
+    page in a later turn is computed in full. Every answer and first-token score equals plain transformers'."""
+    from vismemo_hf.testing import tiny_model
+
+    model, processor = tiny_model(family, seed=2)
+    twin, _ = tiny_model(family, seed=2)
+    vismemo_hf.enable(model)
+    store = vismemo_hf.VisMemoStore()
+    turns = [([pages["base"]], "What is the value of row 1?"), ([], "And of row 2?"),
+             ([pages["noise"]], "What is on this one?"), ([], "Compare both.")]
+    calls = []
+    for t in range(1, len(turns) + 1):
+        inputs = _chat_inputs(processor, turns[:t])
+        cache = vismemo_hf.VisMemoCache(store=store)
+        tokens, scores = generate(model, inputs, cache, 3)
+        plain_tokens, plain_scores = _plain(twin, inputs)
+        assert torch.equal(tokens, plain_tokens)
+        assert (scores - plain_scores).abs().max() <= 1e-4
+        found = [e.found_by for e in cache.events]
+        calls.append(found)
+        if t > 1:
+            assert found[0] == "prefix" and cache.events[0].kind is HitKind.EXACT
+    assert calls[2] == ["prefix", None] and calls[3] == ["prefix", "prefix"]
+    assert store.prefixes.reused_blocks > 0
+
+
+def test_a_second_question_about_the_same_page_reuses_the_page(qwen2, pages):
+    """Another question after the same page: the page and the text before it come from the first request's blocks."""
+    from conftest import build_inputs
+
+    model, processor = qwen2
+    store = vismemo_hf.VisMemoStore()
+    generate(model, build_inputs(processor, [pages["edit"]], question="What is the value of row 1?"),
+             vismemo_hf.VisMemoCache(store=store), 1)
+    cache = vismemo_hf.VisMemoCache(store=store)
+    inputs = build_inputs(processor, [pages["edit"]], question="Which row holds 9999?")
+    tokens, scores = generate(model, inputs, cache, 3)
+    assert cache.events[0].found_by == "prefix"
+    plain_tokens, plain_scores = _plain_without(model, inputs)
+    assert torch.equal(tokens, plain_tokens) and (scores - plain_scores).abs().max() <= 1e-4
+
+
+def _plain_without(model, inputs):
+    """Plain transformers' answer on the same weights: the model with the library taken off for the call."""
+    vismemo_hf.disable(model)
+    try:
+        return _plain(model, inputs)
+    finally:
+        vismemo_hf.enable(model)
+
+
+def test_blocks_after_an_approximate_hit_are_not_kept(qwen2, pages):
+    """An approximate hit's K/V are not a full prefill's: the request's blocks are kept only before its image, so a
+    later request with the same start finds the text before the image and computes the image again."""
+    from conftest import build_inputs, stored
+
+    model, processor = qwen2
+    store = stored(model, processor, pages["base"], store=vismemo_hf.VisMemoStore(prefix_bytes=None))
+    before = len(store.prefixes)
+    inputs = build_inputs(processor, [pages["edit"]])
+    cache = vismemo_hf.VisMemoCache(store=store)
+    generate(model, inputs, cache, 1)
+    assert cache.events[0].kind is HitKind.APPROXIMATE
+    store.flush()
+    image_start = int((inputs["input_ids"][0] == model.config.image_token_id).nonzero()[0])
+    ids = inputs["input_ids"][0].tolist()
+    owner = cache.owner(model._vismemo.fingerprint)
+    hashes = block_hashes(owner, ids, [(image_start, cache.events[0].n_tokens, cache.events[0].key)])
+    kept = store.prefixes.longest(hashes)
+    assert kept * BLOCK <= image_start and len(store.prefixes) >= before
+    again = vismemo_hf.VisMemoCache(store=store)
+    generate(model, inputs, again, 1)
+    assert again.events[0].found_by != "prefix"
+
+
+def test_a_direct_forward_never_skips_a_prefix(qwen2, pages):
+    """A forward outside ``generate`` returns logits at every position: it never skips a reused prefix's tokens
+    (its image is an exact hit, whose text positions are computed)."""
+    from transformers import DynamicCache
+
+    from conftest import build_inputs
+
+    model, processor = qwen2
+    store = vismemo_hf.VisMemoStore()
+    inputs = build_inputs(processor, [pages["base"]])
+    generate(model, inputs, vismemo_hf.VisMemoCache(store=store), 1)
+    store.flush()
+    cache = vismemo_hf.VisMemoCache(store=store)
+    with torch.no_grad():
+        out = model(**inputs, cache=cache, use_cache=True)
+        ref = model(**inputs, cache=DynamicCache(), use_cache=True)
+    assert cache.events[0].found_by == "key" and out.logits.shape == ref.logits.shape
+    text = inputs["input_ids"][0] != model.config.image_token_id
+    assert (out.logits[0, text] - ref.logits[0, text]).abs().max() <= 1e-4
+
+
+@pytest.mark.parametrize("mode", [dict(num_beams=2), dict(num_return_sequences=2, do_sample=True, top_k=3)])
+def test_expanded_requests_do_not_reuse_a_prefix_and_answer_as_plain(qwen2, pages, mode):
+    from conftest import build_inputs
+
+    model, processor = qwen2
+    store = vismemo_hf.VisMemoStore()
+    inputs = build_inputs(processor, [pages["base"]])
+    generate(model, inputs, vismemo_hf.VisMemoCache(store=store), 1)
+    store.flush()
+    cache = vismemo_hf.VisMemoCache(store=store)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        ours = model.generate(**inputs, cache=cache, max_new_tokens=3, **mode)
+    assert all(e.found_by != "prefix" for e in cache.events)
+    vismemo_hf.disable(model)
+    try:
+        torch.manual_seed(0)
+        with torch.no_grad():
+            plain = model.generate(**inputs, max_new_tokens=3, **mode)
+    finally:
+        vismemo_hf.enable(model)
+    assert torch.equal(ours, plain)
+
+
+def test_prefix_bytes_zero_keeps_no_prefix(qwen2, pages):
+    from conftest import build_inputs
+
+    model, processor = qwen2
+    store = vismemo_hf.VisMemoStore(prefix_bytes=0)
+    assert store.prefixes is None
+    for _ in range(2):
+        cache = vismemo_hf.VisMemoCache(store=store)
+        generate(model, build_inputs(processor, [pages["base"]]), cache, 1)
+    assert cache.events[0].kind is HitKind.EXACT and cache.events[0].found_by == "key"
+
+
+def test_block_hashes_name_the_images_not_only_their_placeholders():
+    ids = list(range(3 * BLOCK))
+    a = block_hashes("m", ids, [(5, 10, "image-a")])
+    b = block_hashes("m", ids, [(5, 10, "image-b")])
+    assert len(a) == 3 and all(x != y for x, y in zip(a, b))
+    assert block_hashes("m", ids, []) != block_hashes("other model", ids, [])
+    longer = block_hashes("m", ids + [7] * BLOCK, [(5, 10, "image-a")])
+    assert longer[:3] == a
