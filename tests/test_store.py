@@ -354,3 +354,31 @@ def test_a_read_waits_for_the_write_of_its_own_entry_only(qwen2, pages):
     got = store.get(twin.key, twin.fingerprint)
     assert got is not None and torch.equal(got.kv, twin.kv)
     store.close()
+
+
+def test_a_gated_writer_starts_its_jobs_between_requests():
+    """Background forwards (an approximate hit's image completed in full) start while no request runs: a job
+    submitted during a request waits for its end; a thread waiting for the job opens the gate at once."""
+    import threading
+
+    from vismemo_hf.store.background import ACTIVITY, Writer
+
+    writer = Writer("vismemo-test", gated=True)
+    ran = threading.Event()
+    ACTIVITY.enter()
+    try:
+        writer.submit(ran.set)
+        assert not ran.wait(0.3)  # a request is in progress
+    finally:
+        ACTIVITY.leave()
+    assert ran.wait(5)
+    ACTIVITY.enter()
+    try:
+        again = threading.Event()
+        writer.submit(again.set, key="k")
+        t0 = time.perf_counter()
+        writer.wait_for("k")  # the request itself waits for it: the job starts now
+        assert again.is_set() and time.perf_counter() - t0 < 1.5
+    finally:
+        ACTIVITY.leave()
+    writer.close()

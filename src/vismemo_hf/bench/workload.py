@@ -1,12 +1,13 @@
 """``vismemo bench workload``: streams of requests as users send them (``eval.workload``), back to back in one process
 with one store and no flush between requests, against plain transformers on a never-enabled copy of the weights.
 
-Per model and stream, every request is answered by plain transformers and by the enabled model (one new
-``VisMemoCache`` on the stream's store), in alternating order from round to round; each round starts a fresh store
-(the stream's first request meets an empty one). The first request of the process is reported apart (its one-time
-setup), the whole stream's ratio is over every other request. Reported per stream: whole-stream TTFT over plain's,
-p50 / p99 TTFT over plain's per hit kind, the share of the visual tokens reused (not recomputed), the time requests
-waited on the store, and how many answers equal plain's.
+Per model and stream, plain transformers answers the whole stream, then the enabled model answers it back to back
+(one new ``VisMemoCache`` a request on the stream's store), the two in alternating order from round to round; each
+round starts a fresh store (the stream's first request meets an empty one), and the store's background work is waited
+for between the two (untimed: it never runs during plain transformers' requests). The first request of the process is
+reported apart (its one-time setup), the whole stream's ratio is over every other request. Reported per stream:
+whole-stream TTFT over plain's, p50 / p99 TTFT over plain's per hit kind, the share of the visual tokens reused (not
+recomputed), the time requests waited on the store, and how many answers equal plain's.
 """
 
 from __future__ import annotations
@@ -78,24 +79,30 @@ def _reused(event) -> int:
 def run_stream(model, plain, processor, requests, rounds: int, new_tokens: int, first: bool,
                store_factory=VisMemoStore) -> StreamResult:
     """``requests`` back to back, ``rounds`` times with a fresh store each; ``first``: the process's first enabled
-    request is this stream's first (reported apart)."""
+    request is this stream's first (reported apart). In each round plain transformers answers the whole stream and
+    the enabled model answers it back to back, in alternating order; the store's background work is waited for
+    between the two (untimed), so that it never runs during plain transformers' requests."""
     result = StreamResult()
+    inputs = [_inputs(processor, request, model.device) for request in requests]
     for r in range(rounds):
         store = store_factory()
-        for i, request in enumerate(requests):
-            inputs = _inputs(processor, request, model.device)
-            cache = VisMemoCache(store=store)
-            waited = store.stats().get("wait_ms", 0.0)
-            if r % 2 == 0:
-                plain_ms, plain_tokens = _generate(plain, inputs, None, new_tokens)
-                ttft, tokens = _generate(model, inputs, cache, new_tokens)
-            else:
-                ttft, tokens = _generate(model, inputs, cache, new_tokens)
-                plain_ms, plain_tokens = _generate(plain, inputs, None, new_tokens)
-            events = list(cache.events)
+        plain_runs: list = []
+        enabled_runs: list = []
+        for phase in (("plain", "enabled") if r % 2 == 0 else ("enabled", "plain")):
+            store.writer.drain()
+            if phase == "plain":
+                plain_runs = [_generate(plain, x, None, new_tokens) for x in inputs]
+                continue
+            for x in inputs:
+                cache = VisMemoCache(store=store)
+                waited = store.writer.wait_ms  # read as it is: stats() would wait for the pending writes first
+                ttft, tokens = _generate(model, x, cache, new_tokens)
+                enabled_runs.append((ttft, tokens, list(cache.events), store.writer.wait_ms - waited))
+        for i, (request, (plain_ms, plain_tokens), (ttft, tokens, events, waited)) in enumerate(
+                zip(requests, plain_runs, enabled_runs)):
             served = Served(request.label, ttft, plain_ms, [str(e.kind) for e in events],
                             sum(e.n_tokens for e in events), sum(_reused(e) for e in events), tokens == plain_tokens,
-                            store.stats().get("wait_ms", 0.0) - waited)
+                            waited)
             if first and r == 0 and i == 0:
                 result.first = served
             else:
@@ -232,13 +239,14 @@ def main(args) -> int:
     cmd = (f"vismemo bench workload --models {args.models} --streams {args.streams} --rounds {args.rounds} "
            f"--new-tokens {args.new_tokens} --seed {args.seed} --out {args.out}")
     lines = header("Streams of requests against plain transformers", cmd, machine()) + [
-        "Every stream runs back to back in one process with one store and no flush between requests (a fresh store "
-        f"each round, {args.rounds} rounds); each request is answered by plain transformers (a never-enabled copy of "
-        "the weights) and by the enabled model, in alternating order. `TTFT / plain`: the stream's summed time to "
-        "the first token over plain's; `later half`: the same over the stream's second half (a chat's later turns, "
-        "an agent's later steps); per kind, p50 / p99 of each request's ratio (number of requests); `reused`: visual "
-        "tokens whose K/V were not recomputed, of all; `waited ms`: time requests waited on the store; answers: "
-        f"the {args.new_tokens} greedy tokens equal plain's. The process's first request is reported apart below.",
+        "Every stream runs back to back in one process with one store and no flush between requests (a fresh "
+        f"store each round, {args.rounds} rounds); plain transformers (a never-enabled copy of the weights) "
+        "answers the stream, and the enabled model answers it back to back, the two in alternating order from"
+        " round to round. `TTFT / plain`: the stream's summed time to the first token over plain's; `later "
+        "half`: the same over the stream's second half (a chat's later turns, an agent's later steps); per "
+        "kind, p50 / p99 of each request's ratio (number of requests); `reused`: visual tokens whose K/V were"
+        " not recomputed, of all; `waited ms`: time requests waited on the store; answers: the "
+        f"{args.new_tokens} greedy tokens equal plain's. The process's first request is reported apart below.",
         "", *_table(results), "", "| model | enable ms | first request ms | plain ms |", "| --- | --- | --- | --- |"]
     for r in results:
         first = next((s["first"] for s in r["streams"].values() if "first" in s), None)

@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from vismemo_hf.store.background import ACTIVITY
+
 
 @dataclass
 class AttentionCapture:
@@ -83,6 +85,7 @@ def current(cache=None) -> ForwardContext | None:
 
 def open_forward(cache, attention_mask: torch.Tensor | None, adapter=None) -> ForwardContext:
     ctx = ForwardContext(cache, adapter=adapter, attention_mask=attention_mask, first_event=len(cache.events))
+    ACTIVITY.enter()  # the store's writer starts no job meanwhile (``store.background.Activity``)
     if adapter is not None:
         adapter.hold_fingerprint(True)
     ctx.token = _CURRENT.set(ctx)
@@ -97,6 +100,7 @@ def close_forward(ctx: ForwardContext, new_tokens: int) -> None:
     try:
         ctx.cache.advance(new_tokens - ctx.reused_prefix)  # a reused prefix was counted when it was loaded
     finally:
+        ACTIVITY.leave()
         if ctx.adapter is not None:
             ctx.adapter.hold_fingerprint(False)
         _CURRENT.reset(ctx.token)

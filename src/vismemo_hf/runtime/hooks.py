@@ -12,6 +12,8 @@ Installed on the model (every piece is a module-level function bound to the modu
 * the base model's ``get_image_features``: inside ``generate`` with a ``VisMemoCache`` the images are encoded on
   first use (so exact hits skip the vision tower); everywhere else it is the model's own;
 * the generation model's ``_prepare_multimodal_encoder_kwargs_for_generation``: marks that deferral;
+* the generation model's ``generate``: the model's own, counted as a request in progress (the store's writer
+  starts its background jobs between requests);
 * on the attention modules of the text model and the vision tower, a ``families.routing.ConfigView`` of their config:
   a forward that needs VisMemo's attention routes them to it in its own thread, never for the model as a whole.
 """
@@ -36,6 +38,7 @@ from vismemo_hf.runtime import prefix as prefixes
 from vismemo_hf.runtime.cache import VisMemoCache
 from vismemo_hf.runtime.lookup import DeferredImageFeatures, lookup_request
 from vismemo_hf.runtime.runner import finish_native, run_prefill
+from vismemo_hf.store.background import ACTIVITY
 
 if TYPE_CHECKING:
     import torch
@@ -87,6 +90,16 @@ def _signed_as(function, original):
         function.__qualname__
     copy.__signature__ = inspect.signature(original)
     return copy
+
+
+def _generate(self, *args, **kwargs):
+    """The model's own ``generate``, counted as a request in progress: the store's writer starts its background jobs
+    between requests, not between a request's decoding steps (``store.background.Activity``)."""
+    ACTIVITY.enter()
+    try:
+        return _call_own(self, "generate", *args, **kwargs)
+    finally:
+        ACTIVITY.leave()
 
 
 def _prepare_multimodal(self, model_kwargs, *args, **kwargs):
@@ -280,6 +293,8 @@ def enable(model: ModelT, *, image_mean: Sequence[float] | None = None,
     _replace(text, "forward", _text_forward)
     if hasattr(model, _PREPARE):
         _replace(model, _PREPARE, _prepare_multimodal)
+    if hasattr(model, "generate"):
+        _replace(model, "generate", _signed_as(_generate, type(model).generate))
     base.register_forward_pre_hook(_before, with_kwargs=True)
     base.register_forward_hook(_after, with_kwargs=True, always_call=True)
     if model is not base:

@@ -144,7 +144,7 @@ def complete_later(adapter, cache, runs: list[tuple], positions: torch.Tensor, e
                 return None
             return _entry(own, fingerprint, kv, offset), None
 
-        store_call("write", lambda b=build: cache.store.put_later(b), None)
+        store_call("write", lambda b=build: cache.store.put_when_idle(b), None)
 
 
 @torch.no_grad()

@@ -69,6 +69,54 @@ def torch_pool(name: str, workers: int) -> ThreadPoolExecutor:
 EXIT_WRITE_S = 30.0
 
 
+class Activity:
+    """How many requests' forwards are in progress in the process, and how many threads wait for a write.
+
+    The writer starts a job only while no forward runs (a request's own Python work then never waits for the
+    interpreter lock behind a background job's), or while some thread waits for a write (it would otherwise wait for
+    ever), or once a job has waited ``MAX_DEFER_S`` (a process that never pauses still gets its entries)."""
+
+    MAX_DEFER_S = 2.0
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self.active = 0
+        self.waiting = 0
+
+    def enter(self) -> None:
+        with self._cond:
+            self.active += 1
+
+    def leave(self) -> None:
+        with self._cond:
+            self.active = max(0, self.active - 1)
+            self._cond.notify_all()
+
+    def wait_on(self, futures, timeout: float | None) -> tuple:
+        """``concurrent.futures.wait`` for a request, opening the writer's gate meanwhile."""
+        with self._cond:
+            self.waiting += 1
+            self._cond.notify_all()
+        try:
+            return wait(futures, timeout=timeout)
+        finally:
+            with self._cond:
+                self.waiting -= 1
+
+    def idle(self, deadline: float) -> None:
+        """Block the writer until no forward runs, a thread waits for a write, or ``deadline`` (monotonic) passes."""
+        with self._cond:
+            while self.active and not self.waiting:
+                left = deadline - time.monotonic()
+                if left <= 0 or not self._cond.wait(min(left, 0.05)):
+                    if time.monotonic() >= deadline:
+                        return
+
+
+#: the process's requests in progress (``runtime.context`` enters and leaves it around every enabled forward)
+ACTIVITY = Activity()
+
+
 @dataclass(frozen=True)
 class Announced:
     """What a lookup needs of an entry still being built: its key, model, grid, region descriptors and token pixel
@@ -84,12 +132,13 @@ class Announced:
 class Writer:
     """Entries being built and written on one background thread, off the requests' path.
 
-    A write is pending from ``submit`` until its job has run; ``wait_for(key)`` waits for that key's job alone (a
+    A write is pending from ``submit`` until its job has run (a ``gated`` writer starts each job between requests
+only, ``Activity``: for jobs whose Python work is a forward); ``wait_for(key)`` waits for that key's job alone (a
     request never waits for another image's write), ``drain`` for all of them. Pending writes are completed when the
     process exits (``EXIT_WRITE_S``): a second process then finds them."""
 
-    def __init__(self, name: str = "vismemo-put") -> None:
-        self.name = name
+    def __init__(self, name: str = "vismemo-put", gated: bool = False) -> None:
+        self.name, self.gated = name, gated
         self._pool: ThreadPoolExecutor | None = None
         self._pending: dict[str, Future] = {}
         self._anonymous: list[Future] = []
@@ -109,7 +158,13 @@ class Writer:
             if self._pool is None:
                 self._pool = background_pool(self.name)
             _watch_exit(self)
-            future = self._pool.submit(job)
+            deadline = time.monotonic() + Activity.MAX_DEFER_S
+
+            def between_requests():
+                ACTIVITY.idle(deadline)
+                job()
+
+            future = self._pool.submit(between_requests if self.gated else job)
             if key is None:
                 self._anonymous.append(future)
             else:
@@ -143,7 +198,7 @@ class Writer:
         if not futures:
             return 0
         t0 = time.perf_counter()
-        done, left = wait(futures, timeout=timeout)
+        done, left = ACTIVITY.wait_on(futures, timeout)
         self.wait_ms += (time.perf_counter() - t0) * 1e3
         for future in done:
             future.result()  # a job's own faults are caught inside it: this raises only for a bug

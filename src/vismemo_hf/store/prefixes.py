@@ -15,9 +15,11 @@ import hashlib
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
-from concurrent.futures import Future, wait
+from concurrent.futures import Future
 
 import torch
+
+from vismemo_hf.store.background import ACTIVITY
 
 #: tokens per block
 BLOCK = 32
@@ -88,7 +90,7 @@ class PrefixBlocks:
         meanwhile."""
         with self._lock:
             writes = {id(f): f for h in hashes if (f := self._pending.get(h)) is not None}
-        wait(list(writes.values()))
+        ACTIVITY.wait_on(list(writes.values()), None)
         with self._lock:
             out = []
             for h in hashes:

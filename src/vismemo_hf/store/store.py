@@ -205,6 +205,7 @@ class VisMemoStore(Roles, PendingWrites):
                                    json.loads(Path(priors).read_text()) if priors else {}, seal)
         self._lock = self.placement.lock
         self.writer = Writer()  # entries being built and stored off the requests' path (``put_later``)
+        self.completer = Writer("vismemo-complete", gated=True)  # entries nobody waits for (``put_when_idle``)
         prefix_budget = parse_bytes(prefix_bytes)
         self.prefixes = PrefixBlocks(prefix_budget) if prefix_budget != 0 else None
         self.writer.at_exit.append(self._flush_tiers)
@@ -460,13 +461,15 @@ class VisMemoStore(Roles, PendingWrites):
             for tier in self.tiers:  # e.g. forged index records, damaged indexes moved aside
                 for name, n in tier.counts().items():
                     out[name] = out.get(name, 0) + n
-            out["wait_ms"], out["dropped_at_exit"] = self.writer.wait_ms, self.writer.dropped
+            out["wait_ms"] = self.writer.wait_ms
+            out["dropped_at_exit"] = self.writer.dropped + self.completer.dropped
             return {**out, "sealed": self.sealed, "entries": len(self.catalog),
                     "bytes": sum(t["bytes"] for t in tiers.values()), "tiers": tiers}
 
     def close(self) -> None:
         self.flush()
         self.writer.close()
+        self.completer.close()
         for tier in self.tiers:
             tier.close()
 

@@ -24,6 +24,7 @@ class PendingWrites:
     """What ``VisMemoStore`` does with entries it is still writing (it provides the attributes declared here)."""
 
     writer: Writer
+    completer: Writer
     placement: Placement
     catalog: Catalog
     tiers: list[Tier]
@@ -57,14 +58,25 @@ class PendingWrites:
 
         self.writer.submit(run, key)
 
+    def put_when_idle(self, build: Callable[[], tuple[Entry, torch.Tensor | None] | None]) -> None:
+        """Build an entry with ``build()`` and ``put`` it on a thread of its own, behind no announced write: for
+        entries nobody waits for (an approximate hit's image completed in full), whose build is a forward."""
+        self.completer.submit(lambda: self._build_and_put(build))
+
+    def _build_and_put(self, build) -> None:
+        built = store_call("build", build, None)
+        if built is not None:
+            store_call("write", lambda: self.put(*built), None)
+
     def _wait_for(self, key: str) -> None:
         """Wait for the pending write of ``key`` (never called with the lock held)."""
         if self.writer.pending(key):
             self.writer.wait_for(key)
 
     def _drain(self) -> None:
-        """Wait for every entry ``put_later`` is still building (never called with the lock held)."""
+        """Wait for every entry ``put_later`` and ``put_when_idle`` are still building (never with the lock held)."""
         self.writer.drain()
+        self.completer.drain()
 
     def _flush_tiers(self) -> None:
         for tier in self.tiers:
