@@ -565,6 +565,7 @@ def _add_workload(bench_sub) -> None:
     p.add_argument("--rounds", type=positive, default=2, help="rounds of each stream, a fresh store each")
     p.add_argument("--new-tokens", type=positive, default=4, help="greedy tokens of every request")
     p.add_argument("--seed", type=nonnegative, default=0, help="seed of the streams' pages and questions")
+    _device_options(p)
     _out_option(p, "results/perf")
     p.set_defaults(func=_bench("workload"))
 

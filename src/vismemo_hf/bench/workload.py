@@ -63,6 +63,8 @@ def _inputs(processor, request: workload.StreamRequest, device):
 @torch.no_grad()
 def _generate(model, inputs, cache, new_tokens: int) -> tuple[float, list[int]]:
     clock = TokenClock(model.device)
+    if clock.cuda:
+        torch.cuda.synchronize()
     t0 = time.perf_counter()
     out = model.generate(**inputs, **({"cache": cache} if cache is not None else {}), max_new_tokens=new_tokens,
                          min_new_tokens=new_tokens, do_sample=False, stopping_criteria=StoppingCriteriaList([clock]))
@@ -137,15 +139,15 @@ def _p99(values: list[float]) -> float:
     return ordered[min(len(ordered) - 1, int(round(0.99 * (len(ordered) - 1))))]
 
 
-def load(spec: str, seed: int = 0):
+def load(spec: str, seed: int = 0, dtype=torch.float32, device: str = "cpu"):
     """``(model, processor, visual tokens an image)`` of a model name: ``tiny:FAMILY``, a preset or a reader."""
     from vismemo_hf.bench.latency import any_size
 
     if spec.startswith("tiny:"):
-        model, processor = load_model("tiny", family=spec.split(":", 1)[1], seed=seed)
+        model, processor = load_model("tiny", family=spec.split(":", 1)[1], seed=seed, dtype=dtype, device=device)
         tokens = 256
     else:
-        model, processor = load_model(spec, seed=seed)
+        model, processor = load_model(spec, seed=seed, dtype=dtype, device=device)
         tokens = None if spec in READERS else 1024
     if tokens is not None:
         any_size(processor, model)
@@ -162,8 +164,9 @@ def image_size(spec: str, model, tokens: int | None) -> tuple[int, int]:
     return FAMILIES[model.config.model_type].bench_image_size(model.config, tokens)
 
 
-def measure(spec: str, streams: list[str], rounds: int, new_tokens: int, seed: int) -> dict:
-    model, processor, tokens = load(spec, seed)
+def measure(spec: str, streams: list[str], rounds: int, new_tokens: int, seed: int, dtype=torch.float32,
+            device: str = "cpu") -> dict:
+    model, processor, tokens = load(spec, seed, dtype, device)
     plain = copy.deepcopy(model)  # the same weights, never enabled
     size = image_size(spec, model, tokens)
     built = {name: (workload.reader_stream(spec) if name == "reader" else workload.build(name, size, seed))
@@ -229,7 +232,8 @@ def main(args) -> int:
     streams = list(workload.STREAMS) + ["reader"] if args.streams == "all" else args.streams.split(",")
     results = []
     for spec in models:
-        results.append(measure(spec, streams, args.rounds, args.new_tokens, args.seed))
+        results.append(measure(spec, streams, args.rounds, args.new_tokens, args.seed,
+                               getattr(torch, getattr(args, "dtype", "float32")), getattr(args, "device", "cpu")))
         print(f"{spec}: " + ", ".join(f"{n} {s['ttft_ratio']:.3f}" for n, s in results[-1]["streams"].items()),
               flush=True)
     out = Path(args.out)
@@ -238,7 +242,9 @@ def main(args) -> int:
     _plot(results, out / "workload.png")
     cmd = (f"vismemo bench workload --models {args.models} --streams {args.streams} --rounds {args.rounds} "
            f"--new-tokens {args.new_tokens} --seed {args.seed} --out {args.out}")
-    lines = header("Streams of requests against plain transformers", cmd, machine()) + [
+    if getattr(args, "device", "cpu") != "cpu":
+        cmd += f" --dtype {args.dtype} --device {args.device}"
+    lines = header("Streams of requests against plain transformers", cmd, machine(getattr(args, "device", "cpu"))) + [
         "Every stream runs back to back in one process with one store and no flush between requests (a fresh "
         f"store each round, {args.rounds} rounds); plain transformers (a never-enabled copy of the weights) "
         "answers the stream, and the enabled model answers it back to back, the two in alternating order from"
