@@ -500,3 +500,22 @@ def test_an_index_neither_writable_nor_readable_is_logged_with_its_first_cause(t
         store = VisMemoStore(device_bytes=0, host_bytes=0, disk_dir=tmp_path, disk_bytes=None)
     assert store.disk is None and "unusable (OperationalError: disk I/O error)" in caplog.text
     assert "no such table" not in caplog.text
+
+
+def test_an_exact_hit_with_no_room_above_or_back_keeps_its_entry_in_the_copy_tier(tmp_path, monkeypatch):
+    """The read of a host tier's blob takes it out to promote it; when neither a tier above nor its own takes it
+    back, it stays where the disk tier's copy holds it (``Placement.to_copy_or_drop``): never lost, never an error."""
+    store = VisMemoStore(device_bytes=0, host_bytes="64MiB", disk_dir=tmp_path, disk_bytes=None)
+    entry = _entry("a")
+    assert store.put(entry)
+    store.flush()
+    assert store.tier_of("a") == "host"
+    monkeypatch.setattr(store.placement, "place_first", lambda *a, **k: False)
+    monkeypatch.setattr(store.placement, "place", lambda *a, **k: False)
+    got = store.get("a", "fp")
+    assert got is not None and torch.equal(got.kv, entry.kv)
+    monkeypatch.undo()
+    assert store.tier_of("a") == "disk"
+    again = store.get("a", "fp")
+    assert again is not None and torch.equal(again.kv, entry.kv)
+    store.close()

@@ -15,5 +15,5 @@ FAMILY_MODULES = {
 }
 FAMILY_NAMES = tuple(FAMILY_MODULES)
 
-#: the routing of ``VisMemoCache()`` (README: why)
+#: the routing of ``VisMemoCache()`` (docs/policies.md: why)
 DEFAULT_POLICY = "attend-deviate"

@@ -339,7 +339,7 @@ class VisMemoStore(Roles, PendingWrites):
             if not tier.shared:  # no room above: put it back where it was
                 data = self.placement.encode(entry)
                 if not self.placement.place(tier, key, data, len(data)):
-                    self.placement.to_disk_or_drop(key, data)
+                    self.placement.to_copy_or_drop(key, data)
             return entry
 
     def peek(self, key: str, fingerprint: str) -> Entry | None:
