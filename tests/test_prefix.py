@@ -108,18 +108,24 @@ def test_blocks_after_an_approximate_hit_are_not_kept(qwen2, pages):
     assert again.events[0].found_by != "prefix"
 
 
+def _served_once(model, processor, image):
+    """A store that served one request about ``image`` (its entry and blocks written), and that request's inputs."""
+    from conftest import build_inputs
+
+    store = vismemo_hf.VisMemoStore()
+    inputs = build_inputs(processor, [image])
+    generate(model, inputs, vismemo_hf.VisMemoCache(store=store), 1)
+    store.flush()
+    return store, inputs
+
+
 def test_a_direct_forward_never_skips_a_prefix(qwen2, pages):
     """A forward outside ``generate`` returns logits at every position: it never skips a reused prefix's tokens
     (its image is an exact hit, whose text positions are computed)."""
     from transformers import DynamicCache
 
-    from conftest import build_inputs
-
     model, processor = qwen2
-    store = vismemo_hf.VisMemoStore()
-    inputs = build_inputs(processor, [pages["base"]])
-    generate(model, inputs, vismemo_hf.VisMemoCache(store=store), 1)
-    store.flush()
+    store, inputs = _served_once(model, processor, pages["base"])
     cache = vismemo_hf.VisMemoCache(store=store)
     with torch.no_grad():
         out = model(**inputs, cache=cache, use_cache=True)
@@ -131,13 +137,8 @@ def test_a_direct_forward_never_skips_a_prefix(qwen2, pages):
 
 @pytest.mark.parametrize("mode", [dict(num_beams=2), dict(num_return_sequences=2, do_sample=True, top_k=3)])
 def test_expanded_requests_do_not_reuse_a_prefix_and_answer_as_plain(qwen2, pages, mode):
-    from conftest import build_inputs
-
     model, processor = qwen2
-    store = vismemo_hf.VisMemoStore()
-    inputs = build_inputs(processor, [pages["base"]])
-    generate(model, inputs, vismemo_hf.VisMemoCache(store=store), 1)
-    store.flush()
+    store, inputs = _served_once(model, processor, pages["base"])
     cache = vismemo_hf.VisMemoCache(store=store)
     torch.manual_seed(0)
     with torch.no_grad():
