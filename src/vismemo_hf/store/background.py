@@ -133,7 +133,7 @@ class Writer:
     """Entries being built and written on one background thread, off the requests' path.
 
     A write is pending from ``submit`` until its job has run (a ``gated`` writer starts each job between requests
-only, ``Activity``: for jobs whose Python work is a forward); ``wait_for(key)`` waits for that key's job alone (a
+    only, ``Activity``: a request's decoding steps then never share the interpreter or the memory bus with it); ``wait_for(key)`` waits for that key's job alone (a
     request never waits for another image's write), ``drain`` for all of them. Pending writes are completed when the
     process exits (``EXIT_WRITE_S``): a second process then finds them."""
 

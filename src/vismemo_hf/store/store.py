@@ -204,7 +204,7 @@ class VisMemoStore(Roles, PendingWrites):
         self.placement = Placement(self.tiers, self.catalog, self.eviction, self._stats, kv_format,
                                    json.loads(Path(priors).read_text()) if priors else {}, seal)
         self._lock = self.placement.lock
-        self.writer = Writer()  # entries being built and stored off the requests' path (``put_later``)
+        self.writer = Writer(gated=True)  # entries built and stored between requests (``put_later``)
         self.completer = Writer("vismemo-complete", gated=True)  # entries nobody waits for (``put_when_idle``)
         prefix_budget = parse_bytes(prefix_bytes)
         self.prefixes = PrefixBlocks(prefix_budget) if prefix_budget != 0 else None
