@@ -133,9 +133,10 @@ class Writer:
     """Entries being built and written on one background thread, off the requests' path.
 
     A write is pending from ``submit`` until its job has run (a ``gated`` writer starts each job between requests
-    only, ``Activity``: a request's decoding steps then never share the interpreter or the memory bus with it); ``wait_for(key)`` waits for that key's job alone (a
-    request never waits for another image's write), ``drain`` for all of them. Pending writes are completed when the
-    process exits (``EXIT_WRITE_S``): a second process then finds them."""
+    only, ``Activity``: a request's decoding steps then never share the interpreter or the memory bus with it);
+    ``wait_for(key)`` waits for that key's job alone (a request never waits for another image's write), ``drain``
+    for all of them. Pending writes are completed when the process exits (``EXIT_WRITE_S``): a second process
+    then finds them."""
 
     def __init__(self, name: str = "vismemo-put", gated: bool = False) -> None:
         self.name, self.gated = name, gated
