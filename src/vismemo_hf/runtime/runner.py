@@ -344,15 +344,19 @@ class PrefillRunner:
         done = [(i, r.match, r.plan, r.offset) for i, r in enumerate(self.runs)]
         write_entries(self.adapter, cache, done, self.signals.token_importance)
         lossless = cache.store.kv_format is None and cache.store.keep_ratio is None
+        # the first column of each row whose K/V are not a full prefill's: the prefix blocks and the completed
+        # images end before it
+        exact_until = [self.length] * self.batch
+        for r in self.runs:
+            if not exact_kv(r, lossless):
+                exact_until[r.match.row] = min(exact_until[r.match.row], r.match.start)
         complete_later(self.adapter, cache, done, self.positions,
-                       lambda i: all(exact_kv(r, lossless) for r in self.runs
-                                     if r.match.row == self.runs[i].match.row and r.match.start < self.runs[i].match.start))
+                       lambda i: self.runs[i].match.start <= exact_until[self.runs[i].match.row])
         for i, estimate in self.verifier.estimates.items():
             self.runs[i].verify_estimate = estimate
         for layer in cache.layers:
             layer.settle(self.length)
-        prefixes.write(cache, self.prefix,
-                       min([self.length, *(r.match.start for r in self.runs if not exact_kv(r, lossless))]))
+        prefixes.write(cache, self.prefix, exact_until[0])
         if cache.compress is not None and self.runs:
             keep = cache.compress.keep(self.signals.layer_stats, self.signals.visual_columns())
             for layer, kept in zip(cache.layers, keep or []):

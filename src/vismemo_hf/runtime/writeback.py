@@ -83,9 +83,8 @@ def write_entries(adapter, cache, done: list[tuple], importance=lambda i: None) 
     """Store the images of ``done`` ((index, match, plan, offset)) whose plan computed every token at every layer
     from their own encoder output (``reused_encoder``), each key once, off the request's critical path: the cache
     layers' tensors as they are now are handed to the store, which gathers and writes the entries on its writer
-    thread; each is announced to its index at once (the next request finds it, a read of it waits for its
-    write). Non-finite K/V are never stored. ``importance(index)``: what a
-    compressed store keeps first."""
+    thread; each is announced to its index at once (the next request finds it, a read of it waits for its write).
+    Non-finite K/V are never stored. ``importance(index)``: what a compressed store keeps first."""
     if not cache.store_misses:
         return
     layers = [(layer.keys, layer.values, layer.columns) for layer in cache.layers]
