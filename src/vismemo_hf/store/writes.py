@@ -46,15 +46,19 @@ class PendingWrites:
                 self.catalog.add_pixels(key, announced.patch_hashes)
 
         def run():
+            placed = False
             try:
                 built = store_call("build", build, None)
                 if built is not None:
-                    store_call("write", lambda: self.put(*built), None)
+                    placed = bool(store_call("write", lambda: self.put(*built), False))
             finally:
                 if key is not None:
                     with self._lock:
                         self.placement.moving.discard(key)
-                        self.placement.forget_if_gone(key)  # not written: no longer announced
+                        if not placed:  # not written: no longer announced. A placed entry stays indexed even
+                            # while a remote tier's own write of it is still in flight (``settle_writes``
+                            # forgets it if that write fails)
+                            self.placement.forget_if_gone(key)
 
         self.writer.submit(run, key)
 
