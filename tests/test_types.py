@@ -1,5 +1,6 @@
-"""Types (issue U item 6): the wheel ships ``py.typed``, every public name is annotated, and the public API type-checks
-as README.md uses it (mypy on ``tests/typecheck/public_api.py``, configured in pyproject.toml ``[tool.mypy]``)."""
+"""Types: the wheel ships ``py.typed``, every public name is annotated, the whole package type-checks and the public
+API type-checks as README.md uses it (mypy on ``src/vismemo_hf`` and ``tests/typecheck/public_api.py``, configured in
+pyproject.toml ``[tool.mypy]``)."""
 
 import inspect
 import subprocess
@@ -81,11 +82,13 @@ def test_the_annotation_check_finds_a_missing_annotation(monkeypatch):
     assert missing_annotations(["enable"]) == ["enable(model)"]
 
 
-def test_the_public_api_type_checks():
-    """README.md's use of the public API type-checks with no expression of a type that is or contains Any."""
+def test_the_package_and_the_public_api_type_check():
+    """The whole package type-checks (0 errors), and README.md's use of the public API with no expression of a type
+    that is or contains Any."""
     result = mypy()
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "Success: no issues found in 1 source file" in result.stdout
+    checked = len(list((ROOT / "src" / "vismemo_hf").rglob("*.py"))) + 1
+    assert f"Success: no issues found in {checked} source files" in result.stdout
 
 
 def test_the_type_check_fails_on_an_unannotated_public_function(tmp_path):

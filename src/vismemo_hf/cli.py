@@ -9,6 +9,7 @@ import re
 import sys
 import textwrap
 import warnings
+from typing import Any, cast
 
 from vismemo_hf.defaults import DEFAULT_POLICY, FAMILY_NAMES
 
@@ -269,7 +270,7 @@ def _bench(name: str):
 
         return importlib.import_module(f"vismemo_hf.bench.{name}").main(args)
 
-    run.needs = NEEDS.get(name, ())
+    cast(Any, run).needs = NEEDS.get(name, ())  # the optional modules it imports
     return run
 
 
@@ -289,18 +290,18 @@ def train_docqa(args) -> int:
     torch.set_num_threads(args.threads)
     out = args.out or f"checkpoints/docqa-{args.reader}"
     if args.reader == "base":
-        from vismemo_hf.eval.docqa_base import train
+        from vismemo_hf.eval.docqa_base import train as train_base
 
         options = {k: v for k, v in (("batch_size", args.batch_size), ("lr", args.lr),
                                      ("total_steps", args.total_steps)) if v is not None}
-        result = train(out, minutes=args.minutes, max_steps=args.max_steps, seed=args.seed, **options)
+        result = train_base(out, minutes=args.minutes, max_steps=args.max_steps, seed=args.seed, **options)
         print(f"step {result['step']}: latest state in {out}/state, best model in {out}/model "
               f"(held-out exact {result['best']:.3f})")
         return 0
-    from vismemo_hf.eval.docqa import train
+    from vismemo_hf.eval.docqa import train as train_tiny
 
-    result = train(out, minutes=args.minutes, max_steps=args.max_steps, batch_size=args.batch_size or 32,
-                   seed=args.seed, lr=args.lr or 2e-3, resume=args.resume)
+    result = train_tiny(out, minutes=args.minutes, max_steps=args.max_steps, batch_size=args.batch_size or 32,
+                        seed=args.seed, lr=args.lr or 2e-3, resume=args.resume)
     print(f"saved the best checkpoint to {out} after {result['steps']} steps")
     return 0
 
@@ -338,7 +339,7 @@ PAGE_COLUMNS = ("docId", "image_url", "image_id", "questionId")
 DOCUMENT_COLUMNS = ("ucsf_document_id",)
 
 
-def _real_pages(args):
+def _real_pages(args) -> list[tuple[str, object, list[tuple[str, list[str]]]]]:
     """(page id, image, [(question, answers)]) from a local DocVQA / InfographicVQA copy: parquet files or a
     dataset in the HF datasets cache (HF_DATASETS_OFFLINE=1 keeps it offline). Pages of one document come
     together (other pages of a document or template are natural near-duplicate candidates)."""

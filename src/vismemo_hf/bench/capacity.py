@@ -32,6 +32,7 @@ def run(args) -> dict:
                             head_dim=args.head_dim, embed_dim=args.embed_dim)
     trace = synthetic_trace(args.requests, seed=args.seed)
     budget = int(args.budget_gib * 2**30)
+    assert entry.kv is not None  # synthetic entries always carry their K/V
     rows = []
     for label, kv_format, keep in progress_bar(VARIANTS, desc="capacity", unit="format"):
         stored = entry if keep is None else entry.compressed(torch.topk(entry.entropy, round(keep * args.tokens)).indices)

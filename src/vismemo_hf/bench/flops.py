@@ -45,7 +45,7 @@ def _layer_layouts(config, length: int, start: int, plan) -> list[tuple[int, int
             key[start + reused] = True
             per_layout[layout] = [int(query.sum()), int(key.sum()), int(key.long().cumsum(0)[query].sum()), 0]
         per_layout[layout][3] += 1
-    return [tuple(v) for v in per_layout.values()]
+    return [(q, k, pairs, layers) for q, k, pairs, layers in per_layout.values()]
 
 
 def plan_flops(config, length: int, start: int, plan) -> float:

@@ -123,7 +123,7 @@ def run_size(n: int, dim: int, queries: int, recall_queries: int, tau: float, to
     found = wanted = best_found = with_answers = 0
     for (grid, desc), rows in zip(recall_probes, passing):
         got = {k for k, _ in index.search("fp", grid, desc, tau, top_k)}
-        want = [key_of[i] for i in sorted(rows, key=rows.get, reverse=True)[:top_k]]
+        want = [key_of[i] for i in sorted(rows, key=rows.__getitem__, reverse=True)[:top_k]]
         found += len(set(want) & got)
         wanted += len(want)
         if want:

@@ -17,6 +17,7 @@ import random
 import string
 import time
 from pathlib import Path
+from typing import TypedDict
 
 import torch
 from transformers import DynamicCache
@@ -29,8 +30,16 @@ from vismemo_hf.eval.docqa import messages
 from vismemo_hf.families import FAMILIES
 from vismemo_hf.progress import progress as progress_bar
 
-ROUTINGS = {"reuse": dict(policy="attend-deviate", prefix_routing="reuse"),
-            "check": dict(policy="attend-deviate")}
+
+class _Routing(TypedDict, total=False):
+    """The cache options of a routing of exact hits after another prefix."""
+
+    policy: str
+    prefix_routing: str
+
+
+ROUTINGS = {"reuse": _Routing(policy="attend-deviate", prefix_routing="reuse"),
+            "check": _Routing(policy="attend-deviate")}
 
 
 def random_text(n_tokens: int, seed: int) -> str:
@@ -82,10 +91,10 @@ def measure(model, processor, pages, lengths, prefix_pairs, question=synthdoc_qu
     """Per routing and changed-prefix length: first-token agreement and mean KL against a full prefill;
     ``prefix_pairs(n, i)`` gives page i's old and new text, ``question(page, i)`` what is asked; a bar (``desc``)
     counts the pages measured."""
-    out = {name: {} for name in ROUTINGS}
+    out: dict[str, dict[int, dict[str, float]]] = {name: {} for name in ROUTINGS}
     bar = progress_bar(total=len(lengths) * len(pages), desc=desc or "prefix", unit="page")
     for n in lengths:
-        rows = {name: [] for name in ROUTINGS}
+        rows: dict[str, list[tuple[float, float, int]]] = {name: [] for name in ROUTINGS}
         for i, page in enumerate(pages):
             bar.update(1)
             q = question(page, i)
@@ -182,12 +191,12 @@ def main(args) -> int:
         results[f"tiny {family} (random weights)"] = measure(model, processor, pages, lengths, random_pair,
                                                              desc=f"tiny {family} (random weights)")
     command = report_command("report prefix", args, ["pages", "lengths", "seed", "base_model"])
-    report = {"command": command, "machine": machine(note="fp32"),
-              "seconds": round(time.time() - t0), "results": results}
+    mach = machine(note="fp32")
+    report = {"command": command, "machine": mach, "seconds": round(time.time() - t0), "results": results}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "prefix.json").write_text(json.dumps(report, indent=2))
-    lines = header("Exact image hits after another text before the image", command, report["machine"]) + [
+    lines = header("Exact image hits after another text before the image", command, mach) + [
              "Each page is stored after one text and asked about after another (an exact image hit whose "
              "stored K/V carry the old text's context from layer 1 on). `reuse`: every visual token reused "
              "(docs/METHOD.md §2's exact hit); `check`: the default policy's routing of such hits (every token computed "

@@ -46,15 +46,25 @@ import tempfile
 import time
 import traceback
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypedDict
 
 from vismemo_hf.bench.report import command as report_command
 from vismemo_hf.bench.report import header, machine
+
+if TYPE_CHECKING:
+    from vismemo_hf.store.entry import Entry
 
 SECRET = "vismemo-soak-store-secret-0123456789"
 NAMESPACES = ("tenant-a", "tenant-b", "tenant-c")
 QUESTIONS = ("What is the value of row 1?", "What does the page show?", "Read the third row.")
 SIZES = ((224, 168), (168, 224), (196, 196))
-OPTS = dict(policy="vismemo", reuse_ratio=0.5, entropy_threshold=1.0)
+class _CacheOptions(TypedDict):
+    policy: str
+    reuse_ratio: float
+    entropy_threshold: float
+
+
+OPTS = _CacheOptions(policy="vismemo", reuse_ratio=0.5, entropy_threshold=1.0)
 FAULTS = ("worker SIGKILL in a disk write", "cluster node killed and restarted", "disk full (ENOSPC)",
           "Redis maxmemory reached", "blob truncated", "blob overwritten by another blob", "cache.db overwritten",
           "cache.db replaced")
@@ -134,15 +144,17 @@ class Cluster:
     their slots."""
 
     def __init__(self, directory, n: int = 3, full_coverage: bool = True) -> None:
-        self.server, self.cli = shutil.which("redis-server"), shutil.which("redis-cli")
-        if self.server is None or self.cli is None:
+        server, cli = shutil.which("redis-server"), shutil.which("redis-cli")
+        if server is None or cli is None:
             raise RuntimeError("a Redis Cluster needs redis-server and redis-cli (apt-get install redis-server)")
-        self.directory, self.ports, self.full_coverage = str(directory), [], full_coverage
+        self.server, self.cli = server, cli
+        self.directory, self.full_coverage = str(directory), full_coverage
+        self.ports: list[int] = []
         while len(self.ports) < n:  # a node also listens on port + 10000 (its cluster bus): both must be free
             port = random.randrange(20000, 55535)
             if port not in self.ports and port_free(port) and port_free(port + 10000):
                 self.ports.append(port)
-        self.procs = [None] * n
+        self.procs: list[subprocess.Popen[bytes] | None] = [None] * n  # each node's server, once started
         for i in range(n):
             self.start(i, wait_ok=False)
         subprocess.run([self.cli, "--cluster", "create", *[f"127.0.0.1:{p}" for p in self.ports],
@@ -187,8 +199,10 @@ class Cluster:
         raise RuntimeError("the cluster did not reach cluster_state:ok")
 
     def kill(self, i: int) -> None:
-        self.procs[i].send_signal(signal.SIGKILL)
-        self.procs[i].wait()
+        proc = self.procs[i]
+        assert proc is not None  # every node was started in __init__
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
 
     def node_of(self, name: str) -> int:
         """Which node serves Redis key ``name`` now."""
@@ -263,7 +277,7 @@ def _install_probe(control: Path, wid: int) -> None:
         def BytesIO(data):  # noqa: N802 - stands in for io.BytesIO inside tiers/disk.py only
             return _WriteProbe(data, control, wid)
 
-    disk_tier.io = _Shim
+    disk_tier.io = _Shim  # type: ignore[assignment]  # a duck-typed stand-in for the io module (disk.py uses BytesIO only)
 
 
 def _rss_kb() -> int:
@@ -296,7 +310,7 @@ def _served_by_vismemo(store, model, inputs, req, run, p_tokens, p_scores) -> di
     entry was acknowledged by the disk and the remote tiers (or the exception, which must never happen)."""
     import vismemo_hf
 
-    rec = {}
+    rec: dict[str, Any] = {}
     remote_writes = store.remote.counters["writes"] if store.remote is not None else 0
     puts = store._stats["puts"]
     try:
@@ -660,7 +674,7 @@ def _plan(args, rng) -> list[tuple[float, str]]:
 
 
 def _read_jsonl(path: Path) -> list[dict]:
-    out = []
+    out: list[dict] = []
     if not path.exists():
         return out
     for line in path.read_text().splitlines():
@@ -677,7 +691,7 @@ def check_acknowledged(records: list[dict], faults: list[dict], starts: dict, di
     import vismemo_hf
 
     db_faults = [f["t_start"] for f in faults if f["fault"].startswith("cache.db")]
-    damaged = {}
+    damaged: dict[str, list[float]] = {}
     for f in faults:
         if f["fault"].startswith("blob") and f.get("key"):
             damaged.setdefault(f["key"], []).append(f["t_start"])
@@ -692,12 +706,14 @@ def check_acknowledged(records: list[dict], faults: list[dict], starts: dict, di
             disk_last[rec["key"]] = (acked["t"], acked["fingerprint"], rec["pid"])
         if acked["remote"]:
             remote_last[rec["key"]] = (acked["t"], acked["fingerprint"], rec["pid"])
+    out: dict[str, dict[str, Any]]
     out = {"disk": {"acknowledged": len(disk_last), "checked": 0, "excluded_by_fault": 0, "unreadable": 0,
                     "unreadable_keys": [], "stale_index": 0, "stale_index_unreadable": 0},
            "remote": {"acknowledged": len(remote_last), "checked": 0, "excluded_by_fault": 0, "unreadable": 0,
                       "unreadable_keys": []}}
     disk_store = vismemo_hf.VisMemoStore(device_bytes=0, host_bytes=0, disk_dir=str(disk_dir),
                                          disk_bytes=int(args.disk_mib) << 20, secret=SECRET)
+    entry: Entry | Exception | None  # what a read gave: the entry, nothing, or the exception
     for key, (t, fp, pid) in disk_last.items():
         opened = start_of.get(pid, 0.0)
         if any(d > t for d in db_faults) or any(d > t for d in damaged.get(key, [])):
@@ -723,6 +739,7 @@ def check_acknowledged(records: list[dict], faults: list[dict], starts: dict, di
         remote_store = vismemo_hf.VisMemoStore(device_bytes=0, host_bytes=0, remote_url=remote_url, secret=SECRET,
                                                remote_options={"timeout_s": 2.0})
         remote = remote_store.remote
+        assert remote is not None and cluster is not None  # remote_url: the soak's cluster, the store's only tier
         remote.available()
         for key, (t, fp, _) in remote_last.items():
             node = cluster.node_of(remote._blob_key(key))
@@ -810,7 +827,7 @@ def summarise(soak: dict[int, dict], base: dict[int, dict], faults: list[dict], 
             hits_beyond += 1
     cross = [r for r in soak.values() if r.get("variant") == "cross-namespace"]
     # a hit must reuse an entry of its own namespace: the namespace of the request(s) whose own key the alias is
-    ns_of = {}
+    ns_of: dict[str, set[str]] = {}
     for r in soak.values():
         if r.get("key"):
             ns_of.setdefault(r["key"], set()).add(r["ns"])
@@ -857,7 +874,7 @@ def _inject(drv, cluster, args, rng) -> None:
 
 def _per_process(records: list[dict]) -> dict:
     """pid -> its samples (time, RSS, open files, served) and, once it ended cleanly, its store's counters."""
-    procs = {}
+    procs: dict[int, dict[str, Any]] = {}
     for r in records:
         pid = r.get("pid") or r.get("start") or r.get("ready") or r.get("done")
         if pid is None:
@@ -873,14 +890,14 @@ def _per_process(records: list[dict]) -> dict:
 
 
 def _per_worker(soak: dict) -> dict:
-    per_worker = {}
+    per_worker: dict[int, int] = {}
     for r in soak.values():
         per_worker[r["w"]] = per_worker.get(r["w"], 0) + 1
     return per_worker
 
 
 def _counts(faults: list[dict]) -> dict:
-    counts = {}
+    counts: dict[str, int] = {}
     for f in faults:
         counts[f["fault"]] = counts.get(f["fault"], 0) + 1
     return counts

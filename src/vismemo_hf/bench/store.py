@@ -14,6 +14,7 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -44,6 +45,7 @@ def sparse_io(geometry: dict, beta: float, warmup: int, tmp: Path, secret=None) 
     """Bytes an approximate hit reads (host gather, disk ranges) vs the floor beta*(L-W)/L of the entry's K/V."""
     out = []
     entry = synthetic_entry("sparse", **geometry)
+    assert entry.kv is not None  # synthetic entries always carry their K/V
     n, layers = geometry["n_tokens"], geometry["layers"]
     kv_bytes = entry.kv.numel() * entry.kv.element_size()
     blob_bytes = len(blob.encode(entry))
@@ -72,6 +74,7 @@ def host_throughput(geometry: dict, repeats: int, secret=None) -> dict:
     store = VisMemoStore(device_bytes=0, host_bytes=None, secret=secret or False)
     entry = synthetic_entry("full", **geometry)
     store.put(entry)
+    assert store.host is not None  # host_bytes=None: an unbounded host tier
     _, data = store.host.lru["full"]
     tier_s, raw_s = [], []
     for _ in range(repeats + 1):
@@ -92,6 +95,8 @@ def disk_throughput(geometry: dict, repeats: int, tmp: Path, secret=None) -> dic
     store = VisMemoStore(device_bytes=0, host_bytes=0, disk_dir=tmp / f"throughput{bool(secret)}", disk_bytes=None,
                          secret=secret or False)
     entry = synthetic_entry("full", **geometry)
+    assert entry.kv is not None  # synthetic entries always carry their K/V
+    assert store.disk is not None  # disk_dir given: the store has a disk tier
     store.put(entry)
     store.flush()
     with store.disk.cache.get("full", read=True) as handle:
@@ -104,7 +109,7 @@ def disk_throughput(geometry: dict, repeats: int, tmp: Path, secret=None) -> dic
         tier_s.append(time.perf_counter() - t0)
         t0 = time.perf_counter()
         with open(path, "rb") as f:  # the bytes into memory: a fresh buffer of the file's size
-            f.readinto(torch.empty(size, dtype=torch.uint8).numpy())
+            f.readinto(torch.empty(size, dtype=torch.uint8).numpy().data)
         raw_s.append(time.perf_counter() - t0)
         t0 = time.perf_counter()
         with open(path, "rb") as f:  # the bytes streamed through one reused 16 MiB buffer (kept nowhere)
@@ -161,7 +166,8 @@ def remote_vs_disk(geometry: dict, beta: float, warmup: int, repeats: int, urls:
     tokens = torch.randperm(n, generator=torch.Generator().manual_seed(0))[: math.ceil(beta * n)].sort().values
     prefix = f"vismemo-bench-{os.getpid()}"
     out = []
-    setups = [("disk", None, dict(disk_dir=tmp / "remote-vs-disk", disk_bytes=None))]
+    setups: list[tuple[str, str | None, dict[str, Any]]] = [
+        ("disk", None, dict(disk_dir=tmp / "remote-vs-disk", disk_bytes=None))]
     setups += [("remote", url, dict(remote_url=url, remote_options={"prefix": prefix, "timeout_s": 10.0}))
                for url in urls]
     for tier, url, kwargs in setups:
@@ -170,13 +176,14 @@ def remote_vs_disk(geometry: dict, beta: float, warmup: int, repeats: int, urls:
         store.flush()
         if store.tier_of(entry.key) != tier:
             raise RuntimeError(f"the entry did not reach the {tier} tier (is {safe_url(url or '')} reachable?)")
-        cluster = tier == "remote" and store.remote.link.is_cluster
+        cluster = tier == "remote" and store.remote is not None and store.remote.link.is_cluster
         server = (RedisCluster if cluster else redis.Redis).from_url(url) if url else None
-        row = {"tier": tier if not url else f"remote ({'cluster' if cluster else 'one server'})",
+        row: dict[str, Any] = {"tier": tier if not url else f"remote ({'cluster' if cluster else 'one server'})",
                "url": safe_url(url) if url else None, "blob_bytes": len(blob.encode(entry)), "tokens_read": len(tokens)}
         for what, read in (("full", lambda s=store: s.get(entry.key, "bench")),
                            ("sparse", lambda s=store: s.get_tokens(entry.key, "bench", tokens, warmup))):
-            times, sent = [], []
+            times: list[float] = []
+            sent: list[int] = []
             for _ in range(repeats + 1):
                 before = _server_bytes(server, cluster) if server is not None else 0
                 t0 = time.perf_counter()
@@ -191,6 +198,7 @@ def remote_vs_disk(geometry: dict, beta: float, warmup: int, repeats: int, urls:
             if server is not None:
                 row[f"{what}_server_bytes"] = int(statistics.median(sent[1:]))
         if server is not None:
+            assert store.remote is not None  # a server: the store's tier is the remote one
             row["client_limit_GBps"] = _raw_transfer(server, store.remote._blob_key(entry.key), row["blob_bytes"],
                                                      repeats)
         stats = store.stats()
@@ -267,8 +275,8 @@ def run(args) -> dict:
         bar.update(1)
         return result
 
-    with tempfile.TemporaryDirectory() as tmp:
-        tmp = Path(tmp)
+    with tempfile.TemporaryDirectory() as tmp_name:
+        tmp = Path(tmp_name)
         sparse = step("sparse I/O", sparse_io, geometry, args.beta, args.warmup, tmp)
         throughput = step("disk throughput", disk_throughput, geometry, args.repeats, tmp)
         host = step("host throughput", host_throughput, geometry, args.repeats)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import sys
 from collections import Counter
+from types import FrameType
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -78,6 +79,10 @@ class SyncCounter(TorchFunctionMode):
         self.sites: Counter = Counter()
         self.device_counts: Counter = Counter()
         self.device_sites: Counter = Counter()
+        #: the CUDA driver's own count of the synchronising calls and their sites, where a caller asked the driver
+        #: (``bench overhead`` on a GPU); None: not counted
+        self.cuda_syncs: int | None = None
+        self.cuda_sites: Counter | None = None
         self._want_sites = sites
         self._device = WeakIdKeyDictionary()
         for item in resident if isinstance(resident, (list, tuple)) else (resident,):
@@ -135,7 +140,7 @@ class SyncCounter(TorchFunctionMode):
 
     @staticmethod
     def _site() -> str | None:
-        frame = sys._getframe(2)
+        frame: FrameType | None = sys._getframe(2)
         while frame is not None and ("/torch/" in frame.f_code.co_filename or frame.f_code.co_filename == __file__):
             frame = frame.f_back
         if frame is None:

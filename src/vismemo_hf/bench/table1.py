@@ -38,15 +38,17 @@ def store_variant(policy: str) -> tuple[str, VisMemoStore, dict]:
     ``@keep0.5``: compressed entries keeping half of each image's tokens (the missing ones masked on hits);
     ``+recompute``: recompute them instead; options join with ``+``."""
     name, _, options = policy.partition("@")
-    kwargs, policy_options = {}, {}
+    keep_ratio: float | None = None
+    kv_format: str | None = None
+    policy_options: dict[str, str] = {}
     for option in filter(None, options.split("+")):
         if option.startswith("keep"):
-            kwargs["keep_ratio"] = float(option[4:])
+            keep_ratio = float(option[4:])
         elif option == "recompute":
             policy_options["missing"] = "recompute"
         else:
-            kwargs["kv_format"] = option
-    return name, VisMemoStore(**kwargs), policy_options
+            kv_format = option
+    return name, VisMemoStore(kv_format=kv_format, keep_ratio=keep_ratio), policy_options
 
 
 def _progress(total: int | None, desc: str):
@@ -83,7 +85,7 @@ def run(model, processor, requests, policies, sweep_rho, sweep_beta, max_new_tok
             scored_by[policy] = evaluate(model, processor, requests, name, store=store, max_new_tokens=max_new_tokens,
                                          progress=_progress(len(requests), policy), thresholds=thresholds, **options)
         results[policy] = summarise(scored_by[policy], reference)
-    sweeps = {"recompute_ratio": {}, "reuse_ratio": {}, "attend-deviate recompute_ratio": {}}
+    sweeps: dict[str, dict[float, dict]] = {"recompute_ratio": {}, "reuse_ratio": {}, "attend-deviate recompute_ratio": {}}
     for rho in sweep_rho:
         for policy, name in (("vismemo", "recompute_ratio"), ("attend-deviate", "attend-deviate recompute_ratio")):
             scored = evaluate(model, processor, requests, policy, recompute_ratio=rho, max_new_tokens=max_new_tokens,
@@ -93,17 +95,18 @@ def run(model, processor, requests, policies, sweep_rho, sweep_beta, max_new_tok
         scored = evaluate(model, processor, requests, "vismemo", reuse_ratio=beta, max_new_tokens=max_new_tokens,
                           progress=_progress(len(requests), f"vismemo beta={beta}"), thresholds=thresholds)
         sweeps["reuse_ratio"][beta] = summarise(scored, reference)
-    held = {}
+    held: dict[str, dict[str, object]] = {}
     for name, stream in (heldout_streams(heldout_bases, pages).items() if heldout_bases else []):
         ref = evaluate(model, processor, stream, "full", max_new_tokens=max_new_tokens,
                        progress=_progress(len(stream), f"{name} full"), thresholds=thresholds)
-        held[name] = {"requests": len(stream), "policies": {}}
+        held_policies: dict[str, dict] = {}
+        held[name] = {"requests": len(stream), "policies": held_policies}
         for policy in HELDOUT_POLICIES:
             scored = ref if policy == "full" else evaluate(model, processor, stream, policy,
                                                            max_new_tokens=max_new_tokens,
                                                            progress=_progress(len(stream), f"{name} {policy}"),
                                                            thresholds=thresholds)
-            held[name]["policies"][policy] = summarise(scored, ref)
+            held_policies[policy] = summarise(scored, ref)
     examples = [{"id": s.request.id, "variant": s.request.variant, "question": s.request.question,
                  "answer": s.request.answers[0], "stale": s.request.stale,
                  **{p: scored_by[p][i].prediction for p in ("full", "naive", "vismemo", "attend-deviate")

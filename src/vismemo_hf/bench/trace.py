@@ -37,7 +37,7 @@ def main(args) -> int:
 
     trace = synthetic_trace(args.requests, seed=args.seed)
     capacities = [int(c) for c in args.capacities.split(",")]
-    results = {}
+    results: dict[int, dict[str, dict]] = {}
     runs = [(c, name, protect) for c in capacities for name, protect in (("plain", 0), ("exact_priority", 2))]
     with tempfile.TemporaryDirectory() as tmp:
         for capacity, name, protect in progress_bar(runs, desc="trace", unit="replay"):

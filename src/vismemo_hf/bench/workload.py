@@ -121,6 +121,7 @@ def summary(result: StreamResult) -> dict:
         kind = "miss" if not s.kinds or all(k == "miss" for k in s.kinds) else \
             "exact" if all(k == "exact" for k in s.kinds) else "approximate" if "approximate" in s.kinds else "mixed"
         by_kind[kind].append(s.ttft_ms / s.plain_ms)
+    out: dict[str, object]
     out = {"requests": len(rows), "ttft_ratio": sum(s.ttft_ms for s in rows) / max(1e-9, sum(s.plain_ms for s in rows)),
            "ttft_ms": sum(s.ttft_ms for s in rows), "plain_ms": sum(s.plain_ms for s in rows),
            "reused_share": sum(s.reused for s in rows) / max(1, sum(s.visual for s in rows)),
@@ -143,6 +144,7 @@ def load(spec: str, seed: int = 0, dtype=torch.float32, device: str = "cpu"):
     """``(model, processor, visual tokens an image)`` of a model name: ``tiny:FAMILY``, a preset or a reader."""
     from vismemo_hf.bench.latency import any_size
 
+    tokens: int | None
     if spec.startswith("tiny:"):
         model, processor = load_model("tiny", family=spec.split(":", 1)[1], seed=seed, dtype=dtype, device=device)
         tokens = 256

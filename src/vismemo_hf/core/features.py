@@ -85,7 +85,7 @@ PARALLEL_BYTES = 4 << 20
 
 def _host_bytes(tensor: torch.Tensor) -> memoryview:
     data = tensor.detach().to("cpu").contiguous()
-    return memoryview(data.reshape(-1).view(torch.uint8).numpy()) if data.numel() else memoryview(b"")
+    return data.reshape(-1).view(torch.uint8).numpy().data if data.numel() else memoryview(b"")
 
 
 def _hasher(data: memoryview):
@@ -148,6 +148,7 @@ def patch_entropy(
             v = (x[:, c] * std[c]).add_(mean[c]).clamp_(0, 1)
             v = LUMA[c] * v
             luma = v if luma is None else luma.add_(v)
+        assert luma is not None  # the loop above ran for three channels
     else:
         luma = (x * std.view(1, -1, 1, 1) + mean.view(1, -1, 1, 1)).clamp(0, 1).mean(1)
     levels = luma.mul_(255).round_().clamp_(0, 255)  # integers 0..255, exact in float32
@@ -193,10 +194,9 @@ def _luma(x: torch.Tensor, dim: int, image_mean, image_std) -> torch.Tensor:
     weights = _luma_weights(channels)
     scale = weights * torch.as_tensor(image_std, dtype=torch.float32)
     bias = float((weights * torch.as_tensor(image_mean, dtype=torch.float32)).sum())
-    luma = None
-    for c in range(channels):  # summed in channel order, in place: the values of the sum of the products
-        v = x.select(dim, c).float() * float(scale[c])
-        luma = v if luma is None else luma.add_(v)
+    luma = x.select(dim, 0).float() * float(scale[0])
+    for c in range(1, channels):  # summed in channel order, in place: the values of the sum of the products
+        luma.add_(x.select(dim, c).float() * float(scale[c]))
     return luma.add_(bias).clamp_(0, 1)
 
 

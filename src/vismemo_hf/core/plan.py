@@ -11,6 +11,7 @@ import bisect
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from enum import Enum
+from typing import Final, Literal
 
 import torch
 
@@ -99,19 +100,26 @@ class ImagePlan:
             if not bool(torch.isin(self.verify, self.recompute).all()):
                 raise ValueError("the tokens that verify a plan must be recomputed")
 
+    @property
+    def _layers_from(self) -> torch.Tensor:
+        """``reuse_from``, which ``__post_init__`` always fills in (None only as a constructor argument)."""
+        assert self.reuse_from is not None  # set by __post_init__
+        return self.reuse_from
+
     def computed_at(self, layer: int) -> torch.Tensor:
         """Visual tokens whose hidden states go through ``layer`` (sorted)."""
         if layer < self.warmup_layers:
             return torch.arange(self.n_tokens)
-        late = self.reuse[self.reuse_from > layer]
+        late = self.reuse[self._layers_from > layer]
         return torch.cat([self.recompute, late]).sort().values if late.numel() else self.recompute
 
     def _reuse_layers(self) -> list[int]:
         """``reuse_from`` sorted, as host ints: read once per plan, so that the per-layer questions below read no
         tensor value (on a GPU each read would wait for the stream)."""
         cached = self.__dict__.get("_reuse_layers_cache")
-        if cached is None or cached[0] is not self.reuse_from:
-            cached = (self.reuse_from, sorted(self.reuse_from.tolist()))
+        reuse_from = self._layers_from
+        if cached is None or cached[0] is not reuse_from:
+            cached = (reuse_from, sorted(reuse_from.tolist()))
             self.__dict__["_reuse_layers_cache"] = cached
         return cached[1]
 
@@ -129,7 +137,7 @@ class ImagePlan:
 
     def reuse_selected_at(self, layer: int) -> torch.Tensor:
         """Boolean over ``reuse``: which of them take alias K/V at ``layer``."""
-        return self.reuse_from <= layer
+        return self._layers_from <= layer
 
     def reused_at(self, layer: int) -> torch.Tensor:
         """Visual tokens whose K/V at ``layer`` come from the alias entry."""
@@ -148,7 +156,7 @@ class ImagePlan:
         recompute = torch.cat([self.recompute, moved[new], self.mask[unseen]]).sort().values
         mask = torch.cat([self.mask[~unseen], moved[~new]]).sort().values
         return replace(self, recompute=recompute, reuse=self.reuse[keep], mask=mask,
-                       reuse_from=self.reuse_from[keep])
+                       reuse_from=self._layers_from[keep])
 
     @property
     def complete(self) -> bool:
@@ -167,8 +175,12 @@ class ImagePlan:
         return cls(kind, n_tokens, 0, torch.arange(n_tokens), _index([]), _index([]), alias, fallback=fallback)
 
 
+class _Later(Enum):
+    LATER = "later"
+
+
 #: a value computed on first use
-_LATER = object()
+_LATER: Final = _Later.LATER
 
 
 class ImageFeatures:
@@ -188,21 +200,25 @@ class ImageFeatures:
                  heights: Callable[[torch.Tensor, tuple[int, int, int]], torch.Tensor] | None = None) -> None:
         self.key, self.grid, self.embeds, self.kv_tokens = key, grid, embeds, kv_tokens
         later = pixel_features is not None and patch_hashes is None
-        self._entropy, self._patch_hashes = entropy, _LATER if later else patch_hashes
+        self._entropy = entropy
+        self._patch_hashes: torch.Tensor | Literal[_Later.LATER] | None = _LATER if later else patch_hashes
         self._pixel_features = pixel_features
         self._rows_of, self._heights_of = rows, heights
 
     @property
     def entropy(self) -> torch.Tensor:
-        """(N,) normalised patch entropy in [0, 1]."""
+        """(N,) normalised patch entropy in [0, 1] (ValueError when neither given nor computable)."""
         if self._entropy is None and self._pixel_features is not None:
             self._entropy = self._pixel_features[0]()
+        if self._entropy is None:
+            raise ValueError(f"image {self.key[:12]}: its patch entropy is unknown")
         return self._entropy
 
     @property
     def patch_hashes(self) -> torch.Tensor | None:
         """(N,) int64 hash of each token's pixels (None when unknown)."""
         if self._patch_hashes is _LATER:
+            assert self._pixel_features is not None  # _LATER is set only with pixel_features
             self._patch_hashes = self._pixel_features[1]()
         return self._patch_hashes
 
@@ -229,8 +245,9 @@ class ImageFeatures:
         """(N,) the height of each visual token on one scale of rows for the whole image, what a changed region's
         band of rows is judged on (``core.pixel_first.region_changed``): ``token_rows``, unless the tokens show the
         image more than once (LLaVA-OneVision's base view and tiles, ``hash_rows`` of its adapter)."""
-        hashes = self.patch_hashes if self._heights_of is not None else None
-        return self._heights_of(hashes, self.grid) if hashes is not None else self.token_rows
+        heights_of = self._heights_of
+        hashes = self.patch_hashes if heights_of is not None else None
+        return heights_of(hashes, self.grid) if heights_of is not None and hashes is not None else self.token_rows
 
     def stored(self, tokens: torch.Tensor) -> torch.Tensor:
         """Boolean over ``tokens``: those whose K/V the stored entry holds."""
@@ -261,7 +278,10 @@ class ImageFeatures:
     def moved(self, shift: tuple[int, int], hw: tuple[int, int]) -> ImageFeatures:
         """This cached image as seen by a request that shows its content moved by ``shift`` = (dy, dx) visual tokens
         on an h x w grid (``hw``): token (r, c) of the request is this image's (r + dy, c + dx)."""
-        return self if tuple(shift) == (0, 0) else MovedFeatures(self, tuple(shift), hw)
+        if tuple(shift) == (0, 0):
+            return self
+        dy, dx = shift
+        return MovedFeatures(self, (dy, dx), hw)
 
 
 class MovedFeatures(ImageFeatures):

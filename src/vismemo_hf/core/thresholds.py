@@ -114,13 +114,15 @@ class LookupThresholds:
 
     def near(self, fine: float, tau_fine: float) -> bool:
         """A fine score that needs the pixel stage to match: below ``tau_fine``, at or above ``tau_near``."""
-        return self.pixel_stage and self.tau_near <= fine < tau_fine
+        return self.pixel_stage and self.tau_near is not None and self.tau_near <= fine < tau_fine
 
     def matches(self, fine: float, tau_fine: float, pixel: Callable[[], float], partly: bool = False) -> bool:
         """The fine rule: ``fine`` reaches ``tau_fine`` (the model's, ``fine_for``), or it is ``near``, not a
         ``partly`` changed copy (``core.pixel_first.partly_changed``) and ``pixel()`` (the aligned thumbnail
         similarity, computed only then) reaches ``tau_pixel``."""
-        return fine >= tau_fine or (self.near(fine, tau_fine) and not partly and pixel() >= self.tau_pixel)
+        tau_pixel = self.tau_pixel
+        return fine >= tau_fine or (tau_pixel is not None and self.near(fine, tau_fine) and not partly
+                                    and pixel() >= tau_pixel)
 
     def __post_init__(self) -> None:
         for name in ("tau", "tau_fine", "tau_pixel", "tau_near"):
@@ -141,6 +143,7 @@ class LookupThresholds:
         from vismemo_hf.presets import find, load
 
         cfg = load("lookup", name_or_path)
+        assert cfg is not None  # without missing_ok, load raises for an unknown preset instead
         where = find("lookup", name_or_path)
         unknown = set(cfg) - {"tau", "tau_fine", "tau_pixel", "tau_near", "same_pixels", "fingerprint", "calibration"}
         if unknown:

@@ -36,7 +36,7 @@ _WORDS = ("the a of to and in is for on with as by at from this that page report
 
 
 def sentence(n: int, rng: random.Random) -> str:
-    words = []
+    words: list[str] = []
     while len(" ".join(words)) < n:
         words.append(rng.choice(_WORDS))
     text = " ".join(words)[:n].rstrip()
@@ -44,14 +44,14 @@ def sentence(n: int, rng: random.Random) -> str:
 
 
 def chat_turns(n: int, rng: random.Random) -> str:
-    turns = []
+    turns: list[str] = []
     while len(" ".join(turns)) < n:
         turns.append(rng.choice(["User:", "Assistant:"]) + " " + sentence(rng.randint(6, 40), rng) + ".")
     return " ".join(turns)[:n].rstrip()
 
 
 def random_words(n: int, rng: random.Random) -> str:
-    words = []
+    words: list[str] = []
     while len(" ".join(words)) < n:
         words.append("".join(rng.choice(string.ascii_lowercase + string.digits) for _ in range(rng.randint(1, 8))))
     return " ".join(words)[:n].rstrip()
@@ -207,8 +207,12 @@ def make_case(cls: str, pages: _Pages, base, other, rng: random.Random) -> Case 
         if pages.kind == "docpage" and not docpage.has_room_for_row(base):
             return None
         at = rng.randrange(n_rows)
-        page = docpage.insert_row(base, at, rng) if pages.kind == "docpage" else synthdoc.insert_row(base, at, rng)
-        inserted = pages.about(page, at, rng.randrange(len(page.columns)) if pages.kind == "docpage" else 0, None)
+        if pages.kind == "docpage":
+            doc = docpage.insert_row(base, at, rng)
+            page, column = doc, rng.randrange(len(doc.columns))
+        else:
+            page, column = synthdoc.insert_row(base, at, rng), 0
+        inserted = pages.about(page, at, column, None)
         moved = pages.about(page, rng.randrange(at + 1, n_rows + 1), 0, None)  # a row that moved down
         return Case(cls, (("image", img),), (("image", render(page)),),
                     (inserted, moved, pages.question(page, rng, {(at, c) for c in range(3)})), "approximate")

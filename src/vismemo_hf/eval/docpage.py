@@ -44,7 +44,7 @@ SLOTS = 4  # glyph cells per token in the per-token reading targets (its 2 x 2 p
 
 
 @cache
-def font(name: str, size: int) -> ImageFont.ImageFont:
+def font(name: str, size: int) -> ImageFont.FreeTypeFont | ImageFont.ImageFont:
     """Two fonts that ship with the package or Pillow, so every machine renders the same pages: Pillow's FreeType
     sans (``sans``) and DejaVu Sans Mono (``mono``, ``fonts/``, Bitstream Vera licence)."""
     if name == "mono":
@@ -133,6 +133,7 @@ def random_page(seed: int, layout: str | None = None, n_rows: int | None = None,
     header = pitch if n_cols > 1 else 0
     top = min(top, (SIZE - 24 - header - n_rows * pitch) // GLYPH * GLYPH)
     x0 = {"receipt": _cells(rng, 126, 154), "ui": _cells(rng, 56, 84)}.get(layout, _cells(rng, 28, 70))
+    col_x: tuple[int, ...]
     if n_cols == 1:
         col_x = (x0 + (_cells(rng, 70, 126) if layout != "receipt" else _cells(rng, 84, 98)),)
     else:
@@ -291,15 +292,15 @@ def render(page: DocPage) -> Image.Image:
         draw.rectangle([x, y, x + w, y + 14], fill=(60, 100, 180))
         draw.rectangle([x + w - 44, y + h - 22, x + w - 8, y + h - 8], outline=(60, 60, 70))
     if page.crop is not None:
-        img = img.crop(page.crop).resize((page.side, page.side), Image.BILINEAR)
+        img = img.crop(page.crop).resize((page.side, page.side), Image.Resampling.BILINEAR)
     if page.rotation or page.scale != 1.0:
         img = turn_image(img, page.rotation, page.scale, PAPER[page.layout])
     if page.brightness != 1.0:
         img = ImageEnhance.Brightness(img).enhance(page.brightness)
     if page.noise:
         pixels = np.asarray(img, dtype=np.float32)
-        pixels = pixels + np.random.default_rng(page.seed & 0xFFFFFFFF).normal(0, page.noise, pixels.shape)
-        img = Image.fromarray(pixels.clip(0, 255).astype(np.uint8))
+        noisy = pixels + np.random.default_rng(page.seed & 0xFFFFFFFF).normal(0, page.noise, pixels.shape)
+        img = Image.fromarray(noisy.clip(0, 255).astype(np.uint8))
     if page.jpeg_quality is not None:
         buf = io.BytesIO()
         img.save(buf, format="JPEG", quality=page.jpeg_quality)
@@ -313,7 +314,7 @@ def _texture(rng: random.Random, w: int, h: int) -> Image.Image:
     nprng = np.random.default_rng(rng.randrange(2**32))
     for scale in (8, 16, 32):
         small = nprng.uniform(0, 1, (max(2, h // scale), max(2, w // scale), 3)).astype(np.float32)
-        up = np.asarray(Image.fromarray((small * 255).astype(np.uint8)).resize((w, h), Image.BICUBIC), np.float32)
+        up = np.asarray(Image.fromarray((small * 255).astype(np.uint8)).resize((w, h), Image.Resampling.BICUBIC), np.float32)
         base += up * (scale / 8)
     base = base / base.max() * 255
     tint = np.array([rng.randint(60, 255) for _ in range(3)], np.float32)

@@ -196,9 +196,10 @@ def losses(model, probes, batch, labels, items) -> dict[str, torch.Tensor]:
     qa = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1), ignore_index=-100)
     ids = batch["input_ids"]
     visual = ids == model.config.image_token_id
-    ocr_t, word_t = zip(*[token_targets(p, q) for p, q in items])
-    ocr_t, word_t = torch.cat(ocr_t), torch.cat(word_t)  # visual tokens of every sample, in batch order
-    ocr = sum(_slot_loss(probes.ocr(out.hidden_states[at][visual]), ocr_t) for at in (0, OCR_LAYER)) / 2
+    ocr_parts, word_parts = zip(*[token_targets(p, q) for p, q in items])
+    ocr_t, word_t = torch.cat(ocr_parts), torch.cat(word_parts)  # visual tokens of every sample, in batch order
+    ocr_in, ocr_mid = (_slot_loss(probes.ocr(out.hidden_states[at][visual]), ocr_t) for at in (0, OCR_LAYER))
+    ocr = (ocr_in + ocr_mid) / 2
     word = _slot_loss(probes.word(out.hidden_states[-2][visual]), word_t)
     predicting = torch.zeros_like(labels, dtype=torch.bool)
     predicting[:, :-1] = labels[:, 1:] != -100

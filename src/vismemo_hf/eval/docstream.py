@@ -4,8 +4,8 @@ the same page after another instruction text (exact, a changed context), one or 
 approximate, naive reuse answers the old value), a scrolled, shifted or cropped page, a popup over the page, a
 switched widget (``ui`` pages) and a rescan (JPEG, brightness, noise): approximate.
 
-The rows are ``synthdoc.Request``s (the quality evaluation runs them as it runs the tiny reader's streams) whose
-``image`` and ``answer_tokens`` come from ``docpage``.
+The rows are ``synthdoc.BaseRequest``s, as ``synthdoc.Request``s are (the quality evaluation runs them as it runs
+the tiny reader's streams), whose ``image`` and ``answer_tokens`` come from ``docpage``.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import random
 from dataclasses import dataclass
 
 from vismemo_hf.eval import docpage
-from vismemo_hf.eval.synthdoc import Request
+from vismemo_hf.eval.synthdoc import BaseRequest
 
 KINDS = ("same", "instruction", "edit_asked", "edit_several", "scroll", "crop", "popup", "widget", "rescan", "shift")
 #: instruction texts of the ``instruction`` follow-ups (neutral: they change no answer)
@@ -22,7 +22,7 @@ INSTRUCTIONS = ("Please read carefully.", "Form copy 3:", "Check this page.", "F
 
 
 @dataclass
-class PageRequest(Request):
+class PageRequest(BaseRequest[docpage.DocPage]):
     """A stream row on a ``docpage`` page; ``asked`` is its ``docpage.Question``."""
 
     asked: docpage.Question | None = None
@@ -31,6 +31,7 @@ class PageRequest(Request):
         return docpage.render(self.page)
 
     def answer_tokens(self) -> list[int]:
+        assert self.asked is not None  # every row is made by ``request``, which sets it
         return docpage.answer_tokens(self.page, self.asked)
 
 

@@ -19,7 +19,9 @@ from __future__ import annotations
 import math
 import random
 import string
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from typing import Generic, TypeVar
 
 from PIL import Image, ImageDraw, ImageEnhance, ImageFont
 
@@ -83,7 +85,8 @@ def _font():
     return _FONT
 
 
-PAPER = {"form": "white", "table": "white", "receipt": (250, 244, 228), "ui": (232, 238, 246), "chart": "white"}
+PAPER: dict[str, str | tuple[int, int, int]] = {"form": "white", "table": "white", "receipt": (250, 244, 228),
+                                                 "ui": (232, 238, 246), "chart": "white"}
 
 
 def _decorate(draw: ImageDraw.ImageDraw, page: FormPage) -> None:
@@ -132,8 +135,8 @@ def render(page: FormPage) -> Image.Image:
         import numpy as np
 
         pixels = np.asarray(img, dtype=np.float32)
-        pixels = pixels + np.random.default_rng(hash(page.rows) & 0xFFFF).normal(0, page.noise, pixels.shape)
-        img = Image.fromarray(pixels.clip(0, 255).astype(np.uint8))
+        noisy = pixels + np.random.default_rng(hash(page.rows) & 0xFFFF).normal(0, page.noise, pixels.shape)
+        img = Image.fromarray(noisy.clip(0, 255).astype(np.uint8))
     if page.jpeg_quality is not None:
         import io
 
@@ -243,12 +246,18 @@ def erase_value(page: FormPage, row: int) -> FormPage:
 
 
 # -- request streams -------------------------------------------------------------------------------------
+#: the kind of page a stream row is on (covariant: a row's page is only read, so any row is a ``BaseRequest[object]``)
+PageT = TypeVar("PageT", covariant=True)
+
+
 @dataclass
-class Request:
-    """One row of a stream: a page, a question and its answers, and the hit kind it is meant to produce."""
+class BaseRequest(Generic[PageT]):
+    """One row of a stream: a page, a question and its answers, and the hit kind it is meant to produce. The page's
+    kind gives ``image`` and ``answer_tokens``: ``Request`` (a ``FormPage``), ``docstream.PageRequest`` (a
+    ``docpage.DocPage``)."""
 
     id: str
-    page: FormPage
+    page: PageT
     question: str
     answers: list[str]
     intended: str  # "miss", "exact" or "approximate"
@@ -257,7 +266,19 @@ class Request:
     stale: str | None = None  # for such questions: the value before the edit (what naive reuse may answer)
     prefix: str = ""  # text before the image (another prefix on a seen page: an exact hit at another offset)
 
-    def image(self):
+    def image(self) -> Image.Image:
+        raise NotImplementedError
+
+    def answer_tokens(self) -> list[int]:
+        """The visual tokens that hold the asked value."""
+        raise NotImplementedError
+
+
+@dataclass
+class Request(BaseRequest[FormPage]):
+    """A stream row on a ``FormPage``."""
+
+    def image(self) -> Image.Image:
         return render(self.page)
 
     def answer_tokens(self) -> list[int]:
@@ -390,7 +411,8 @@ def turn_image(image: Image.Image, degrees: float, scale: float = 1.0, fill="whi
     a = math.radians(degrees)
     cos, sin = math.cos(a) / scale, math.sin(a) / scale  # the inverse map: output pixel -> source pixel
     matrix = (cos, -sin, cx - cx * cos + cy * sin, sin, cos, cy - cx * sin - cy * cos)
-    return image.convert("RGB").transform(image.size, Image.AFFINE, matrix, resample=Image.BICUBIC, fillcolor=fill)
+    return image.convert("RGB").transform(image.size, Image.Transform.AFFINE, matrix, resample=Image.Resampling.BICUBIC,
+                                             fillcolor=fill)
 
 
 #: near-duplicate copies every real page gets (each keeps the page's answers)
@@ -463,10 +485,12 @@ def near_duplicates(images: dict, model, processor, thresholds=None) -> dict:
         reference = model_reference(adapter, adapter.base.get_image_features)
     thresholds = thresholds.for_model(reference)
     tau_fine = thresholds.tau_fine
-    seen, out = [], {}
+    seen: list[tuple[object, tuple[int, int, int], torch.Tensor, torch.Tensor, Callable[[], torch.Tensor]]] = []
+    out = {}
     for page_id, image in progress_bar(images.items(), desc="build-stream: near-duplicates", unit="page"):
         inputs = processor.image_processor(images=[image.convert("RGB")], return_tensors="pt")
-        grid = tuple(int(x) for x in inputs["image_grid_thw"][0])
+        frames, height, width = (int(x) for x in inputs["image_grid_thw"][0])
+        grid = (frames, height, width)
         with torch.no_grad():
             (embeds, _), = adapter.encode(adapter.base.get_image_features, inputs["pixel_values"].to(model.dtype),
                                           inputs["image_grid_thw"])

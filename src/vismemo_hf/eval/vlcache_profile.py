@@ -27,7 +27,7 @@ def _visual_kv(model, processor, image, question):
 
 def layer_sensitivity(model, processor, pairs: int = 4, seed: int = 0) -> list[float]:
     """Mean relative K/V deviation per decoder layer over ``pairs`` synthetic (page, edited page) pairs."""
-    totals = None
+    totals: list[float] | None = None
     for i in progress_bar(range(pairs), desc="profile-vlcache", unit="pair"):
         s = seed + i
         question = "What is the value of the third row?"
@@ -39,4 +39,6 @@ def layer_sensitivity(model, processor, pairs: int = 4, seed: int = 0) -> list[f
             den = k1.pow(2).sum() + v1.pow(2).sum()
             devs.append(float(num / den.clamp_min(1e-12)))
         totals = devs if totals is None else [a + b for a, b in zip(totals, devs)]
+    if totals is None:
+        raise ValueError(f"pairs must be at least 1, got {pairs}")
     return [t / pairs for t in totals]

@@ -43,7 +43,7 @@ class Screen:
                                                                       0.35))
         if self.selected is not None:
             img = _band(img, self.page, self.selected, ImageOps.invert)
-        return img if img.size == size else img.resize(size, Image.BICUBIC)
+        return img if img.size == size else img.resize(size, Image.Resampling.BICUBIC)
 
 
 def _band(img: Image.Image, page: docpage.DocPage, row: int, paint: Callable[[Image.Image], Image.Image]):
@@ -109,7 +109,7 @@ def chat(size: tuple[int, int], seed: int = 0, turns: int = 7) -> list[StreamReq
     pages = [first, docpage.random_page(seed * 7 + 2, layout="table"), replace(
         docpage.random_page(seed * 7 + 3, layout="form"), x0=first.x0, y0=first.y0, pitch=first.pitch,
         col_x=first.col_x, title=first.title, font=first.font, font_size=first.font_size)]
-    images = [docpage.render(p).resize(size, Image.BICUBIC) for p in pages]
+    images = [docpage.render(p).resize(size, Image.Resampling.BICUBIC) for p in pages]
     # (page index, new page?) of each turn
     plan = [(0, True), (0, False), (1, True), (0, False), (2, True), (1, False), (2, False), (0, False)][:turns]
     history: list[dict] = []
@@ -183,7 +183,7 @@ def mixed(size: tuple[int, int], seed: int = 0, n: int = 15) -> list[StreamReque
             label = f"near-duplicate ({change})"
         seen.append(page)
         q = docpage.random_question(rng, page, instruct=0.0)
-        image = docpage.render(page).resize(size, Image.BICUBIC)
+        image = docpage.render(page).resize(size, Image.Resampling.BICUBIC)
         out.append(StreamRequest([_user(image, q.text)], [image], label))
     return out
 

@@ -18,12 +18,15 @@ import sys
 import threading
 from dataclasses import dataclass, field
 from types import SimpleNamespace
-from typing import ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 import torch
 from transformers.modeling_outputs import BaseModelOutputWithPooling
 
 from vismemo_hf.core.features import exact_key, thumbnail, thumbnail_shape, token_grid
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 # Processor normalisation of each family (needed to recover pixels for patch entropy).
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
@@ -140,6 +143,7 @@ class WeightsIdentity:
         signature = (_weights_signature(self.params), tuple(getattr(model.config, "architectures", None) or ()))
         if signature != self.signature:
             self.value, self.signature = model_fingerprint(model), signature
+        assert self.value is not None  # worked out at the first call (no signature equals the initial None)
         return self.value
 
 
@@ -154,6 +158,18 @@ class VisionTower:
 
     #: the base model's attribute holding the vision tower
     vision_attribute: ClassVar[str] = "visual"
+
+    #: the model whose tower this is (``ModelAdapter.model``)
+    model: torch.nn.Module
+
+    if TYPE_CHECKING:  # what ``ModelAdapter`` gives every tower, declared for the type checker only
+        @property
+        def text(self) -> Any: ...
+
+        @property
+        def deepstack_levels(self) -> int: ...
+
+        def thumbnail_hw(self, grid) -> tuple[int, int]: ...
 
     def tower_pixels(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """``pixel_values`` as the vision tower reads them: every family's encoder casts them to its tower's dtype
@@ -170,7 +186,7 @@ class VisionTower:
     def image_key(self, owner: str, pixels: torch.Tensor, grid) -> str:
         """The exact key of one image (its rows of the pixel values) for ``owner`` (``VisMemoCache.owner``): what the
         lookup computes for a request's images (``core.features.exact_key`` of ``tower_pixels``)."""
-        return exact_key(owner, self.tower_pixels(pixels).cpu(), tuple(int(g) for g in grid))
+        return exact_key(owner, self.tower_pixels(pixels).cpu(), cast("tuple[int, int, int]", tuple(int(g) for g in grid)))
 
     def encode(self, get_image_features, pixel_values, grids) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
         """Run the vision tower once over several images: per image (embeds (N, d), deepstack (k, N, d) | None)."""
@@ -226,7 +242,7 @@ class VisionTower:
     def placeholder_output(self, n_tokens: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Zeros in place of an image's encoder output (embeds, extra features), for an image whose tokens a prefill
         does not compute (inside a reused prefix)."""
-        text = self.model.config.text_config
+        text = cast("PretrainedConfig", self.model.config).text_config
         device, dtype = execution_device(self.text), next(self.text.parameters()).dtype
         embeds = torch.zeros(n_tokens, text.hidden_size, device=device, dtype=dtype)
         levels = self.deepstack_levels
@@ -519,15 +535,15 @@ class ModelAdapter(VisionTower):
 
     @property
     def image_token_id(self) -> int:
-        return self.model.config.image_token_id
+        return cast("PretrainedConfig", self.model.config).image_token_id
 
     @property
     def video_token_id(self) -> int:
-        return self.model.config.video_token_id
+        return cast("PretrainedConfig", self.model.config).video_token_id
 
     @property
     def num_layers(self) -> int:
-        return self.model.config.text_config.num_hidden_layers
+        return cast("PretrainedConfig", self.model.config).text_config.num_hidden_layers
 
     @property
     def head_dim(self) -> int:
@@ -542,7 +558,7 @@ class ModelAdapter(VisionTower):
         """Why a stored entry cannot serve this model for an image of ``grid`` (None: it can). Checks what a
         corrupt or foreign entry could get wrong: grid, token and layer counts, widths, K/V shape, offset. Cheap on
         purpose (it runs on every exact hit and candidate): the bytes themselves are checked by the blob's hashes."""
-        text = self.model.config.text_config
+        text = cast("PretrainedConfig", self.model.config).text_config
         n = self.tokens_in(grid)
         levels = entry.deepstack.shape[0] if entry.deepstack is not None else 0
         checks = [

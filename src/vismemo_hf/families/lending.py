@@ -7,7 +7,7 @@ interface that ``families.tower_kv`` records and lends to. A family file mixes `
 from __future__ import annotations
 
 import contextlib
-from typing import ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
@@ -33,6 +33,10 @@ class LendingTower:
     """What a tower that keeps and lends its own K/V adds to an adapter (``ModelAdapter`` declares the defaults)."""
 
     partial_encoder: ClassVar[bool] = True
+
+    if TYPE_CHECKING:  # what the ``ModelAdapter`` it is mixed into gives it, declared for the type checker only
+        @property
+        def base(self) -> Any: ...
 
     def lending(self, items, lent):
         """The context of a partial encode of ``items``: lent (``lent`` per image, an alias's tower K/V) the other

@@ -28,13 +28,16 @@ import hashlib
 import struct
 from dataclasses import dataclass
 from types import SimpleNamespace
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar, cast
 
 import torch
 
 from vismemo_hf.core.memo import TensorMemo
 from vismemo_hf.families.base import transformers_class
 from vismemo_hf.families.qwen2_vl import QWEN2_TEMPLATE, QwenAdapter
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 LLAVA_TEMPLATE = QWEN2_TEMPLATE.replace("<|vision_start|><|image_pad|><|vision_end|>", "<image>\n").replace(
     "<|vision_start|><|video_pad|><|vision_end|>", "<video>\n")
@@ -57,6 +60,16 @@ class TileReuse:
     (``_pack``, ``_per_tile``) and patch rows it reads."""
 
     tile_encoder: ClassVar[bool] = True
+
+    if TYPE_CHECKING:  # what the adapter it is mixed into gives it, declared for the type checker only
+        @property
+        def _per_tile(self) -> int: ...
+
+        def _pack(self, features: torch.Tensor, extra, newline: torch.Tensor) -> torch.Tensor: ...
+
+        def _packs_patches(self) -> bool: ...
+
+        def _patch_rows(self, pixels: torch.Tensor) -> torch.Tensor: ...
 
     def _tile_crcs(self, pixels: torch.Tensor) -> torch.Tensor:
         """(tiles, patches per tile) int64: each tile patch's CRC-32C, as the tower reads it (``_patch_rows``)."""
@@ -171,7 +184,7 @@ class LlavaOnevisionAdapter(TileReuse, QwenAdapter):
         without them (a processor's output) from the packing."""
         from transformers.models.llava_onevision.modeling_llava_onevision import image_size_to_num_patches
 
-        config = self.model.config
+        config = cast("PretrainedConfig", self.model.config)
         sizes = geometry[0]
         tiles = [image_size_to_num_patches(image_size=size, grid_pinpoints=config.image_grid_pinpoints,
                                            patch_size=config.vision_config.image_size) if tiled else 1
@@ -275,6 +288,7 @@ class LlavaOnevisionAdapter(TileReuse, QwenAdapter):
         changed region then shows as one band of rows, not as one in each view: two rows swapped, counted apart,
         were four bands and never a region."""
         rows = self.token_rows(SimpleNamespace(patch_hashes=hashes))
+        assert rows is not None  # the hashes are given: their rows are known
         side = self.vision_config.image_size // self.vision_config.patch_size
         tiled = rows >= side
         if not bool(tiled.any()):
@@ -326,7 +340,8 @@ class LlavaOnevisionAdapter(TileReuse, QwenAdapter):
 
         if not extra[1] or tiles < 2:
             return None
-        rows, cols = get_anyres_image_grid_shape(list(extra[0]), self.model.config.image_grid_pinpoints,
+        rows, cols = get_anyres_image_grid_shape(list(extra[0]),
+                                                 cast("PretrainedConfig", self.model.config).image_grid_pinpoints,
                                                  self.vision_config.image_size)
         return (int(rows), int(cols)) if rows * cols == tiles - 1 else None
 
@@ -346,7 +361,8 @@ class LlavaOnevisionAdapter(TileReuse, QwenAdapter):
         """The model's tiling (its tower's tile size and ``image_grid_pinpoints``) and normalisation."""
         tile = self.vision_config.image_size
         return transformers_class(self.image_processor_class)(
-            size={"height": tile, "width": tile}, image_grid_pinpoints=self.model.config.image_grid_pinpoints,
+            size={"height": tile, "width": tile},
+            image_grid_pinpoints=cast("PretrainedConfig", self.model.config).image_grid_pinpoints,
             image_mean=list(self.image_mean), image_std=list(self.image_std))
 
     # -- 1-D positions ---------------------------------------------------------------------------------------

@@ -19,6 +19,7 @@ import copy
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
+from typing import Any, cast
 
 import torch
 
@@ -65,7 +66,7 @@ class ConfigView:
         return f"ConfigView({self.config!r})"
 
 
-def own(config) -> object:
+def own(config) -> Any:
     """The config behind ``config`` (itself when it is no view)."""
     return config.config if isinstance(config, ConfigView) else config
 
@@ -97,7 +98,7 @@ def install(modules: list[torch.nn.Module], config) -> ConfigView:
     views = {id(m.config): m.config for m in modules if isinstance(m.config, ConfigView)}
     view = next(iter(views.values())) if len(views) == 1 else ConfigView(own(config))
     for module in modules:
-        module.config = view
+        cast(Any, module).config = view  # ``nn.Module`` types attribute writes as tensors or modules: a config is neither
     return view
 
 

@@ -65,7 +65,7 @@ from vismemo_hf.policies.vismemo import warmup_score
 
 def deviation_score(signals: WarmupSignals, n_tokens: int) -> torch.Tensor:
     """(N,) the largest relative K + V deviation of each token over the warmup and check layers."""
-    layers = []
+    layers: list[torch.Tensor] = []
     if signals.key_deviation is not None and signals.value_deviation is not None:
         layers.extend(signals.key_deviation + signals.value_deviation)
     check = signals.check_deviation

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, fields
-from typing import ClassVar, TypeVar
+from typing import Any, ClassVar, TypeVar, cast
 
 import torch
 
@@ -67,7 +67,7 @@ def get_policy(policy: str | RoutingPolicy, **options: object) -> RoutingPolicy:
     unknown = sorted(set(options) - known)
     if unknown:
         raise TypeError(f"policy {policy!r} has no option(s) {unknown}; it takes {sorted(known)}")
-    return cls(**options)
+    return cls(**cast("dict[str, Any]", options))  # each option's type is checked by the policy's __post_init__
 
 
 def _fits(value: object, annotation: str) -> bool:
@@ -226,6 +226,8 @@ class RoutingPolicy:
         ``prefix_check_large``; an exact hit that would be checked at a layer the model does not have is too."""
         if kind is HitKind.MISS:
             return self.miss_plan(image)
+        if alias is None:
+            raise ValueError(f"an {kind} hit needs the alias it was found by")
         if self.context_in_full(prefix_changed, context_change):
             return ImagePlan.full(kind, image.n_tokens, alias.key, fallback="context")
         if kind is HitKind.APPROXIMATE:
@@ -322,7 +324,8 @@ class RoutingPolicy:
         recompute, probes = context
         rest = torch.ones(n, dtype=torch.bool)
         rest[recompute] = False
-        return ImagePlan(HitKind.EXACT, n, self.prefix_check_layer, recompute, torch.nonzero(rest).flatten(), [], alias,
+        return ImagePlan(HitKind.EXACT, n, self.prefix_check_layer, recompute, torch.nonzero(rest).flatten(),
+                         torch.zeros(0, dtype=torch.long), alias,
                          **self.verification(probes, signals))
 
     def verification(self, probes: torch.Tensor, signals: WarmupSignals) -> dict:

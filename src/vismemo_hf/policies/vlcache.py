@@ -23,6 +23,7 @@ def load_profile(profile: str) -> list[float]:
     from vismemo_hf.presets import find, load
 
     data = load("vlcache", profile)
+    assert data is not None  # without missing_ok, load raises for an unknown profile instead
     try:
         values = [float(x) for x in data["sensitivity"]]
     except (KeyError, TypeError, ValueError) as err:

@@ -59,8 +59,10 @@ class _Reads:
 
     fetched: FetchedKV | None = None
     asked: bool = False  # a read was started
-    pending: object | None = None  # a background read
-    streaming: object | None = None  # a streamed read still bringing layers (its future: the read's ms)
+    #: a background read: its future ((FetchedKV or None, ms)), or a streamed one's (published FetchedKV or None, the
+    #: read's ms)
+    pending: Future[tuple[FetchedKV | None, float]] | tuple[Future[FetchedKV | None], Future[float]] | None = None
+    streaming: Future[float] | None = None  # a streamed read still bringing layers (its future: the read's ms)
     reuse_index: torch.Tensor | None = None  # position of each of the plan's reused tokens in ``fetched``
     restored: tuple | None = None  # (FetchedKV, tokens, positions) of masked tokens given back for decoding
     bytes: int = 0
@@ -108,7 +110,7 @@ class AliasReader:
         self._reads[i].bytes += kv.numel() * kv.element_size()
         return kv
 
-    def _read(self, i: int, tokens: torch.Tensor, first_layer: int, offset: int):
+    def _read(self, i: int, tokens: torch.Tensor, first_layer: int, offset: int) -> tuple[FetchedKV | None, float]:
         """(FetchedKV or None, ms): the alias K/V of ``tokens`` (sorted) at layers >= ``first_layer``."""
         m = self.matches[i]
         t0 = time.perf_counter()
@@ -121,7 +123,7 @@ class AliasReader:
         return fetched, (time.perf_counter() - t0) * 1e3
 
     def _streamed(self, i: int, tokens: torch.Tensor, first_layer: int, offset: int, device: torch.device,
-                  ops: StreamOps, published: Future) -> float:
+                  ops: StreamOps, published: Future[FetchedKV | None]) -> float:
         """On the fetch thread: read the alias K/V, publish a ``FetchedKV`` whose layers arrive one by one on
         ``device`` (``runtime.stream``), then bring them there. Returns the read's ms."""
         m = self.matches[i]
@@ -185,7 +187,7 @@ class AliasReader:
             if device is None:
                 reads.pending = _POOL.submit(self._read, i, tokens, first_layer, offset)
                 return True
-            published: Future = Future()
+            published: Future[FetchedKV | None] = Future()
             reads.pending = (published, _POOL.submit(self._streamed, i, tokens, first_layer, offset, device,
                                                      streams_for(device), published))
             return True
@@ -223,7 +225,9 @@ class AliasReader:
         if f is None or f.first_layer > first or not f.covers(plan.reuse):
             if not self.fetch(i, plan.reuse, first, offset):
                 return False
-        reads.reuse_index = reads.fetched.positions(plan.reuse)
+            f = reads.fetched
+            assert f is not None  # the read ``fetch`` made now
+        reads.reuse_index = f.positions(plan.reuse)
         return True
 
     def close(self) -> None:
@@ -320,7 +324,7 @@ class AliasReader:
         """The K/V at ``layer`` of the tokens ``select(i)`` names ((FetchedKV, tokens, positions in it), or None), on
         the device that layer computes on: keys, values (B, H, T, D) and their columns (B, T), or None."""
         device = self.adapter.layer_device(layer)
-        per_row = [[] for _ in range(batch)]
+        per_row: list[list[tuple[torch.Tensor, torch.Tensor, int, torch.Tensor]]] = [[] for _ in range(batch)]
         for i, m in enumerate(self.matches):
             picked = select(i)
             if picked is None or picked[1].numel() == 0:
@@ -371,9 +375,10 @@ class AliasReader:
         the prefill waited for it (its layers included)."""
         reads = self._reads[i]
         out = dict(reads.timings)
-        arrival = reads.fetched.arrival if reads.fetched is not None else None
-        if reads.streaming is not None and arrival is not None and arrival.ready(len(reads.fetched.keys) - 1) and \
-                not arrival.failed:  # every layer in place: the read returns at once
+        fetched = reads.fetched
+        arrival = fetched.arrival if fetched is not None else None
+        if reads.streaming is not None and fetched is not None and arrival is not None and \
+                arrival.ready(len(fetched.keys) - 1) and not arrival.failed:  # every layer in place: it returns at once
             out["fetch"] = out.get("fetch", 0.0) + reads.streaming.result()
         if arrival is not None and arrival.waited_ms:
             out["fetch_wait"] = out.get("fetch_wait", 0.0) + arrival.waited_ms

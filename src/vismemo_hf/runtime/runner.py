@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, cast
 
 import torch
 from transformers.modeling_outputs import BaseModelOutputWithPast
@@ -28,6 +29,9 @@ from vismemo_hf.runtime.watch import Watch
 from vismemo_hf.runtime.writeback import complete_later, reused_encoder, write_entries
 from vismemo_hf.store.faults import store_call
 
+if TYPE_CHECKING:
+    from vismemo_hf.runtime.cache import VisMemoLayer
+
 logger = logging.getLogger(__name__)
 
 
@@ -43,11 +47,17 @@ class ImageRun:
     timings: dict = field(default_factory=dict)
     verify_estimate: float | None = None
 
+    @property
+    def planned(self) -> ImagePlan:
+        """``plan``, read where it is made already (a watched image's, every image's once the layers ran)."""
+        assert self.plan is not None, "the image has no plan yet"
+        return self.plan
+
     def placement(self) -> Placement:
         return Placement(self.match.row, self.match.start, self.match.n_tokens, self.plan)
 
     def event(self, reader: AliasReader | None, i: int) -> CacheEvent:
-        m, plan = self.match, self.plan
+        m, plan = self.match, self.planned
         timings = {"lookup": m.lookup_ms, "encoder": m.encoder_ms, **(reader.timings(i) if reader else {}),
                    **self.timings}
         return CacheEvent(kind=m.kind, alias=m.alias.key if m.alias is not None else None, key=m.features.key,
@@ -88,7 +98,7 @@ def whole_encoded(matches: list[ImageMatch], images: dict[int, str], inputs_embe
         m = m.as_miss() if fallback == "miss" else m
         columns = m.columns(torch.arange(m.n_tokens, device=embeds.device))
         embeds[m.row, columns] = m.embeds.to(embeds.device, embeds.dtype)
-        if ranks is not None and m.deepstack is not None:
+        if ranks is not None and deepstack is not None and m.deepstack is not None:  # ranks: only with deepstack
             at = ranks[m.row, columns.to(ranks.device)]
             for level, features in enumerate(deepstack):
                 features[at.to(features.device)] = m.deepstack[level].to(features.device, features.dtype)
@@ -138,8 +148,10 @@ class PrefillRunner:
                                        self.valid, device, window_stats=stats)
         self._plain = Layout(None, causal_mask(self.batch, self.length, self.valid, device), [])
         self.verifier = Verifier(adapter.num_layers)
-        self._snapshot = None  # (layer, states, time) to run the layers from again when a plan fails verification
-        self._kept = None  # (plans, columns) of the masked tokens given back for decoding
+        #: (layer, states, time) to run the layers from again when a plan fails verification
+        self._snapshot: tuple[int, tuple, float] | None = None
+        #: (plans, columns) of the masked tokens given back for decoding
+        self._kept: tuple[tuple[ImagePlan | None, ...], torch.Tensor] | None = None
         self.prefix = request.prefix  # its blocks are written up to the first image not computed as in full
 
     # -- planning -----------------------------------------------------------------------------------------
@@ -156,8 +168,10 @@ class PrefillRunner:
         for i, run in enumerate(self.runs):
             m = run.match
             if i in self.forced and m.kind is not HitKind.MISS:
+                assert m.alias is not None  # a hit has the alias it was found by
                 run.plan = ImagePlan.full(m.kind, m.n_tokens, m.alias.key, fallback=self.forced[i])
             elif m.kind is HitKind.APPROXIMATE and not m.aligned:  # warped: its tokens do not show what the alias's did
+                assert m.alias is not None  # a hit has the alias it was found by
                 run.plan = ImagePlan.full(HitKind.APPROXIMATE, m.n_tokens, m.alias.key, fallback="warp")
             else:
                 run.plan = self.policy.early_plan(m.kind, m.features, m.alias, m.prefix_changed, self.adapter.num_layers,
@@ -168,6 +182,7 @@ class PrefillRunner:
                 if not self.reader.bind(i, run.plan, run.offset):
                     self._demote(i)
                 continue
+            assert m.alias is not None  # a hit left to plan later: ``early_plan`` checked its alias
             t0 = time.perf_counter()
             run.prefetched, first = self.policy.prefetch(m.kind, m.features, m.alias)
             run.timings["plan"] = (time.perf_counter() - t0) * 1e3
@@ -182,8 +197,8 @@ class PrefillRunner:
             return
         if failed and self._lent.intersection(failed):
             raise WholeEncodeNeeded(failed)
-        need = {i: "miss" if self.runs[i].match.kind is HitKind.MISS else self.runs[i].plan.fallback or "recomputed"
-                for i in self._lent if self.runs[i].plan is not None and self.runs[i].plan.complete}
+        need = {i: "miss" if self.runs[i].match.kind is HitKind.MISS else plan.fallback or "recomputed"
+                for i in self._lent if (plan := self.runs[i].plan) is not None and plan.complete}
         if need:
             raise WholeEncodeNeeded(need)
 
@@ -203,6 +218,8 @@ class PrefillRunner:
             if not self.reader.wait(i):  # the prefetch failed: no alias K/V to reuse
                 self._demote(i)
                 continue
+            # left to plan here: a hit whose reads ``_start`` began (its alias checked by ``early_plan``)
+            assert run.match.alias is not None and run.prefetched is not None
             t0 = time.perf_counter()
             signals = self.signals.signals(i, layer, self.policy.signal_needs(kind), self.reader, states.hidden,
                                            states.columns, states.cos, states.sin)
@@ -220,6 +237,7 @@ class PrefillRunner:
         """The images of ``failed`` plans computed in full: the layers from the first decision layer with probes run
         again from the states that entered it. Returns that layer."""
         self._whole_encodes({i: reason for i in failed})
+        assert self._snapshot is not None  # failed plans are watched ones, and the first watched plan took it
         first, snapshot, t0 = self._snapshot
         for i in failed:
             run = self.runs[i]
@@ -253,9 +271,9 @@ class PrefillRunner:
             return None
         key = tuple(r.plan for r in given)  # one tensor per set of plans: the schedule recognises it at each layer
         if self._kept is None or len(self._kept[0]) != len(key) or any(a is not b for a, b in zip(self._kept[0], key)):
-            rows = [[] for _ in range(self.batch)]
+            rows: list[list[torch.Tensor]] = [[] for _ in range(self.batch)]
             for run in given:
-                rows[run.match.row].append(run.match.columns(stored_tokens(run.match.alias, run.plan.mask)))
+                rows[run.match.row].append(run.match.columns(stored_tokens(run.match.alias, run.planned.mask)))
             self._kept = (key, padded_on_device([torch.cat(r) if r else torch.empty(0, dtype=torch.long) for r in rows],
                                                 -1, self.schedule.device))
         return self._kept[1]
@@ -267,7 +285,7 @@ class PrefillRunner:
         cos, sin = self.adapter.rope(inputs_embeds, self.positions)
         states = ActiveStates(self.schedule.all_columns, inputs_embeds, cos, sin)
         deepstack = _DeepstackAdder(visual_pos_masks, deepstack_visual_embeds)
-        self._t_warm_end = None
+        self._t_warm_end: float | None = None
         self._layers(states, deepstack, 0)
         uncertain = self._uncertain(states)
         if uncertain:
@@ -276,9 +294,9 @@ class PrefillRunner:
         hidden = self.adapter.final_norm(states.result())
         t_end = time.perf_counter()
         events = self._finish(t_start, self._t_warm_end or t_end, t_end)
-        watched = [i for i in self.verifier.watched if self.runs[i].plan.verify_watch]
+        watched = [i for i in self.verifier.watched if self.runs[i].planned.verify_watch]
         if watched and self.adapter.output_head is not None:
-            plans = [self.runs[i].plan for i in watched]
+            plans = [self.runs[i].planned for i in watched]
             self.cache.watch = Watch(inputs_embeds, self.position_ids, visual_pos_masks, deepstack_visual_embeds,
                                      max(p.verify_confidence for p in plans), max(p.verify_watch for p in plans),
                                      [events[i] for i in watched], self._whole_inputs(inputs_embeds, visual_pos_masks,
@@ -332,7 +350,7 @@ class PrefillRunner:
             return []
         last = self.adapter.final_norm(states.result()[:, -1:])
         top = torch.softmax(head(last).float(), -1).amax(-1)[:, 0].cpu()
-        return [i for i in watched if float(top[self.runs[i].match.row]) < self.runs[i].plan.verify_confidence]
+        return [i for i in watched if float(top[self.runs[i].match.row]) < self.runs[i].planned.verify_confidence]
 
     def _finish(self, t_start: float, t_warm_end: float, t_end: float) -> list[CacheEvent]:
         """After the layers: restored tokens for decoding, entries, compression, the settled layout, the events (in
@@ -354,12 +372,12 @@ class PrefillRunner:
                        lambda i: self.runs[i].match.start <= exact_until[self.runs[i].match.row])
         for i, estimate in self.verifier.estimates.items():
             self.runs[i].verify_estimate = estimate
-        for layer in cache.layers:
+        for layer in cast("list[VisMemoLayer]", cache.layers):  # every layer of the cache is one (``VisMemoCache.layer``)
             layer.settle(self.length)
         prefixes.write(cache, self.prefix, exact_until[0])
         if cache.compress is not None and self.runs:
             keep = cache.compress.keep(self.signals.layer_stats, self.signals.visual_columns())
-            for layer, kept in zip(cache.layers, keep or []):
+            for layer, kept in zip(cast("list[VisMemoLayer]", cache.layers), keep or []):
                 layer.keep_slots(kept)
         events = []
         for i, run in enumerate(self.runs):
@@ -374,8 +392,9 @@ def exact_kv(run: ImageRun, lossless: bool) -> bool:
     """Whether an image's K/V are what a full prefill computes: computed at every layer from its own encoder output,
     or an exact hit reused whole after the same context from a store that keeps K/V as computed (``lossless``: no
     8-bit format, no compressed entries)."""
-    m, plan = run.match, run.plan
+    m, plan = run.match, run.planned
     if m.kind is HitKind.EXACT and not plan.complete:
+        assert m.alias is not None  # a hit has the alias it was found by
         return lossless and not m.prefix_changed and plan.mask.numel() == 0 and m.alias.kv_tokens is None
     return plan.complete and not reused_encoder(m)
 
@@ -419,7 +438,7 @@ def finish_native(adapter, request: PrefillRequest, ctx: ForwardContext, positio
                      else cache.policy.miss_plan(m.features), timings={"warmup": 0.0, "recompute": 0.0})
             for m, at in zip(request.images, offsets)]
     write_entries(adapter, cache, [(i, r.match, r.plan, r.offset) for i, r in enumerate(runs)])
-    prefixes.write(cache, request.prefix, cache.layers[0].get_seq_length() if cache.layers else 0)
+    prefixes.write(cache, request.prefix, cast("VisMemoLayer", cache.layers[0]).get_seq_length() if cache.layers else 0)
     for i, run in enumerate(runs):
         record_event(cache, run.event(None, i))
 

@@ -15,9 +15,13 @@ arithmetic uses the device ones, and a prefill reads no value of a device tensor
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
+
+if TYPE_CHECKING:
+    from vismemo_hf.core.plan import ImagePlan
 
 #: query rows per block at least (smaller blocks cost more in call overhead than they save)
 MIN_BLOCK_ROWS = 32
@@ -146,7 +150,7 @@ class Placement:
     row: int
     start: int
     n_tokens: int
-    plan: object | None
+    plan: ImagePlan | None
 
 
 class SlotWriter:
@@ -225,14 +229,17 @@ class Schedule:
     def __init__(self, batch: int, length: int, valid: torch.Tensor | None, device) -> None:
         self.batch, self.length, self.valid, self.device = batch, length, valid, device
         self.all_columns = on_device(torch.arange(length).expand(batch, -1), device)
-        self._active_key, self._active = None, None
-        self._slots, self._layout = None, None
-        self._valid_h = None
+        self._active_key: tuple[tuple[int, int] | None, ...] | None = None
+        self._active: torch.Tensor | None = None
+        #: the (active, reused, kept) columns of the last layout, and that layout
+        self._slots: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None] | None = None
+        self._layout: tuple[SlotWriter, Layout] | None = None
+        self._valid_h: torch.Tensor | None = None
 
     def active(self, layer: int, images: list[Placement]) -> torch.Tensor:
         """(B, A) request columns computed at ``layer``; -1 pads short rows."""
         key = tuple((id(p.plan), p.plan.computed_count_at(layer)) if p.plan is not None else None for p in images)
-        if key != self._active_key:
+        if key != self._active_key or self._active is None:
             self._active_key, self._active = key, self._build_active(layer, images)
         return self._active
 
@@ -270,7 +277,7 @@ class Schedule:
         (B, A) and reusing ``reused_columns`` (B, R); its slots also hold ``kept_columns`` (B, K), written after the
         prefill (masked tokens given back for decoding) and invisible until then."""
         key = (active, reused_columns, kept_columns)
-        if self._slots is None or not all(_same(a, b) for a, b in zip(self._slots, key)):
+        if self._slots is None or self._layout is None or not all(_same(a, b) for a, b in zip(self._slots, key)):
             visible = self._mark(active, reused_columns)
             kept = visible | self._mark(kept_columns)
             slots_host = _held(kept)

@@ -27,9 +27,9 @@ class SignalCollector:
         self.wants_window_stats = window_stats
         self.attention: dict[int, list[torch.Tensor]] = {}  # image -> per warmup layer (H, rows, N)
         self.layer_stats: list[LayerWindowStats] = []
-        self._window = None
+        self._window: list[torch.Tensor] | None = None
         self._partial_window: set[int] = set()  # rows whose window holds visual columns
-        self._visual = None
+        self._visual: torch.Tensor | None = None
 
     def window(self) -> list[torch.Tensor]:
         """Observation window per row: request columns of the text after the row's last image."""
@@ -70,17 +70,19 @@ class SignalCollector:
         """After the layer ran: keep the attention of ``watching`` images and the layer's window statistics."""
         if capture is None:
             return
+        probs = capture.probs
+        assert probs is not None  # left by the attention function of the layer that ran
         layer = self.cache.layers[capture.layer]
         for i in watching:
             m = self.matches[i]
             slots = layer.slot_of(m.columns(torch.arange(m.n_tokens, device=self.device)), m.row)
             if m.row in self._partial_window:
-                rows = capture.probs[m.row][:, capture.valid[m.row]]
+                rows = probs[m.row][:, capture.valid[m.row]]
             else:  # text after the last image: every window column is computed, the valid rows come first
-                rows = capture.probs[m.row][:, : self.window()[m.row].numel()]
+                rows = probs[m.row][:, : self.window()[m.row].numel()]
             self.attention.setdefault(i, []).append(rows[..., slots])  # read once, at the decision layer
         if self.wants_window_stats:
-            self.layer_stats.append(window_stats(capture.probs, capture.valid, layer.slot_columns(),
+            self.layer_stats.append(window_stats(probs, capture.valid, layer.slot_columns(),
                                                  self.visual_columns()))
 
     # -- at the decision layer ----------------------------------------------------------------------------

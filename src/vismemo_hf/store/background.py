@@ -10,6 +10,7 @@ import weakref
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
@@ -170,7 +171,7 @@ class Writer:
                 self._anonymous.append(future)
             else:
                 self._pending[key] = future
-        future.add_done_callback(lambda f, k=key: self._done(k, f))
+        future.add_done_callback(partial(self._done, key))
         return future
 
     def _done(self, key: str | None, future: Future) -> None:

@@ -135,7 +135,7 @@ class BlobSeal:
     def blocks(self, rows: torch.Tensor, skip: int, row_ids, first_layer: int) -> torch.Tensor:
         """(T, L) int64 of each block's tag (its first 8 bytes), blocks as ``_crc_rows`` reads them."""
         t, layers, width = rows.shape
-        flat = memoryview(rows.contiguous().reshape(-1).numpy())
+        flat = rows.contiguous().reshape(-1).numpy().data
         encrypt, pack, tags = self._aead.encrypt, struct.Struct("<cIH5x").pack, []
         for i, row in enumerate(row_ids):
             for layer in range(layers):
@@ -149,7 +149,7 @@ def _crc_rows(rows: torch.Tensor, skip: int = 0) -> torch.Tensor:
     """(T, L, bytes) uint8 -> (T, L) CRC-32C of each row's bytes after the first ``skip``, as int64. Rows are read
     in place (no copy) when ``rows`` is contiguous; CRC-32C runs in hardware where the CPU has it."""
     t, layers, width = rows.shape
-    flat = memoryview(rows.contiguous().reshape(-1).numpy())
+    flat = rows.contiguous().reshape(-1).numpy().data
     sums = [crc32c(flat[start + skip : start + width]) for start in range(0, t * layers * width, width)]
     return torch.tensor(sums, dtype=torch.int64).reshape(t, layers)
 
@@ -270,10 +270,11 @@ def parse_header(data: bytes, seal: Seal | None = None) -> BlobHeader:
 
 def _meta_tensors(entry: Entry) -> list[torch.Tensor]:
     thumb = entry.thumbnail if entry.thumbnail is not None else torch.zeros(0, dtype=torch.uint8)
-    tensors = [entry.descriptors.float(), thumb.to(torch.uint8), entry.sketch.half(), entry.entropy.float(),
-               entry.embeds.to(entry.kv.dtype)]
+    kv_dtype = entry.full_kv().dtype
+    tensors = [entry.descriptors.float(), thumb.to(torch.uint8), entry.token_sketches.half(), entry.entropy.float(),
+               entry.embeds.to(kv_dtype)]
     if entry.deepstack is not None:
-        tensors.append(entry.deepstack.to(entry.kv.dtype))
+        tensors.append(entry.deepstack.to(kv_dtype))
     if entry.patch_hashes is not None:
         tensors.append(entry.patch_hashes.long())
     if entry.kv_tokens is not None:
@@ -282,7 +283,7 @@ def _meta_tensors(entry: Entry) -> list[torch.Tensor]:
         tensors.append(entry.context.long())
     if entry.tower_kv is not None:
         layers, _, patches, width = entry.tower_kv.shape
-        tensors += [torch.tensor([layers, patches, width], dtype=torch.int64), entry.tower_kv.to(entry.kv.dtype)]
+        tensors += [torch.tensor([layers, patches, width], dtype=torch.int64), entry.tower_kv.to(kv_dtype)]
     if entry.tile_digests is not None:
         tensors += [torch.tensor([entry.tile_digests.numel()], dtype=torch.int64), entry.tile_digests.long()]
     return [t.detach().cpu().contiguous() for t in tensors]
@@ -295,7 +296,7 @@ def _raw(t: torch.Tensor) -> bytes:
 def encode(entry: Entry, kv_format: str | None = None, seal: Seal | None = None) -> bytes:
     """Serialise an entry (with K/V) to a blob; ``kv_format`` (``KV_FORMATS``) stores its K/V in 8 bits; ``seal``
     (a store's secret) seals it."""
-    kv = entry.kv.detach().cpu().contiguous()
+    kv = entry.full_kv().detach().cpu().contiguous()
     n, layers, _, heads, hdim = kv.shape
     if kv_format is None:
         per_layer = kv.reshape(n, layers, -1).view(torch.uint8)
@@ -322,11 +323,11 @@ def encode(entry: Entry, kv_format: str | None = None, seal: Seal | None = None)
     fields = _FIELDS.pack(
         MAGIC, LAYOUT_VERSION, DTYPE_CODES[kv.dtype], flags, entry.n_tokens, layers, heads, hdim,
         entry.embeds.shape[-1], levels,
-        *entry.grid, entry.sketch.shape[-1], n, *(entry.thumbnail.shape if entry.thumbnail is not None else (0, 0)),
+        *entry.grid, entry.token_sketches.shape[-1], n, *(entry.thumbnail.shape if entry.thumbnail is not None else (0, 0)),
         int(entry.offset), entry.fingerprint.encode("ascii"), entry.key.encode("ascii"), digest(b"M", meta), len(meta),
         body_start + len(meta), bytes.fromhex(entry.prefix) if entry.prefix else bytes(16),
         digest(b"L", b"".join(parts[:3])), salt,
-        sealing.region(b"K", memoryview(blocks.numpy()).cast("B")) if sealing is not None else bytes(16),
+        sealing.region(b"K", blocks.numpy().data.cast("B")) if sealing is not None else bytes(16),
         bytes(MAC_BYTES),
     )
     if seal is not None:
@@ -335,7 +336,7 @@ def encode(entry: Entry, kv_format: str | None = None, seal: Seal | None = None)
 
 
 def _view(data) -> memoryview:
-    return memoryview(data.numpy()) if isinstance(data, torch.Tensor) else memoryview(data)
+    return data.numpy().data if isinstance(data, torch.Tensor) else memoryview(data)
 
 
 def meta_digest(meta) -> bytes:

@@ -62,8 +62,20 @@ class Entry:
         return self.embeds.shape[0]
 
     @property
+    def token_sketches(self) -> torch.Tensor:
+        """``sketch``, which ``__post_init__`` always fills in (None only as a constructor argument)."""
+        assert self.sketch is not None  # set by __post_init__
+        return self.sketch
+
+    def full_kv(self) -> torch.Tensor:
+        """``kv``; ValueError for a metadata-only view (``kv=None``)."""
+        if self.kv is None:
+            raise ValueError(f"entry {self.key[:12]}: a metadata-only view holds no K/V")
+        return self.kv
+
+    @property
     def nbytes(self) -> int:
-        tensors = [self.embeds, self.descriptors, self.entropy, self.sketch]
+        tensors = [self.embeds, self.descriptors, self.entropy, self.token_sketches]
         tensors += [t for t in (self.kv, self.deepstack, self.patch_hashes, self.kv_tokens, self.thumbnail,
                                  self.context, self.tower_kv, self.tile_digests)
                     if t is not None]
@@ -81,7 +93,8 @@ class Entry:
         """The entry holding the K/V of the tokens ``keep`` only (any order; as a compressed entry)."""
         rows = self.features().stored_rows(keep.to(torch.long).unique().sort().values)
         tokens = rows if self.kv_tokens is None else self.kv_tokens[rows]
-        return replace(self, kv=self.kv[rows.to(self.kv.device)], kv_tokens=tokens.cpu())
+        kv = self.full_kv()
+        return replace(self, kv=kv[rows.to(kv.device)], kv_tokens=tokens.cpu())
 
     def check(self) -> None:
         """Raise if the entry is inconsistent with itself (a corrupt entry must never be used)."""
@@ -93,7 +106,7 @@ class Entry:
         rows = self.kv_count
         if self.kv is not None and (self.kv.ndim != 5 or self.kv.shape[2] != 2 or self.kv.shape[0] != rows):
             raise ValueError(f"entry {self.key[:12]}: kv must be ({rows}, L, 2, H, D), got {tuple(self.kv.shape)}")
-        if self.entropy.shape[0] != n or self.descriptors.shape[0] != 4 or self.sketch.shape[0] != n:
+        if self.entropy.shape[0] != n or self.descriptors.shape[0] != 4 or self.token_sketches.shape[0] != n:
             raise ValueError(f"entry {self.key[:12]}: token counts disagree")
         if self.patch_hashes is not None and self.patch_hashes.shape != (n,):
             raise ValueError(f"entry {self.key[:12]}: patch hash count disagrees")

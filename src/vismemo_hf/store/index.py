@@ -90,7 +90,7 @@ class _Group:
         ivf.cp.min_points_per_centroid = 1  # quiet: a sample of 32 per list is enough here
         sample = np.random.default_rng(len(ids)).permutation(len(ids))[: 32 * nlist]
         ivf.train(vectors[sample])
-        ivf.set_direct_map_type(faiss.DirectMap.Hashtable)
+        ivf.set_direct_map_type(faiss.DirectMap.Hashtable)  # type: ignore[attr-defined]  # faiss's own stubs omit DirectMap
         ivf.nprobe = self.nprobe
         ivf.add_with_ids(vectors, ids)
         self.index, self.trained_at = ivf, len(ids)

@@ -57,9 +57,13 @@ class Placement:
         """On the first tier that takes puts with room for it: the entry itself where a tier holds entries, its blob
         (``data()``, made when first needed) elsewhere; without ``data`` only tiers holding entries (a promotion)."""
         for tier in self.admitting(FITS):
-            if tier.holds != ENTRY and data is None:
+            item: Entry | bytes
+            if tier.holds == ENTRY:
+                item = entry
+            elif data is not None:
+                item = data()
+            else:
                 continue
-            item = entry if tier.holds == ENTRY else data()
             if self.place(tier, key, item, tier.sizeof(item)):
                 return True
         return False
@@ -73,7 +77,7 @@ class Placement:
         whether there is one."""
         tiers = self.admitting(PUBLISH)
         for tier in tiers:
-            tier.publish(key, data if encoded else (lambda e=entry: self.encode(e)), entry.descriptors)
+            tier.publish(key, data if encoded else (lambda: self.encode(entry)), entry.descriptors)
         return bool(tiers)
 
     def make_room(self, tier: Tier, size: int) -> None:

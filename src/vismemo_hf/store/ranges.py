@@ -78,7 +78,7 @@ class BlobReader:
         """The header (read now unless given) and the whole entry, read into one buffer (the entry's memory)."""
         header = header if header is not None else self.header(key)
         data = read_buffer(header.total_bytes)
-        self.source.read_into(key, memoryview(data.numpy()))
+        self.source.read_into(key, data.numpy().data)
         if blob.parse_header(data[: blob.HEADER_SIZE].numpy().tobytes(), self.seal) != header:
             raise blob.BlobError("blob replaced while it was read")
         return header, blob.decode_entry(header, data)

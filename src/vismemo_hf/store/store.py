@@ -91,7 +91,9 @@ def user_cache_dir() -> Path:
 def preset_options(name: str, overrides: dict) -> dict:
     """The ``VisMemoStore`` keywords of store preset ``name`` (a path or a file of ``configs/store/``): placeholders
     and environment variables expanded, ``overrides`` applied, unknown options an error."""
-    file, cfg = find("store", name), {**load("store", name), **overrides}
+    file, preset = find("store", name), load("store", name)
+    assert preset is not None  # without missing_ok, load raises for an unknown preset instead
+    cfg = {**preset, **overrides}
     if cfg.get("disk_dir"):
         cfg["disk_dir"] = os.path.expandvars(str(cfg["disk_dir"]).replace("{cache_home}", str(user_cache_dir())))
     for name in ("remote_url", "secret"):  # e.g. a password from ${REDIS_PASSWORD}, a secret from ${MY_SECRET}
@@ -122,7 +124,7 @@ def _prepared(entry: Entry, importance: torch.Tensor | None, keep_ratio: float |
             raise ValueError(f"importance must hold one score per token ({entry.n_tokens}), got {tuple(score.shape)}")
         entry = entry.compressed(torch.topk(score, max(1, math.ceil(keep_ratio * entry.n_tokens))).indices)
     if kv_format is not None:  # what every tier will serve, the device tier included
-        entry = replace(entry, kv=blob.round_trip(entry.kv, kv_format))
+        entry = replace(entry, kv=blob.round_trip(entry.full_kv(), kv_format))
     return entry
 
 
@@ -190,6 +192,8 @@ class VisMemoStore(Roles, PendingWrites):
         self.kv_format, self.keep_ratio, self.write_through = kv_format, keep_ratio, write_through
         if secret is None:
             secret = os.environ.get(SECRET_ENV) or False
+        if secret is True:  # a flag, not a secret: what Seal says of any value that is not one
+            raise ValueError("a store secret must be a str or bytes of at least 16 bytes")
         seal = blob.Seal(secret) if secret is not False else None
         self.sealed = seal is not None
         #: keys the context sketches of this store's entries (``core.context``): derived from the secret, if any
@@ -254,7 +258,7 @@ class VisMemoStore(Roles, PendingWrites):
         with self._lock:
             if self.placement.tier_of(entry.key) is not None:
                 return True
-            encoded = []  # the blob, made once when a tier needs it
+            encoded: list[bytes] = []  # the blob, made once when a tier needs it
 
             def data() -> bytes:
                 if not encoded:
@@ -335,7 +339,9 @@ class VisMemoStore(Roles, PendingWrites):
                 tier.pop(key)
             if self.placement.place_first(key, entry):  # to the first tier holding entries with room
                 self._stats["promotions"] += 1
-                return self.placement.tier_of(key).full(key)
+                promoted = self.placement.tier_of(key)
+                assert promoted is not None  # place_first has just put it there, under the lock
+                return promoted.full(key)
             if not tier.shared:  # no room above: put it back where it was
                 data = self.placement.encode(entry)
                 if not self.placement.place(tier, key, data, len(data)):
@@ -457,7 +463,7 @@ class VisMemoStore(Roles, PendingWrites):
         self.placement.settle_writes()
         with self._lock:
             tiers = _tier_stats(self.tiers)
-            out = {k: (dict(v) if isinstance(v, dict) else v) for k, v in self._stats.items()}
+            out: dict[str, Any] = {k: (dict(v) if isinstance(v, dict) else v) for k, v in self._stats.items()}
             for tier in self.tiers:  # e.g. forged index records, damaged indexes moved aside
                 for name, n in tier.counts().items():
                     out[name] = out.get(name, 0) + n

@@ -37,7 +37,7 @@ class PendingWrites:
         thread, off the request's critical path. ``announced``: what the lookup needs of it, indexed at once (the
         next request finds it; a read of its bytes waits for this write alone); else it is found once written."""
         key = announced.key if announced is not None else None
-        if key is not None:
+        if announced is not None and key is not None:
             with self._lock:
                 if self.placement.tier_of(key) is not None or self.writer.pending(key):
                     return

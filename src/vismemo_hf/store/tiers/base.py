@@ -7,9 +7,10 @@ writes, what it learnt since the last look, counters of its own), never which ob
 
 from __future__ import annotations
 
+import builtins
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
-from typing import Literal, Protocol, runtime_checkable
+from typing import Any, Final, Literal, Protocol, runtime_checkable
 
 import torch
 
@@ -17,7 +18,9 @@ from vismemo_hf.store import blob
 from vismemo_hf.store.entry import Entry
 
 #: what ``put`` / ``pop`` of a tier take and give: a decoded ``Entry`` (K/V where the model runs) or blob bytes
-ENTRY, BYTES = "entry", "bytes"
+ENTRY: Final = "entry"
+BYTES: Final = "bytes"
+Holds = Literal["entry", "bytes"]
 #: how entries come into a tier:
 #: ``FITS``: a put lands in the first such tier with room, and an entry a faster tier gives up lands in it when it
 #: fits after room is made; a full read from a slower tier is promoted to the first such tier holding entries.
@@ -27,7 +30,11 @@ ENTRY, BYTES = "entry", "bytes"
 #: is gone.
 #: ``PUBLISH``: every put is published to it in the background; what it holds is managed by whoever runs it (never
 #: evicted, demoted into or cleared by this store).
-FITS, RANKED, COPY, PUBLISH = "fits", "ranked", "copy", "publish"
+FITS: Final = "fits"
+RANKED: Final = "ranked"
+COPY: Final = "copy"
+PUBLISH: Final = "publish"
+Admits = Literal["fits", "ranked", "copy", "publish"]
 
 #: one catalog record of what a tier holds: (key, model fingerprint, grid, (4, dim) region descriptors)
 News = tuple[str, str, tuple[int, int, int], torch.Tensor]
@@ -67,12 +74,15 @@ class Tier(Protocol):
     name: str
     budget: int | None
     bytes: int
-    holds: Literal["entry", "bytes"]
-    admits: Literal["fits", "ranked", "copy", "publish"]
     shared: bool
     holds_unseen: bool
-    read_only: bool
 
+    @property
+    def holds(self) -> Holds: ...
+    @property
+    def admits(self) -> Admits: ...
+    @property
+    def read_only(self) -> bool: ...
     @property
     def lru(self) -> OrderedDict: ...
     def __contains__(self, key: str) -> bool: ...
@@ -91,8 +101,8 @@ class Tier(Protocol):
     def missing(self, key: str) -> None: ...
     def forget(self, key: str) -> None: ...
     def leave(self, key: str) -> None: ...
-    def write_async(self, key: str, data: bytes) -> None: ...
-    def publish(self, key: str, encode: Callable[[], bytes], descriptors: torch.Tensor) -> None: ...
+    def write_async(self, key: str, data: builtins.bytes) -> None: ...
+    def publish(self, key: str, encode: Callable[[], builtins.bytes], descriptors: torch.Tensor) -> None: ...
     def pending(self, key: str) -> bool: ...
     def flush(self) -> None: ...
     def take_failures(self) -> list[str]: ...
@@ -111,11 +121,17 @@ class TierBase:
     budget: int | None
     bytes: int
     lru: OrderedDict
-    holds = BYTES
-    admits = FITS
+    holds: Holds = BYTES
+    admits: Admits = FITS
     shared = False
     holds_unseen = False
-    read_only = False
+    #: each tier's own (``Tier.put`` / ``Tier.pop``), the item in the form it ``holds``
+    put: Callable[[str, Any], None]
+    pop: Callable[[str], Any]
+
+    @property
+    def read_only(self) -> bool:
+        return False
 
     def __contains__(self, key: str) -> bool:
         return key in self.lru
@@ -152,10 +168,10 @@ class TierBase:
         """Stop counting ``key``, leaving its bytes and records to whoever sealed them (a shared tier)."""
         self.forget(key)
 
-    def write_async(self, key: str, data: bytes) -> None:
+    def write_async(self, key: str, data: builtins.bytes) -> None:
         self.put(key, data)
 
-    def publish(self, key: str, encode: Callable[[], bytes], descriptors: torch.Tensor) -> None:
+    def publish(self, key: str, encode: Callable[[], builtins.bytes], descriptors: torch.Tensor) -> None:
         self.put(key, encode())
 
     def pending(self, key: str) -> bool:

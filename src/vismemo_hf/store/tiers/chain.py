@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Mapping
+from typing import Any, cast
 
 import torch
 
@@ -59,14 +60,19 @@ def chain(device_budgets: Mapping[str, int | None], host_bytes: int | None, vict
     (``victim_share`` of ``host_bytes``), the disk tier of ``disk_dir`` when usable, the remote tier of
     ``remote_url``. ``seal``: what every blob tier checks its blobs' MACs with (None: unsealed)."""
     tiers: list[Tier] = [DeviceTier(budget, checked_device(name)) for name, budget in device_budgets.items()]
-    main_host = None if host_bytes is None else int(host_bytes * (1 - victim_share))
+    main_host: int | None = None
+    victim_host: int | None = None
+    if host_bytes is not None:
+        main_host = int(host_bytes * (1 - victim_share))
+        victim_host = host_bytes - main_host
     tiers.append(HostTier(main_host, seal=seal))
-    tiers.append(HostTier(None if host_bytes is None else host_bytes - main_host, name="host", seal=seal, ranked=True))
+    tiers.append(HostTier(victim_host, name="host", seal=seal, ranked=True))
     disk = open_disk(disk_dir, disk_bytes, seal)
     if disk is not None:
         tiers.append(disk)
     if remote_url:
-        tiers.append(RemoteTier(remote_url, **(remote_options or {}), seal=seal))
+        options = cast("Mapping[str, Any]", remote_options or {})  # RemoteTier's keywords, as the caller gave them
+        tiers.append(RemoteTier(remote_url, **options, seal=seal))
     return tiers
 
 

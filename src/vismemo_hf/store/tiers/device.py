@@ -69,11 +69,10 @@ class DeviceTier(TierBase):
 
     def lookup(self, key: str) -> blob.LookupSection:
         entry = self.lru[key]
-        return entry.descriptors, entry.sketch, entry.thumbnail, 0  # in memory: nothing read
+        return entry.descriptors, entry.token_sketches, entry.thumbnail, 0  # in memory: nothing read
 
     def tokens(self, key: str, tokens: torch.Tensor, first_layer: int) -> tuple[torch.Tensor, int]:
-        kv = self.lru[key].kv
-        out = token_rows(kv, tokens)[:, first_layer:]
+        out = token_rows(self.lru[key].full_kv(), tokens)[:, first_layer:]
         return out, out.numel() * out.element_size()
 
     def add_stats(self, group: dict, own: dict) -> None:

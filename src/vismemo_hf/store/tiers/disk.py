@@ -14,6 +14,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
+from concurrent.futures import Future
 from contextlib import suppress
 
 import diskcache
@@ -132,7 +133,7 @@ class DiskTier(TierBase):
         self._index_id: tuple | None = None  # (device, inode) of the index file this process has open
         self._reopen_lock = threading.Lock()
         self._in_write: str | None = None  # the key the writer thread is writing
-        self._reopening = None  # the writer thread's try to open the index writable again
+        self._reopening: Future[None] | None = None  # the writer thread's try to open the index writable again
         try:
             os.makedirs(self.directory, exist_ok=True)
             self.cache = self._open_writable()
@@ -153,7 +154,7 @@ class DiskTier(TierBase):
         self.reader = BlobReader(self, seal)
         self._writer = background_pool("vismemo-disk")
         self._closed = False
-        self._pending: dict[str, object] = {}  # key -> its queued write
+        self._pending: dict[str, Future[None]] = {}  # key -> its queued write
         self._failed: list[str] = []  # appended by the writer thread (list.append is atomic)
         self._lost: list[str] = []  # held keys an index opened again does not name (appended by the writer thread)
         self.reopened = 0  # times the index was opened again (replaced or damaged under this process)
@@ -211,8 +212,8 @@ class DiskTier(TierBase):
                 failed.close()
             named = set(self.cache.iterkeys())
             # the serving thread forgets them; a write still queued or running lands in the new index
-            writing = {writing, self._in_write}
-            self._lost.extend(k for k in list(self.lru) if k not in named and k not in writing and not self.pending(k))
+            written = {writing, self._in_write}
+            self._lost.extend(k for k in list(self.lru) if k not in named and k not in written and not self.pending(k))
             self.reopened += 1
         logger.warning("vismemo: disk tier %s: %s; opened its index again", self.directory, why)
 
@@ -329,7 +330,7 @@ class DiskTier(TierBase):
         return directory_lock(self.directory, self.__dict__.setdefault("_holding", threading.local()))
 
     def _fits(self, size: int) -> bool:
-        return self.shared_bytes() + size <= self.budget
+        return self.budget is None or self.shared_bytes() + size <= self.budget
 
     def _fit(self, size: int, key: str) -> None:
         """Delete the directory's least recently stored blobs (any process's, never ``key``'s) until ``size`` more

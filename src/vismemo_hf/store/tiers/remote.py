@@ -31,6 +31,8 @@ import time
 import zlib
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
+from types import ModuleType
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -39,6 +41,10 @@ from vismemo_hf.store.background import background_pool, torch_pool
 from vismemo_hf.store.entry import Entry
 from vismemo_hf.store.ranges import BlobReader
 from vismemo_hf.store.tiers.base import BYTES, PUBLISH, News, TierBase, TierUnavailable
+
+if TYPE_CHECKING:
+    import redis
+    from redis.cluster import RedisCluster
 
 #: bytes per GETRANGE of a full read, and ranges per pipelined round trip
 READ_CHUNK = 8 << 20
@@ -120,7 +126,8 @@ class RedisLink:
         self._options = dict(socket_timeout=timeout_s, socket_connect_timeout=timeout_s, retry=Retry(NoBackoff(), 0))
         self.retry_s, self.cluster, self._secrets, self._on_back = retry_s, cluster, secrets, on_back
         try:
-            self.client = redis.Redis.from_url(url, **self._options)  # parsed now: a bad URL is an error here
+            # parsed now: a bad URL is an error here
+            self.client: redis.Redis | RedisCluster = redis.Redis.from_url(url, **self._options)
         except Exception as err:  # noqa: BLE001 - the parser's message may quote the URL
             raise ValueError(f"invalid remote_url {self.url} ({type(err).__name__}: "
                              f"{scrub(str(err), secrets)})") from None
@@ -132,7 +139,7 @@ class RedisLink:
 
     @property
     def is_cluster(self) -> bool:
-        return self.counters["cluster"]
+        return bool(self.counters["cluster"])
 
     def scrub(self, err: Exception) -> str:
         return scrub(str(err), self._secrets)
@@ -157,8 +164,13 @@ class RedisLink:
                            "%.0f s", where, self.url, what, type(err).__name__, self.scrub(err), self.retry_s)
 
     def _node(self, name: str) -> str | None:
+        from redis.cluster import RedisCluster
+
+        client = self.client
+        if not isinstance(client, RedisCluster):  # one server: no nodes
+            return None
         try:
-            return self.client.get_node_from_key(name).name
+            return client.get_node_from_key(name).name
         except Exception:  # noqa: BLE001 - slots not known yet
             return None
 
@@ -167,8 +179,8 @@ class RedisLink:
         if not self._nodes_down:
             return True
         node = self._node(name)
-        until = self._nodes_down.get(node)
-        if until is None:
+        until = self._nodes_down.get(node) if node is not None else None
+        if node is None or until is None:
             return True
         if time.monotonic() < until:
             return False
@@ -253,13 +265,26 @@ class _ShardGuard:
     under the prefix): that shard is skipped until the link comes back, the other shards serve on; any other failed
     index call is a fault of the link (of its node, on a cluster)."""
 
+    # provided by ``RemoteTier``
+    _redis: ModuleType
+    link: RedisLink
+    url: str
+    shards: int
+    counters: dict[str, int]
+    _reload: set[int]
+    _bad_shards: set[int]
+    _next_refresh: float
+    _state: threading.RLock
+    _index_key: Callable[[int], str]
+    _stream_key: Callable[[int], str]
+
     def _index_failed(self, what: str, err: Exception, shards: list[int]) -> bool:
         """After a failed index call on ``shards``; True: stop reading (the link is down, on one server)."""
         if isinstance(err, self._redis.ResponseError) and str(err).startswith("WRONGTYPE"):
             for shard in shards:  # which of them: each key's type answers
                 keys = (self._index_key(shard), self._stream_key(shard))
-                if len(shards) == 1 or any(self.client.type(k) not in (b"none", b"hash", b"stream", "none", "hash",
-                                                                        "stream") for k in keys):
+                if len(shards) == 1 or any(self.link.client.type(k) not in (b"none", b"hash", b"stream", "none", "hash",
+                                                                             "stream") for k in keys):
                     self._bad_shard(shard, err)
             self._next_refresh = 0.0  # the other shards, next time
             return False
