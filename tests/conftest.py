@@ -6,6 +6,9 @@ import subprocess
 import time
 
 os.environ.setdefault("VISMEMO_STORE", "memory")  # the process-wide default store never writes to disk in tests
+# every request looks for approximate hits: what a test of a policy checks does not depend on the gate's timing
+# evidence (runtime.gate; tests/test_gate.py checks the gate with approximate="auto")
+os.environ.setdefault("VISMEMO_APPROXIMATE", "always")
 
 import numpy as np
 import pytest

@@ -110,7 +110,8 @@ def test_backend_model_args_reach_the_store_and_the_cache():
                      thresholds="vismemo-docqa-tiny", missing="recompute", namespace="2024")
     store = lmm.store_for("vismemo_synthdoc")  # the task's own store, under a namespace of the task's own
     assert (store.kv_format, store.keep_ratio, store.namespace) == ("int8", 0.5, "2024/vismemo_synthdoc")
-    assert lmm.options == {"thresholds": "vismemo-docqa-tiny", "missing": "recompute"}
+    # every request looks for approximate hits (what a quality figure measures) unless model_args say otherwise
+    assert lmm.options == {"approximate": "always", "thresholds": "vismemo-docqa-tiny", "missing": "recompute"}
     run = VisMemoLMM(pretrained="vismemo-docqa-tiny", namespace="2024", store_scope="run").store_for("a")
     assert run.namespace == "2024" and run is not store
     with pytest.raises(ValueError, match="store_scope"):

@@ -71,7 +71,7 @@ def run_case(model, plain, processor, case: context.Case, policies: dict, max_ne
         answer(model, processor, case.stored, case.questions[0].question, VisMemoCache(store=store, **options),
                max_new_tokens)
         for q, (ref, ref_ms) in zip(case.questions, refs):
-            cache = VisMemoCache(store=store, store_misses=False, **options)
+            cache = VisMemoCache(store=store, store_misses=False, **{"approximate": "always", **options})
             pred, ms = answer(model, processor, case.asked, q.question, cache, max_new_tokens)
             event = cache.events[-1]  # the page's (another page may come first)
             rows.append({"class": case.cls, "policy": name, "question": q.question, "prediction": pred,
@@ -99,7 +99,7 @@ def summarise(rows: list[dict]) -> dict:
 
     for by_policy in out.values():
         for name, rs in by_policy.items():
-            kinds = {}
+            kinds: dict[str, int] = {}
             for r in rs:
                 label = r["fallback"] or r["kind"]
                 kinds[label] = kinds.get(label, 0) + 1
@@ -170,12 +170,13 @@ def main(args) -> int:
     command = report_command("report context", args, ["readers", "pairs", "seed", "policies", "classes", "front_pairs"]
                              + (["front_from"] if getattr(args, "front_from", None) else [])
                              + (["heldout_seeds"] if getattr(args, "heldout_seeds", "") else []))
-    report = {"command": command, "machine": machine(note="fp32"), "seconds": round(time.time() - t0),
+    mach = machine(note="fp32")
+    report = {"command": command, "machine": mach, "seconds": round(time.time() - t0),
               "results": results, "rows": all_rows}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "context.json").write_text(json.dumps(report, indent=1))
-    lines = header("Reuse after another context and small changes", command, report["machine"]) + [
+    lines = header("Reuse after another context and small changes", command, mach) + [
         "Each page is stored by one request and asked about by another, three questions per page "
         "(`src/vismemo_hf/eval/context.py`: the first about what changed, where something did). Agreement: the "
         "whole greedy answer equals plain transformers' on the same request (a never-enabled copy of the weights); "
@@ -197,11 +198,12 @@ def main(args) -> int:
         (out / "context.md").write_text("\n".join(lines) + "\n")
     seeds = [int(s) for s in getattr(args, "heldout_seeds", "").split(",") if s]
     if seeds:
-        report["heldout"] = {reader: {seed: measure(reader, seed, args.pairs, {"default": {}}, classes,
-                                                    args.max_new_tokens, desc=f"{reader} (seed {seed})",
-                                                    quiet=args.quiet)[1] for seed in seeds} for reader in readers}
+        heldout = {reader: {seed: measure(reader, seed, args.pairs, {"default": {}}, classes,
+                                          args.max_new_tokens, desc=f"{reader} (seed {seed})",
+                                          quiet=args.quiet)[1] for seed in seeds} for reader in readers}
+        report["heldout"] = heldout
         (out / "context.json").write_text(json.dumps(report, indent=1))
-        lines += _heldout_lines(report["heldout"], classes, args.pairs)
+        lines += _heldout_lines(heldout, classes, args.pairs)
     (out / "context.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0

@@ -13,10 +13,13 @@ same work (``plain_kernels_ms``). Misses store their entry, as in serving.
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any, cast
 
 import torch
 from transformers import StoppingCriteriaList
@@ -94,7 +97,7 @@ def timed_generate(model, inputs, cache, new_tokens: int) -> dict:
         torch.cuda.synchronize()
     total = time.perf_counter() - t0
     steps = [(b - a) * 1e3 for a, b in zip(clock.times, clock.times[1:])]
-    out = {"ttft_ms": (clock.times[0] - t0) * 1e3, "step_ms": statistics.median(steps) if steps else 0.0,
+    out: dict[str, object] = {"ttft_ms": (clock.times[0] - t0) * 1e3, "step_ms": statistics.median(steps) if steps else 0.0,
            "total_ms": total * 1e3, "event": None}
     if cache is not None:
         (event,) = cache.events
@@ -163,7 +166,7 @@ def new_store(store_device: str) -> VisMemoStore:
 
     folder = tempfile.TemporaryDirectory(prefix="vismemo-bench-")
     store = VisMemoStore(device_bytes=0, disk_dir=folder.name)
-    store.bench_folder = folder  # removed when the store is
+    cast(Any, store).bench_folder = folder  # removed when the store is
     return store
 
 
@@ -171,6 +174,7 @@ def _cases(model, plain, miss_in, edit_in, seeded: VisMemoStore, policies, store
            unstored_miss: bool = False):
     """(kind, policy) -> what runs it: ``(model, inputs, cache factory)``; ``unstored_miss`` adds a miss that stores
     nothing (``store_misses=False``), which tells what writing a miss's entry costs."""
+    cases: dict[tuple[str, str], tuple[object, object, Callable[[], VisMemoCache | None]]]
     cases = {("plain", "-"): (plain, miss_in, lambda: None),
              ("miss", "-"): (model, miss_in, lambda: VisMemoCache(store=new_store(store_device))),
              ("exact", "-"): (model, miss_in, lambda: VisMemoCache(store=seeded))}
@@ -178,8 +182,8 @@ def _cases(model, plain, miss_in, edit_in, seeded: VisMemoStore, policies, store
         cases[("miss", "not stored")] = (model, miss_in, lambda: VisMemoCache(store=new_store(store_device),
                                                                              store_misses=False))
     for policy in policies:  # store_misses off: a complete plan would store the edited page and make it exact
-        cases[("approximate", policy)] = (model, edit_in, lambda p=policy: VisMemoCache(store=seeded, policy=p,
-                                                                                         store_misses=False))
+        cases[("approximate", policy)] = (model, edit_in, functools.partial(VisMemoCache, store=seeded, policy=policy,
+                                                                            store_misses=False, approximate="always"))
     return cases
 
 
@@ -209,7 +213,7 @@ def run(model, plain, processor, lengths, policies, repeats: int, new_tokens: in
         timed_generate(model, miss_in, VisMemoCache(store=seeded), 1)  # the alias entry every hit reads
         seeded.flush()
         cases = _cases(model, plain, miss_in, edit_in, seeded, policies, store_device, unstored_miss)
-        runs = {c: [] for c in cases}
+        runs: dict[tuple[str, str], list[dict]] = {c: [] for c in cases}
         for rep in range(repeats + 1):  # round 0 warms up
             for (kind, policy), case in cases.items():
                 out = _run_case(case, kind, n, new_tokens)

@@ -21,11 +21,13 @@ never-enabled copy of the same weights, a miss, an exact hit, an approximate hit
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import statistics
 import time
 import warnings
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -36,7 +38,7 @@ from vismemo_hf.bench.latency import any_size, page_pair, request_inputs
 from vismemo_hf.bench.report import command as report_command
 from vismemo_hf.bench.report import header, machine
 from vismemo_hf.bench.syncs import SyncCounter, short_site
-from vismemo_hf.core.plan import HitKind, ImagePlan
+from vismemo_hf.core.plan import CacheEvent, HitKind, ImagePlan
 
 #: operators whose self time is the arithmetic (matrix products, attention kernels)
 KERNELS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::matmul", "aten::linear",
@@ -67,17 +69,18 @@ def _models(args, layers: int):
 
 def _kinds(plain, model, base, edited, seeded, policies) -> dict:
     """kind label -> (model, inputs, cache factory, expected hit kind)."""
+    kinds: dict[str, tuple[object, object, Callable[[], VisMemoCache | None], str | None]]
     kinds = {"plain": (plain, base, lambda: None, None),
              "miss": (model, base, lambda: VisMemoCache(store=VisMemoStore()), "miss"),
              "exact": (model, base, lambda: VisMemoCache(store=seeded), "exact")}
     for policy in policies:
-        kinds[f"approximate {policy}"] = (model, edited, lambda p=policy: VisMemoCache(store=seeded, policy=p,
-                                                                                        store_misses=False),
+        kinds[f"approximate {policy}"] = (model, edited, functools.partial(VisMemoCache, store=seeded, policy=policy,
+                                                                           store_misses=False, approximate="always"),
                                           "approximate")
     return kinds
 
 
-def _check(cache, expected, label: str) -> dict | None:
+def _check(cache, expected, label: str) -> CacheEvent | None:
     if cache is None:
         return None
     (event,) = cache.events
@@ -97,7 +100,7 @@ def _device_entries(cache) -> list:
 
 
 @torch.no_grad()
-def _syncs(case, label: str) -> tuple[SyncCounter, object]:
+def _syncs(case, label: str) -> tuple[SyncCounter, CacheEvent | None]:
     runner, inputs, make, expected = case
     cache = make()
     cuda = runner.device.type == "cuda"
@@ -120,7 +123,7 @@ def _syncs(case, label: str) -> tuple[SyncCounter, object]:
 
 
 @torch.no_grad()
-def _prefill_ms(case, label: str, repeats: int) -> tuple[float, object]:
+def _prefill_ms(case, label: str, repeats: int) -> tuple[float, CacheEvent | None]:
     runner, inputs, make, expected = case
     times, event = [], None
     for _ in range(repeats + 1):  # the first round warms up
@@ -159,7 +162,8 @@ def _outside_kernels(case) -> float:
 
     def self_time(e) -> float:  # on a GPU the operators' kernel time, else their CPU time
         if cuda:
-            return getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0.0)
+            device_time = getattr(e, "self_device_time_total", None)  # older torch: self_cuda_time_total
+            return device_time if device_time else getattr(e, "self_cuda_time_total", 0.0)
         return e.self_cpu_time_total
 
     kernels = sum(self_time(e) for e in prof.key_averages() if e.key.startswith(KERNELS))
@@ -197,8 +201,14 @@ def measure(args) -> dict:
     depths = [int(x) for x in args.layers.split(",")] if isinstance(args.layers, str) else list(args.layers)
     lengths = [int(x) for x in args.lengths.split(",")] if isinstance(args.lengths, str) else list(args.lengths)
     policies = args.policies.split(",") if isinstance(args.policies, str) else list(args.policies)
-    syncs, device_syncs, cuda_syncs, sites, timings, outside, got = {}, {}, {}, {}, {}, {}, {}
-    cuda_sites: dict = {}
+    syncs: dict[str, dict[int, int]] = {}
+    device_syncs: dict[str, dict[int, int]] = {}
+    cuda_syncs: dict[str, dict[int, int]] = {}
+    cuda_sites: dict[str, dict[int, dict[str, int]]] = {}
+    sites: dict[str, dict[int, dict[str, int]]] = {}
+    timings: dict[str, list[dict[str, float]]] = {}
+    outside: dict[str, float] = {}
+    got: dict[str, dict[int, str]] = {}
     with progress(total=len(depths) * len(lengths), desc="overhead", unit="size") as bar:
         for layers in depths:
             plain, model, processor = _models(args, layers)
@@ -217,7 +227,7 @@ def measure(args) -> dict:
                             got.setdefault(label, {})[layers] = str(event.kind)
                         syncs.setdefault(label, {})[layers] = counter.total
                         device_syncs.setdefault(label, {})[layers] = counter.device_total
-                        if counter.cuda_syncs is not None:
+                        if counter.cuda_syncs is not None and counter.cuda_sites is not None:
                             cuda_syncs.setdefault(label, {})[layers] = counter.cuda_syncs
                             cuda_sites.setdefault(label, {})[layers] = dict(counter.cuda_sites.most_common(args.sites))
                         if label != "plain":
@@ -237,7 +247,7 @@ def measure(args) -> dict:
             "fits": fits, "outside_kernels": outside, "depths": depths, "lengths": lengths, "got": got}
 
 
-def _report(data: dict, args, command: str, mach: dict) -> list[str]:
+def _report(data: dict, args, command: str, mach: str) -> list[str]:
     depths = data["depths"]
     lines = header("Overhead of a request outside the arithmetic, against plain transformers", command, mach)
     lines += [f"Preset `{args.preset}` ({_family(args)}), {args.dtype}, random weights; depths "

@@ -87,7 +87,8 @@ def floors(preset: str, tokens: int, points: list[tuple[str, dict]]) -> dict:
             continue
         per = {}
         for change, inputs in changed.items():
-            hit = timed_prefill(model, inputs, VisMemoCache(store=store, policy=policy, store_misses=False, **options))
+            hit = timed_prefill(model, inputs, VisMemoCache(store=store, policy=policy, store_misses=False,
+                                                           **{"approximate": "always", **options}))
             encoded = hit["n_tokens"] if hit["encoded_tokens"] < 0 else hit["encoded_tokens"]
             per[change] = (kind_floor(model.config, ids.numel(), start, hit["plan"],
                                       encoded and patches_of(model.config, encoded)) / miss_flops
@@ -152,9 +153,10 @@ def joint_choice(readers: dict, cost: str) -> dict | None:
     best = None
     for point in next(iter(readers.values()))["points"]:
         same = [next((r for r in reader["points"] if r["label"] == point["label"]), None) for reader in readers.values()]
-        if any(r is None or r[cost] is None or not acceptable(r) for r in same):
+        found = [r for r in same if r is not None]
+        if len(found) < len(same) or any(r[cost] is None or not acceptable(r) for r in found):
             continue
-        worst = max(r[cost] for r in same)
+        worst = max(r[cost] for r in found)
         if best is None or worst < best[cost]:
             best = {"label": point["label"], "policy": point["policy"], "options": point["options"], cost: worst}
     return best
@@ -167,7 +169,7 @@ def ordering(reader: dict) -> list[str]:
     lines = []
     for rho in sorted({k[1] for k in by if k[1] is not None}):
         v, lc, cb = (by.get((p, rho)) for p in ("vismemo", "vlcache", "cacheblend"))
-        if None in (v, lc, cb):
+        if v is None or lc is None or cb is None:
             continue
         holds = v > lc > cb
         lines.append(f"recompute ratio {rho}: vismemo {v:.3f}, vlcache {lc:.3f}, cacheblend {cb:.3f}: the paper's "

@@ -56,8 +56,8 @@ def synthetic_image(kind: str, seed: int, size: tuple[int, int] = REFERENCE_SIZE
             draw.text((x0 + 4, y0 + 2), "".join(rng.choice("ABCDEFGHXYZ") for _ in range(5)), fill="white", font=font)
         return img
     if kind == "photo":
-        top, bottom = (torch.tensor([rng.random() for _ in range(3)]) for _ in range(2))
-        ramp = torch.linspace(0, 1, h).view(h, 1, 1)
+        top, bottom = (torch.tensor([rng.random() for _ in range(3)], device="cpu") for _ in range(2))
+        ramp = torch.linspace(0, 1, h, device="cpu").view(h, 1, 1)
         img = Image.fromarray(((top * (1 - ramp) + bottom * ramp).expand(h, w, 3) * 255).to(torch.uint8).numpy())
         draw = ImageDraw.Draw(img)
         for _ in range(4):
@@ -66,7 +66,7 @@ def synthetic_image(kind: str, seed: int, size: tuple[int, int] = REFERENCE_SIZE
                          fill=tuple(rng.randint(0, 255) for _ in range(3)))
         return img
     if kind == "texture":
-        coarse = torch.rand(3, h // 8, w // 8, generator=torch.Generator().manual_seed(seed))
+        coarse = torch.rand(3, h // 8, w // 8, device="cpu", generator=torch.Generator().manual_seed(seed))
         pixels = F.interpolate(coarse[None], size=(h, w), mode="bilinear")[0].permute(1, 2, 0) * 255
         return Image.fromarray(pixels.clamp(0, 255).to(torch.uint8).numpy())
     raise ValueError(f"unknown image kind {kind!r}; one of {IMAGE_KINDS}")

@@ -85,9 +85,11 @@ class VisMemoLMM(lmms):
                      if k in method_args}
         self.store_scope = store_scope
         self.store_options = preset_options(store, overrides)  # a bad preset or option fails here, not mid-run
-        self.stores: dict[str, VisMemoStore] = {}
+        self.stores: dict[str | None, VisMemoStore] = {}  # None: the run's store
         self.policy = policy
-        self.options = {k: _number(v) for k, v in method_args.items()}
+        # every request looks for approximate hits unless the run says otherwise: an evaluation measures the policy,
+        # not whether its hits pay on this machine (``runtime.gate``)
+        self.options = {"approximate": "always", **{k: _number(v) for k, v in method_args.items()}}
         # a bad policy, policy option or thresholds preset (another model's included) fails here, not mid-run
         VisMemoCache(store=VisMemoStore(), policy=self.policy, model=self.model, **self.options)
         self.max_new_tokens = int(max_new_tokens)

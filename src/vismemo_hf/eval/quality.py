@@ -43,7 +43,7 @@ def anls(prediction: str, answers: list[str], threshold: float = 0.5) -> float:
 
 @dataclass
 class Scored:
-    request: synthdoc.Request
+    request: synthdoc.BaseRequest[object]
     prediction: str
     kind: str
     anls: float
@@ -61,16 +61,17 @@ class TokenClock(StoppingCriteria):
     the device has finished it."""
 
     def __init__(self, device="cpu") -> None:
-        self.cuda, self.times = torch.device(device).type == "cuda", []
+        self.cuda = torch.device(device).type == "cuda"
+        self.times: list[float] = []
 
-    def __call__(self, input_ids, scores, **kwargs) -> torch.BoolTensor:
+    def __call__(self, input_ids, scores, **kwargs) -> torch.Tensor:
         if self.cuda:
             torch.cuda.synchronize()
         self.times.append(time.perf_counter())
         return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
 
-def answer_cell_routing(request: synthdoc.Request, plan) -> dict:
+def answer_cell_routing(request: synthdoc.BaseRequest[object], plan) -> dict:
     """Where the plan put the visual tokens that hold the asked value."""
     cells = request.answer_tokens()
     sets = {"R": plan.recompute, "B": plan.reuse, "M": plan.mask}
@@ -78,7 +79,7 @@ def answer_cell_routing(request: synthdoc.Request, plan) -> dict:
 
 
 @torch.no_grad()
-def answer(model, processor, request: synthdoc.Request, cache, max_new_tokens: int = 8):
+def answer(model, processor, request: synthdoc.BaseRequest[object], cache, max_new_tokens: int = 8):
     from vismemo_hf.eval.docqa import messages
 
     text = processor.apply_chat_template(messages(request.question, request.prefix), add_generation_prompt=True)
@@ -101,12 +102,14 @@ def evaluate(model, processor, requests, policy: str = DEFAULT_POLICY, store: Vi
     store = store if store is not None else VisMemoStore()
     scored = []
     for request in requests:
-        cache = DynamicCache() if policy == "plain" else VisMemoCache(store=store, policy=policy, **options)
+        cache = DynamicCache() if policy == "plain" else VisMemoCache(store=store, policy=policy,
+                                                                      **{"approximate": "always", **options})
         prediction, tokens, logprobs, visual, ttft = answer(model, processor, request, cache, max_new_tokens)
         kind = "miss" if policy == "plain" else str(cache.events[0].kind)
         event = None if policy == "plain" else cache.events[0]
-        routing = answer_cell_routing(request, event.plan) if kind == "approximate" else None
-        share = event.recomputed / event.n_tokens if kind in ("exact", "approximate") and event.n_tokens else None
+        routing = answer_cell_routing(request, event.plan) if event is not None and kind == "approximate" else None
+        share = event.recomputed / event.n_tokens if event is not None and kind in ("exact", "approximate") \
+            and event.n_tokens else None
         scored.append(Scored(request, prediction, kind, anls(prediction, request.answers), logprobs, tokens, routing,
                              visual, ttft, share))
         if progress is not None:
@@ -140,27 +143,33 @@ def summarise(scored: list[Scored], reference: list[Scored] | None = None) -> di
         pairs = list(zip(scored, reference))
         out["first_token_agreement"] = mean([float(a.tokens[:1] == b.tokens[:1]) for a, b in pairs])
         out["sequence_match"] = mean([float(a.tokens == b.tokens) for a, b in pairs])
-        out["first_token_kl"] = mean([float(torch.sum(b.first_token_logprobs.exp() *
-                                                      (b.first_token_logprobs - a.first_token_logprobs)))
-                                      for a, b in pairs])
+        out["first_token_kl"] = mean([_first_token_kl(a, b) for a, b in pairs])
     return {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in out.items()}
 
 
-def heldout_pages(per_type: int = 40, seed: int = 900_000, pages: str = "synthdoc") -> list[synthdoc.Request]:
+def _first_token_kl(scored: Scored, reference: Scored) -> float:
+    """KL(reference || scored) of the first token's distribution."""
+    a, b = scored.first_token_logprobs, reference.first_token_logprobs
+    assert a is not None and b is not None  # ``evaluate`` keeps every answer's first-token log-probabilities
+    return float(torch.sum(b.exp() * (b - a)))
+
+
+def heldout_pages(per_type: int = 40, seed: int = 900_000,
+                  pages: str = "synthdoc") -> list[synthdoc.BaseRequest[object]]:
     """Pages no training step drew (fixed seeds), ``per_type`` of every page type (``synthdoc`` styles, or
     ``docpage`` layouts with questions of every kind and instructions), one question each; ``variant`` names the
     type (``base-TYPE``)."""
     import random
 
     rng = random.Random(seed)
-    out = []
+    out: list[synthdoc.BaseRequest[object]] = []
     if pages == "docpage":
         from vismemo_hf.eval import docpage, docstream
 
         for layout in docpage.LAYOUTS:  # seeds from 2**31 on: training draws page seeds below 2**31
             for i in range(per_type):
-                page = docpage.random_page(2**31 + seed + len(out), layout=layout)
-                out.append(docstream.request(f"held-{layout}-{i}", page, docpage.random_question(rng, page),
+                doc = docpage.random_page(2**31 + seed + len(out), layout=layout)
+                out.append(docstream.request(f"held-{layout}-{i}", doc, docpage.random_question(rng, doc),
                                              "miss", f"base-{layout}"))
         return out
     for style in synthdoc.STYLES:

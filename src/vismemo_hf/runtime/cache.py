@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import replace
+from typing import TYPE_CHECKING, TypedDict, cast
 
 import torch
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
@@ -22,8 +23,13 @@ from vismemo_hf.defaults import DEFAULT_POLICY
 from vismemo_hf.policies import RoutingPolicy, get_policy
 from vismemo_hf.runtime import context
 from vismemo_hf.runtime.compress import VLCacheCompression
+from vismemo_hf.runtime.gate import MODES as APPROXIMATE_MODES
+from vismemo_hf.runtime.gate import Pending
 from vismemo_hf.runtime.schedule import SlotWriter, slot_mask
 from vismemo_hf.store.store import VisMemoStore, default_store
+
+if TYPE_CHECKING:
+    from vismemo_hf.runtime.watch import Watch
 
 
 class VisMemoLayer(DynamicLayer):
@@ -46,7 +52,13 @@ class VisMemoLayer(DynamicLayer):
     def mapped(self) -> bool:
         return self.columns is not None
 
-    def _materialise_columns(self, batch: int, device) -> torch.Tensor:
+    @property
+    def _kv(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(keys, values) of a layer that holds K/V (``is_initialized``)."""
+        assert self.keys is not None and self.values is not None
+        return self.keys, self.values
+
+    def _materialise_columns(self, batch: int, device: torch.device) -> torch.Tensor:
         if self.columns is None:
             n = self.get_seq_length()
             self.columns = torch.arange(n, device=device).expand(batch, n).clone()
@@ -55,59 +67,67 @@ class VisMemoLayer(DynamicLayer):
     def open(self, layout: SlotWriter | torch.Tensor, length: int | None = None) -> None:
         """Lay the layer out as ``layout`` (a ``SlotWriter``, or slot columns (B, S), sorted, -1 padded, with the
         request ``length``) before a prefill writes it."""
-        writer = layout if isinstance(layout, SlotWriter) else SlotWriter(layout, int(length))
+        if isinstance(layout, SlotWriter):
+            writer = layout
+        elif length is None:
+            raise TypeError("open: slot columns need the request length")
+        else:
+            writer = SlotWriter(layout, int(length))
         self.columns, self._writer, self._written = writer.columns, writer, []
         self.keys = self.values = None
         self.is_initialized = False
         self._visible = None
 
-    def _write(self, keys: torch.Tensor, values: torch.Tensor, columns: torch.Tensor) -> None:
-        """Write K/V (B, H, T, D) of request ``columns`` (B, T; -1 pads) into their slots."""
+    def _write(self, writer: SlotWriter, keys: torch.Tensor, values: torch.Tensor, columns: torch.Tensor) -> None:
+        """Write K/V (B, H, T, D) of request ``columns`` (B, T; -1 pads) into their slots of the open layout
+        (``writer``, whose ``columns`` are the layer's)."""
         if not self.is_initialized:
             self.lazy_initialization(keys, values)
-            shape = (keys.shape[0], keys.shape[1], self.columns.shape[1], keys.shape[-1])
-            make = "new_empty" if self._writer.filled else "new_zeros"  # slots no write reaches stay zero
+            shape = (keys.shape[0], keys.shape[1], writer.columns.shape[1], keys.shape[-1])
+            make = "new_empty" if writer.filled else "new_zeros"  # slots no write reaches stay zero
             self.keys, self.values = getattr(keys, make)(shape), getattr(values, make)(shape)
-        plan = self._writer.plan(columns)
+        held_keys, held_values = self._kv
+        plan = writer.plan(columns)
         self._written.append(plan)
         if plan[0] == "run":  # one row into consecutive slots: a copy
             _, s0, s1 = plan
-            self.keys[:, :, s0:s1] = keys.to(self.keys.dtype)
-            self.values[:, :, s0:s1] = values.to(self.values.dtype)
+            held_keys[:, :, s0:s1] = keys.to(held_keys.dtype)
+            held_values[:, :, s0:s1] = values.to(held_values.dtype)
             return
         _, rows, slots, where, every = plan
-        device = self.keys.device
+        device = held_keys.device
         rows, slots, where = rows.to(device), slots.to(device), where.to(device)
-        if self.keys.shape[0] == 1:  # one row: a copy along the slot axis, cheaper than an indexed put over two axes
+        if held_keys.shape[0] == 1:  # one row: a copy along the slot axis, cheaper than an indexed put over two axes
             if not every:
                 keys, values = keys.index_select(2, where), values.index_select(2, where)
-            self.keys.index_copy_(2, slots, keys.to(self.keys.dtype))
-            self.values.index_copy_(2, slots, values.to(self.values.dtype))
+            held_keys.index_copy_(2, slots, keys.to(held_keys.dtype))
+            held_values.index_copy_(2, slots, values.to(held_values.dtype))
             return
-        self.keys[rows, :, slots] = keys[rows, :, where].to(self.keys.dtype)
-        self.values[rows, :, slots] = values[rows, :, where].to(self.values.dtype)
+        held_keys[rows, :, slots] = keys[rows, :, where].to(held_keys.dtype)
+        held_values[rows, :, slots] = values[rows, :, where].to(held_values.dtype)
 
     def preload(self, keys: torch.Tensor, values: torch.Tensor, columns: torch.Tensor) -> None:
         """Write reused K/V (B, H, R, D) of request ``columns`` (B, R) into the open layout."""
         if self._writer is None:
             raise RuntimeError("preload needs a layer opened with a slot layout")
-        self._write(keys, values, columns)
+        self._write(self._writer, keys, values, columns)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: object, columns: torch.Tensor,
                contiguous: bool, **kwargs: object) -> tuple[torch.Tensor, torch.Tensor]:
         """Computed K/V of request ``columns`` (B, q): written into the open layout of a prefill, else appended
         (``contiguous``: they continue the sequence)."""
         if self._writer is not None:
-            self._write(key_states, value_states, columns)
-            return self.keys, self.values
+            self._write(self._writer, key_states, value_states, columns)
+            return self._kv
         if contiguous and not self.mapped:
             return super().update(key_states, value_states)
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         cols = self._materialise_columns(key_states.shape[0], key_states.device)
         columns = columns.to(cols.device)
-        self.keys = torch.cat([self.keys, key_states], dim=-2) if self.keys.numel() else key_states
-        self.values = torch.cat([self.values, value_states], dim=-2) if self.values.numel() else value_states
+        keys, values = self._kv
+        self.keys = torch.cat([keys, key_states], dim=-2) if keys.numel() else key_states
+        self.values = torch.cat([values, value_states], dim=-2) if values.numel() else value_states
         self.columns = torch.cat([cols, columns], dim=1)
         return self.keys, self.values
 
@@ -115,32 +135,36 @@ class VisMemoLayer(DynamicLayer):
         """(B, 1, q, S) boolean mask of this layer's slots for the ``queries`` slots appended last. A decoding step
         (one query, which sees every slot that is not empty or padding) extends the previous step's mask by its own
         slot instead of building it again."""
+        cols = self.columns
+        assert cols is not None  # asked of mapped layers only
         if queries != 1:
-            return slot_mask(self.columns, self.columns[:, -queries:], valid_columns)
-        width = self.columns.shape[1]
+            return slot_mask(cols, cols[:, -queries:], valid_columns)
+        width = cols.shape[1]
         if self._visible is not None and self._visible.shape[1] == width - 1:
             self._visible = torch.cat([self._visible, self._visible.new_ones(self._visible.shape[0], 1)], dim=1)
         else:
-            self._visible = slot_mask(self.columns, self.columns[:, -1:], valid_columns)[:, 0, 0]
+            self._visible = slot_mask(cols, cols[:, -1:], valid_columns)[:, 0, 0]
         return self._visible[:, None, None, :]
 
     def slot_columns(self) -> torch.Tensor:
         """(B, S) request column of every slot."""
-        if self.mapped:
+        if self.columns is not None:
             return self.columns
         n = self.get_seq_length()
-        return torch.arange(n, device=self.keys.device).expand(self.keys.shape[0], n)
+        keys = self._kv[0]
+        return torch.arange(n, device=keys.device).expand(keys.shape[0], n)
 
     def keep_slots(self, keep: torch.Tensor) -> None:
         """Drop every slot where ``keep`` (B, S) is False (rows padded with empty slots)."""
         self._visible = None
-        cols = self._materialise_columns(self.keys.shape[0], self.keys.device)
+        keys, values = self._kv
+        cols = self._materialise_columns(keys.shape[0], keys.device)
         keep = keep.to(cols.device) & (cols >= 0)
         width = int(keep.sum(1).max())
         order = torch.sort((~keep).to(torch.int8), dim=1, stable=True).indices[:, :width]
         kept = keep.gather(1, order)
-        idx = order[:, None, :, None].expand(-1, self.keys.shape[1], -1, self.keys.shape[-1])
-        self.keys, self.values = self.keys.gather(2, idx), self.values.gather(2, idx)
+        idx = order[:, None, :, None].expand(-1, keys.shape[1], -1, keys.shape[-1])
+        self.keys, self.values = keys.gather(2, idx), values.gather(2, idx)
         self.columns = cols.gather(1, order).masked_fill(~kept, -1)
 
     def settle(self, length: int) -> None:
@@ -154,19 +178,20 @@ class VisMemoLayer(DynamicLayer):
                 self.columns = writer.settled(written)  # worked out once per layout and set of writes
                 return
             self.columns = torch.full_like(writer.columns, -1)  # nothing was written
-        if not self.mapped or not self.is_initialized:
-            return
         cols = self.columns
+        if cols is None or not self.is_initialized:
+            return
         if cols.shape[1] == length and bool((cols == torch.arange(length, device=cols.device)).all()):
             self.columns = None
 
     def slot_of(self, columns: torch.Tensor, row: int) -> torch.Tensor:
         """Slot index of each request column in ``row`` (the columns must be stored)."""
-        if not self.mapped:
+        cols = self.columns
+        if cols is None:
             return columns
-        table = torch.full((int(self.columns[row].max()) + 2,), -1, dtype=torch.long, device=self.columns.device)
-        ok = self.columns[row] >= 0
-        table[self.columns[row][ok]] = torch.nonzero(ok).flatten()
+        table = torch.full((int(cols[row].max()) + 2,), -1, dtype=torch.long, device=cols.device)
+        ok = cols[row] >= 0
+        table[cols[row][ok]] = torch.nonzero(ok).flatten()
         slots = table[columns.to(table.device).clamp(max=table.numel() - 1)]
         if (slots < 0).any():
             raise RuntimeError("requested columns are not stored in this layer")
@@ -175,25 +200,25 @@ class VisMemoLayer(DynamicLayer):
     def crop(self, tokens_to_remove: int) -> None:
         self._visible = None
         super().crop(tokens_to_remove)
-        if self.mapped and tokens_to_remove:
+        if self.columns is not None and tokens_to_remove:
             self.columns = self.columns[:, : -abs(tokens_to_remove)]
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self._visible = None
         super().reorder_cache(beam_idx)
-        if self.mapped:
+        if self.columns is not None:
             self.columns = self.columns.index_select(0, beam_idx.to(self.columns.device))
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         self._visible = None
         super().batch_repeat_interleave(repeats)
-        if self.mapped:
+        if self.columns is not None:
             self.columns = self.columns.repeat_interleave(repeats, dim=0)
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         self._visible = None
         super().batch_select_indices(indices)
-        if self.mapped:
+        if self.columns is not None:
             self.columns = self.columns[indices]
 
 
@@ -207,6 +232,15 @@ class _UnsetInt(int, _Unset):
 
 class _UnsetFloat(float, _Unset):
     pass
+
+
+class _Overrides(TypedDict, total=False):
+    """The ``LookupThresholds`` fields a ``VisMemoCache`` was given."""
+
+    tau: float
+    tau_fine: float
+    adaptive: bool
+    same_pixels: float | None
 
 
 def check_thresholds(thresholds: LookupThresholds | None, model) -> None:
@@ -250,6 +284,12 @@ class VisMemoCache(DynamicCache):
 
     ``model`` (optional): the model this cache will serve; given, thresholds calibrated for another model are an
     error here rather than at the first approximate lookup inside ``generate``.
+
+    ``approximate``: ``"auto"`` (default; ``VISMEMO_APPROXIMATE`` in the environment sets another) looks for
+    approximate hits while they save more time than the lookups cost on the model, measured on its last requests
+    (``runtime.gate``: on a model whose prefill takes a few milliseconds a hit can take longer than the prefill it
+    replaces); ``"always"`` on every request (what a quality evaluation measures); ``"never"``: exact hits and
+    reused prefixes only.
     """
 
     def __init__(
@@ -268,6 +308,7 @@ class VisMemoCache(DynamicCache):
         compress: VLCacheCompression | None = None,
         namespace: str | None = None,
         model: torch.nn.Module | None = None,
+        approximate: str | None = None,
         **policy_options: object,
     ) -> None:
         Cache.__init__(self, layer_class_to_replicate=VisMemoLayer)
@@ -288,8 +329,11 @@ class VisMemoCache(DynamicCache):
             raise TypeError(f"thresholds must be a lookup preset's name or path or LookupThresholds, got {thresholds!r}")
         check_thresholds(thresholds, model)
         self.thresholds = thresholds
-        self._overrides = {k: float(v) for k, v in (("tau", tau), ("tau_fine", tau_fine)) if v is not None}
+        self._overrides: _Overrides = {}
+        if tau is not None:
+            self._overrides["tau"] = float(tau)
         if tau_fine is not None:
+            self._overrides["tau_fine"] = float(tau_fine)
             self._overrides["adaptive"] = False
         if not isinstance(same_pixels, _Unset):
             self._overrides["same_pixels"] = same_pixels
@@ -303,13 +347,19 @@ class VisMemoCache(DynamicCache):
         if compress is not None and not isinstance(compress, VLCacheCompression):
             raise TypeError(f"compress must be None or a VLCacheCompression (e.g. VLCacheCompression(0.5)), got "
                             f"{compress!r}")
+        approximate = approximate if approximate is not None else os.environ.get("VISMEMO_APPROXIMATE", "auto")
+        if approximate not in APPROXIMATE_MODES:
+            raise ValueError(f"approximate must be one of {', '.join(APPROXIMATE_MODES)}, got {approximate!r}")
+        self.approximate = approximate
         self.top_k = top_k
         self.store_misses = store_misses
         self.compress = compress
         self.events: list[CacheEvent] = []
         self._length = 0
         #: the first tokens of an answer whose prefill reused K/V after another context (``runtime/watch.py``)
-        self.watch = None
+        self.watch: Watch | None = None
+        #: the last prefill's sample for its approximate-lookup gate, until its first token is taken (``runtime.gate``)
+        self._gate_pending: Pending | None = None
 
     def owner(self, fingerprint: str) -> str:
         """Whose entries this cache reads and writes for a model (``core/features.py`` ``scoped``)."""
@@ -322,10 +372,16 @@ class VisMemoCache(DynamicCache):
         return replace(base, **self._overrides)
 
     # -- transformers Cache API ----------------------------------------------------------------
+    @property
+    def vismemo_layers(self) -> list[VisMemoLayer]:
+        """``layers`` as what they are: every layer of this cache is a ``VisMemoLayer`` (``layer_class_to_replicate``,
+        ``layer``, ``drop_layers``)."""
+        return cast("list[VisMemoLayer]", self.layers)
+
     def layer(self, layer_idx: int) -> VisMemoLayer:
         while len(self.layers) <= layer_idx:
             self.layers.append(VisMemoLayer())
-        return self.layers[layer_idx]
+        return cast(VisMemoLayer, self.layers[layer_idx])
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: object,
                **kwargs: object) -> tuple[torch.Tensor, torch.Tensor]:
@@ -335,7 +391,7 @@ class VisMemoCache(DynamicCache):
                 "VisMemoCache is used by a model that was not prepared: call vismemo_hf.enable(model) once "
                 "before generate() (without it every image would silently get a full prefill)"
             )
-        layer = self.layers[layer_idx] if layer_idx < len(self.layers) else self.layer(layer_idx)
+        layer = cast(VisMemoLayer, self.layers[layer_idx]) if layer_idx < len(self.layers) else self.layer(layer_idx)
         incoming = ctx.layout.incoming if ctx.layout is not None else None
         if incoming is not None:
             return layer.update(key_states, value_states, columns=incoming, contiguous=False)
@@ -351,7 +407,7 @@ class VisMemoCache(DynamicCache):
     @property
     def mapped(self) -> bool:
         """Some layer's slots are not the plain sequence (tokens left out): forwards need slot masks."""
-        return any(layer.mapped for layer in self.layers)
+        return any(layer.mapped for layer in self.vismemo_layers)
 
     def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
         return self._length + query_length, 0

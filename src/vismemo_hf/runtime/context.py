@@ -12,10 +12,20 @@ from __future__ import annotations
 import time
 from contextvars import ContextVar, Token
 from dataclasses import dataclass, field
+from enum import Enum
+from typing import TYPE_CHECKING, Final
 
 import torch
 
+from vismemo_hf.core.plan import HitKind
+from vismemo_hf.runtime.gate import Pending, Sample
 from vismemo_hf.store.background import ACTIVITY
+
+if TYPE_CHECKING:
+    from vismemo_hf.families.base import ModelAdapter
+    from vismemo_hf.runtime.cache import VisMemoCache
+    from vismemo_hf.runtime.lookup import PrefillRequest
+    from vismemo_hf.runtime.schedule import Layout
 
 
 @dataclass
@@ -40,18 +50,21 @@ class ForwardContext:
     (None outside the runner: the forward continues the sequence). ``capture``: the attention the runner asks for.
     """
 
-    cache: object
-    adapter: object = None  # the enabled model's ModelAdapter
+    cache: VisMemoCache
+    adapter: ModelAdapter | None = None  # the enabled model's
     attention_mask: torch.Tensor | None = None
-    request: object | None = None
-    layout: object | None = None
+    request: PrefillRequest | None = None
+    layout: Layout | None = None
     capture: AttentionCapture | None = None
     started: float = field(default_factory=time.perf_counter)
     first_event: int = 0
     #: tokens of a reused prefix the cache holds before this forward computes the rest (``runtime.prefix``)
     reused_prefix: int = 0
-    token: Token | None = field(default=None, repr=False)
-    _valid: object = field(default=None, repr=False)
+    #: the approximate-lookup gate of the prefill's model and policy, whether the prefill looked for approximate hits
+    #: and the lookup's own ms (``runtime.gate``); None: no sample to take
+    gate: tuple | None = None
+    token: Token[ForwardContext | None] | None = field(default=None, repr=False)
+    _valid: torch.Tensor | _Unknown | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         self._valid = _UNKNOWN
@@ -65,17 +78,23 @@ class ForwardContext:
             self._valid = mask.bool() if mask is not None and mask.ndim == 2 and not bool(mask.all()) else None
         return self._valid
 
-    def take_request(self):
+    def take_request(self) -> PrefillRequest | None:
         """The lookup's request, once (the forward that runs it consumes it)."""
         request, self.request = self.request, None
         return request
 
 
-_UNKNOWN = object()
+class _Unknown(Enum):
+    """``ForwardContext.valid`` not worked out yet."""
+
+    UNKNOWN = 0
+
+
+_UNKNOWN: Final = _Unknown.UNKNOWN
 _CURRENT: ContextVar[ForwardContext | None] = ContextVar("vismemo_forward", default=None)
 
 
-def current(cache=None) -> ForwardContext | None:
+def current(cache: VisMemoCache | None = None) -> ForwardContext | None:
     """The forward in progress (of ``cache``, when given), or None."""
     ctx = _CURRENT.get()
     if ctx is None or (cache is not None and ctx.cache is not cache):
@@ -83,7 +102,8 @@ def current(cache=None) -> ForwardContext | None:
     return ctx
 
 
-def open_forward(cache, attention_mask: torch.Tensor | None, adapter=None) -> ForwardContext:
+def open_forward(cache: VisMemoCache, attention_mask: torch.Tensor | None,
+                 adapter: ModelAdapter | None = None) -> ForwardContext:
     ctx = ForwardContext(cache, adapter=adapter, attention_mask=attention_mask, first_event=len(cache.events))
     ACTIVITY.enter()  # the store's writer starts no job meanwhile (``store.background.Activity``)
     if adapter is not None:
@@ -95,12 +115,26 @@ def open_forward(cache, attention_mask: torch.Tensor | None, adapter=None) -> Fo
 def close_forward(ctx: ForwardContext, new_tokens: int) -> None:
     """End ``ctx``: its events get the whole pass's wall time as ``prefill``; the cache advances."""
     elapsed = (time.perf_counter() - ctx.started) * 1e3
-    for event in ctx.cache.events[ctx.first_event:]:
+    events = ctx.cache.events[ctx.first_event:]
+    for event in events:
         event.timings["prefill"] = elapsed
+    if ctx.gate is not None and events and all(e.kind is not HitKind.EXACT for e in events):
+        gate, looked, lookup_ms, tokens = ctx.gate
+        hit = any(e.kind is HitKind.APPROXIMATE for e in events)
+        ctx.cache._gate_pending = Pending(gate, Sample(looked, hit, tokens, 0.0, lookup_ms), ctx.started)
     try:
         ctx.cache.advance(new_tokens - ctx.reused_prefix)  # a reused prefix was counted when it was loaded
     finally:
         ACTIVITY.leave()
         if ctx.adapter is not None:
             ctx.adapter.hold_fingerprint(False)
+        assert ctx.token is not None  # set by ``open_forward``
         _CURRENT.reset(ctx.token)
+
+
+def settle_gate(cache) -> None:
+    """Record the last prefill of ``cache`` with its gate (``runtime.gate``), once: its wall time ends now."""
+    pending = getattr(cache, "_gate_pending", None)
+    if pending is not None:
+        cache._gate_pending = None
+        pending.settle()

@@ -27,21 +27,20 @@ import types
 from collections.abc import Iterator, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, TypeVar
+from typing import Any, TypeVar, cast
 
+import torch
 from transformers import PretrainedConfig
 
 from vismemo_hf.families import ModelAdapter, routing
 from vismemo_hf.families.base import execution_device
 from vismemo_hf.runtime import attention, context, reference
+from vismemo_hf.runtime import gate as gates
 from vismemo_hf.runtime import prefix as prefixes
 from vismemo_hf.runtime.cache import VisMemoCache
 from vismemo_hf.runtime.lookup import DeferredImageFeatures, lookup_request
 from vismemo_hf.runtime.runner import finish_native, run_prefill
 from vismemo_hf.store.background import ACTIVITY
-
-if TYPE_CHECKING:
-    import torch
 
 #: the model ``enable`` / ``disable`` / ``enabled`` are given, and return
 ModelT = TypeVar("ModelT", bound="torch.nn.Module")
@@ -100,6 +99,9 @@ def _generate(self, *args, **kwargs):
         return _call_own(self, "generate", *args, **kwargs)
     finally:
         ACTIVITY.leave()
+        cache = _cache_of(kwargs)
+        if cache is not None:
+            context.settle_gate(cache)  # a generate of one token: its prefill ends here
 
 
 def _prepare_multimodal(self, model_kwargs, *args, **kwargs):
@@ -146,10 +148,15 @@ def _look_up(ctx, adapter, kwargs):
         # are computed as the model computes them (nothing looked up, nothing stored; a deferred encoder output
         # resolves on first use, generate's expansion of it included)
         return kwargs
-    request, outputs = lookup_request(adapter, ctx.cache, ids, pixels, grids, _own(adapter.base, "get_image_features"),
+    cache = ctx.cache
+    gate = gates.gate_for(adapter, repr(cache.policy)) if cache.approximate == "auto" else None
+    looks = cache.approximate != "never" and (gate is None or gate.looks())
+    request, outputs = lookup_request(adapter, cache, ids, pixels, grids, _own(adapter.base, "get_image_features"),
                                       ctx.valid, expand=expand, encoded=ran, videos=_videos(kwargs, encoded),
-                                      token_types=kwargs.get("mm_token_type_ids"))
+                                      token_types=kwargs.get("mm_token_type_ids"), approximate=looks)
     ctx.request = request
+    if gate is not None:
+        ctx.gate = (gate, looks, request.approximate_ms, int(ids.numel()))
     if deferred is not None:
         deferred.provide(outputs)
     encoded["image"] = outputs
@@ -216,13 +223,19 @@ def _after_prefix(text, ctx, request, kwargs):
 
 
 def _last_only(module, args, kwargs):
-    """Before the generation model's forward: whether its caller reads the last position's logits only."""
+    """Before the generation model's forward: whether its caller reads the last position's logits only. A compiled
+    forward (``torch.compile``, a compiled decoding step) is a decoding step: nothing to record, and dynamo cannot
+    trace a ``ContextVar.set``."""
+    if torch.compiler.is_compiling():
+        return
     keep = kwargs.get("logits_to_keep")
     last = isinstance(keep, int) and keep == 1 and kwargs.get("labels") is None
     _LAST_TOKENS.set((*_LAST_TOKENS.get(), prefixes.LAST_ONLY.set(last)))
 
 
 def _last_only_done(module, args, kwargs, output):
+    if torch.compiler.is_compiling():
+        return
     tokens = _LAST_TOKENS.get()
     if tokens:
         prefixes.LAST_ONLY.reset(tokens[-1])
@@ -294,7 +307,7 @@ def enable(model: ModelT, *, image_mean: Sequence[float] | None = None,
     if hasattr(model, _PREPARE):
         _replace(model, _PREPARE, _prepare_multimodal)
     if hasattr(model, "generate"):
-        _replace(model, "generate", _signed_as(_generate, type(model).generate))
+        _replace(model, "generate", _signed_as(_generate, cast(Any, type(model)).generate))  # a GenerationMixin
     base.register_forward_pre_hook(_before, with_kwargs=True)
     base.register_forward_hook(_after, with_kwargs=True, always_call=True)
     if model is not base:

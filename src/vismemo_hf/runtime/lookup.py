@@ -187,6 +187,8 @@ class PrefillRequest:
     #: the row's prefix blocks (``runtime.prefix``): their K/V reused when ``prefix.length`` > 0 (the model's own
     #: forward then computes the rest), written at the end of the prefill; None: the request keeps no prefix
     prefix: prefixes.PrefixPlan | None = None
+    #: ms the approximate lookup took (pixel stage and fine stage), hit or not (``runtime.gate``)
+    approximate_ms: float = 0.0
 
 
 def host_copies(tree):
@@ -212,7 +214,7 @@ def host_copies(tree):
 
 def _runs(mask: torch.Tensor) -> list[tuple[int, int, int]]:
     """(row, first column, length) of every run of True in the (B, L) ``mask``, row by row."""
-    out = []
+    out: list[tuple[int, int, int]] = []
     for row in range(mask.shape[0]):
         flags = mask[row].to(torch.int8)
         edges = torch.diff(torch.cat([flags.new_zeros(1), flags, flags.new_zeros(1)]))
@@ -304,7 +306,8 @@ def video_items(video_mask: torch.Tensor, merge: int, videos) -> dict[int, list[
 
 def lookup_request(adapter, cache, input_ids, pixel_values, grids, get_image_features,
                    valid: torch.Tensor | None = None, expand: int = 1, encoded=None,
-                   videos=None, token_types: torch.Tensor | None = None) -> tuple[PrefillRequest, object]:
+                   videos=None, token_types: torch.Tensor | None = None,
+                   approximate: bool = True) -> tuple[PrefillRequest, object]:
     """Look every image up; return the request's matches and the ``mm_encoder_outputs["image"]`` object.
 
     ``valid``: (B, columns) False at padding, so that a left-padded row hashes its prefix like an unpadded one.
@@ -312,7 +315,8 @@ def lookup_request(adapter, cache, input_ids, pixel_values, grids, get_image_fea
     images of ``pixel_values`` are looked up once per copy of their row. ``encoded``: the tower's output for
     those images when it already ran (it is not run again). ``videos``: what identifies the request's videos
     (``video_items``), part of the context hash of every image after them. ``token_types``: the processor's
-    ``mm_token_type_ids`` (families whose videos share the image placeholder tell them apart by it)."""
+    ``mm_token_type_ids`` (families whose videos share the image placeholder tell them apart by it).
+    ``approximate``: look for approximate hits (False: exact hits and prefixes only; ``runtime.gate``)."""
     merge = adapter.merge
     # two reads: every decision below is made from host copies of the ids (their types, padding) and the geometry,
     # and the keys, pixel features and thumbnails read one host copy of the pixels as the tower reads them (cast to
@@ -344,7 +348,8 @@ def lookup_request(adapter, cache, input_ids, pixel_values, grids, get_image_fea
     todo = [i for i in originals if entries[i] is None and originals[i] not in covered]
     pixels, extras = [host[i][0] for i in source], [host[i][2] for i in source]
     hashes, firsts, tiles, pixel_ms = _pixel_stage(adapter, cache, owner, {i: originals[i] for i in todo}, pixels,
-                                                   extras, grid_list, keys, reused)
+                                                   extras, grid_list, keys, reused or not approximate)
+    approximate_ms = pixel_ms * len(todo)
     contexts = _contexts(input_ids, valid, spans, [keys[i] for i in source],
                          video_items(adapter.video_mask(input_ids, token_types), merge, videos),
                          owner.encode() + getattr(cache.store, "context_key", b""))
@@ -364,24 +369,35 @@ def lookup_request(adapter, cache, input_ids, pixel_values, grids, get_image_fea
             match = _exact_match(row, start, entry, digest, sketch)
             store_call("index", lambda e=entry: cache.store.note_pixels(e.key, e.patch_hashes), None)
         else:
-            embeds, deepstack, tower = encodings[i]
-            feats = ImageFeatures(keys[i], grid_list[j], embeds, rows=adapter.token_rows, heights=adapter.hash_rows,
-                                  pixel_features=adapter.pixel_features(pixels[j], grid_list[j], hashes[i], extras[j]))
-            host_embeds = embeds.detach().float().cpu()
-            match = ImageMatch(row, start, feats, embeds, deepstack, region_descriptors(host_embeds, grid_list[j], merge),
-                               HitKind.MISS, digest, encoder_ms=encoder_ms, context=sketch,
-                               thumbnail=adapter.thumbnail_of(pixels[j], grid_list[j], extras[j]), host_embeds=host_embeds,
-                               encoded_tokens=partial[i][2] if i in partial else None, tower_kv=tower,
-                               tile_digests=tiles[i], whole_encode=wholes.get(i))
+            match = _computed(adapter, (row, start), keys[i], grid_list[j], encodings[i],
+                              (pixels[j], hashes[i], extras[j]), (digest, sketch), encoder_ms=encoder_ms,
+                              encoded_tokens=partial[i][2] if i in partial else None, tile_digests=tiles[i],
+                              whole_encode=wholes.get(i))
             if i in firsts:
                 match = _pixel_first_match(match, *firsts[i])
-            elif not reused:
+            elif not reused and approximate:
+                t1 = time.perf_counter()
                 match = _approximate(adapter, match, cache, get_image_features)
+                approximate_ms += (time.perf_counter() - t1) * 1e3
         stages = exact_ms + (pixel_ms if entry is None else 0.0)
         images.append(replace(match, lookup_ms=stages + (time.perf_counter() - t0) * 1e3))
     outputs = adapter.encoder_outputs([(m.embeds, m.deepstack) for m in images])
     needs_runner = not reused and (compressing or any(m.kind is not HitKind.MISS for m in images))
-    return PrefillRequest(tuple(images), needs_runner, prefix), outputs
+    return PrefillRequest(tuple(images), needs_runner, prefix, approximate_ms), outputs
+
+
+def _computed(adapter, span: tuple[int, int], key: str, grid, encoding, pixels, context, **found) -> ImageMatch:
+    """The match of an image the lookup encoded (a miss until a later stage finds it): its features, from
+    ``encoding`` (embeds, deepstack, tower K/V) and ``pixels`` (its pixel values, patch hashes, extras as the tower
+    reads them); ``context`` is its (digest, sketch); ``found`` the encoder's other outputs (``ImageMatch`` fields)."""
+    embeds, deepstack, tower = encoding
+    values, hashes, extras = pixels
+    feats = ImageFeatures(key, grid, embeds, rows=adapter.token_rows, heights=adapter.hash_rows,
+                          pixel_features=adapter.pixel_features(values, grid, hashes, extras))
+    host_embeds = embeds.detach().float().cpu()
+    return ImageMatch(*span, feats, embeds, deepstack, region_descriptors(host_embeds, grid, adapter.merge),
+                      HitKind.MISS, context[0], context=context[1], thumbnail=adapter.thumbnail_of(values, grid, extras),
+                      host_embeds=host_embeds, tower_kv=tower, **found)
 
 
 def _prefix(adapter, cache, owner: str, input_ids, spans, grids, keys: list[str], eligible: bool):
@@ -649,10 +665,12 @@ def _approximate(adapter, match: ImageMatch, cache, get_image_features) -> Image
     found = store_call("index", lambda: cache.store.candidates(owner, feats.grid, match.descriptors, thresholds.tau,
                                                                cache.top_k), [])
     sketch = token_sketch(match.host_embeds if match.host_embeds is not None else feats.embeds) if found else None
-    mine = centred_sketches(sketch, reference.token_mean) if found else None
+    mine = centred_sketches(sketch, reference.token_mean) if sketch is not None else None
     hw = token_grid(feats.grid, adapter.merge)[1:]
     scored, read = [], 0
     for key, _ in found:
+        # found: both computed above; a miss looked up here has its region descriptors (``lookup_request``)
+        assert sketch is not None and mine is not None and match.descriptors is not None
         section = store_call("read", lambda k=key: cache.store.lookup_section(k, owner), None)
         if section is None:
             continue
@@ -697,6 +715,7 @@ def _thumbnails_agree(match: ImageMatch, thumb: torch.Tensor | None, hw: tuple[i
     mine = match.thumbnail() if thumb is not None and match.thumbnail is not None else None
     if mine is None:
         return True
+    assert thumb is not None  # read only with a candidate thumbnail
     return aligned_similarity(mine, thumb, thumb_per_token(hw), hopeless_below=ENCODER_PIXEL_AGREE,
                               enough=ENCODER_PIXEL_AGREE)[0] >= ENCODER_PIXEL_AGREE
 
@@ -731,7 +750,9 @@ def _fine_stage(scored: list, thresholds, tau_fine: float, thumbnail, hw) -> tup
         return key, score, shift, None, 1.0, thumb
     near = [c for c in scored if thresholds.near(c[0], tau_fine) and c[3] is not None][:PIXEL_CANDIDATES]
     mine = thumbnail() if near and thumbnail is not None else None
-    for score, shift, key, thumb in near if mine is not None else ():
+    if mine is None:
+        return None
+    for score, shift, key, thumb in near:
         pixel, zoom = aligned_similarity(mine, thumb, thumb_per_token(hw), hopeless_below=thresholds.tau_pixel)
         if thresholds.matches(score, tau_fine, lambda p=pixel: p):
             return key, score, shift, pixel, zoom, thumb

@@ -52,8 +52,8 @@ def model_reference(adapter, get_image_features) -> ModelReference:
                              adapter.max_shift)[0]
                  for i, j in pairs]
     thumbs = thumbnails(adapter, images)
-    pixel = [aligned_similarity(thumbs[i], thumbs[j], thumb_per_token(adapter.thumbnail_hw(encoded[i][1])))[0]
-             for i, j in pairs if thumbs[i] is not None and thumbs[j] is not None]
+    pixel = [aligned_similarity(a, b, thumb_per_token(adapter.thumbnail_hw(encoded[i][1])))[0]
+             for i, j in pairs for a, b in [(thumbs[i], thumbs[j])] if a is not None and b is not None]
     return ModelReference(descriptors.mean((0, 1)), token_mean, max(unrelated), max(pixel) if pixel else None)
 
 
@@ -82,8 +82,11 @@ def prepare(adapter, get_image_features) -> None:
     the reference images yet (weights still on ``meta``, say) computes it on its first approximate lookup."""
     if not adapter.approximate:
         return
+    if torch.get_default_device().type == "meta" or any(p.is_meta for p in adapter.model.parameters()):
+        logger.info("vismemo: the model is on meta; its lookup reference is computed on the first lookup")
+        return
     try:
         reference_for(adapter, get_image_features)
-    except (RuntimeError, ValueError, NotImplementedError) as err:
+    except (RuntimeError, ValueError, TypeError, NotImplementedError) as err:
         logger.info("vismemo: the lookup reference is computed on the first lookup instead (%s: %s)",
                     type(err).__name__, err)
