@@ -9,6 +9,8 @@ os.environ.setdefault("VISMEMO_STORE", "memory")  # the process-wide default sto
 # every request looks for approximate hits: what a test of a policy checks does not depend on the gate's timing
 # evidence (runtime.gate; tests/test_gate.py checks the gate with approximate="auto")
 os.environ.setdefault("VISMEMO_APPROXIMATE", "always")
+# a bug met at the store's boundary fails the test instead of degrading to a miss (store/faults.py)
+os.environ.setdefault("VISMEMO_STRICT", "1")
 
 import numpy as np
 import pytest
@@ -53,6 +55,27 @@ def policy_registry():
     yield
     _REGISTRY.clear()
     _REGISTRY.update(before)
+
+
+def forget_bugs():
+    """The bugs a test caused on purpose (outside strict mode) are not the suite's (``no_library_bug``)."""
+    from vismemo_hf.store import faults
+
+    with faults._COUNTS_LOCK:
+        for key in [k for k in faults._COUNTS if k[1] == "bug"]:
+            del faults._COUNTS[key]
+
+
+@pytest.fixture(autouse=True)
+def no_library_bug():
+    """No store call of the test met a bug of the library (an exception that is no store or I/O fault), on the
+    request's thread or the store's writer threads (where strict mode cannot fail the test by raising)."""
+    from vismemo_hf.store.faults import fault_counts
+
+    before = fault_counts().get("bug", 0)
+    yield
+    after = fault_counts()
+    assert after.get("bug", 0) == before, {k: v for k, v in after.items() if k.endswith("/bug")}
 
 
 @pytest.fixture(params=FAMILIES)

@@ -38,6 +38,7 @@ from crc32c import crc32c
 from vismemo_hf.core.context import SIZE as CONTEXT_SIZE
 from vismemo_hf.core.features import THUMB_MAX
 from vismemo_hf.store.entry import Entry
+from vismemo_hf.store.faults import StoreFault
 
 MAGIC = b"VMEM"
 LAYOUT_VERSION = 8
@@ -82,7 +83,7 @@ def round_trip(kv: torch.Tensor, kv_format: str | None) -> torch.Tensor:
     return dequantize(*quantize(kv, kv_format), kv.dtype)
 
 
-class BlobError(ValueError):
+class BlobError(StoreFault, ValueError):
     """A blob that must not be used: corrupt, truncated, foreign or of another layout."""
 
 

@@ -38,6 +38,7 @@ from vismemo_hf.store.background import Writer
 from vismemo_hf.store.catalog import Catalog
 from vismemo_hf.store.entry import Entry
 from vismemo_hf.store.eviction import ExactPriorityLRU
+from vismemo_hf.store.faults import unexpected
 from vismemo_hf.store.placement import Placement
 from vismemo_hf.store.prefixes import PrefixBlocks
 from vismemo_hf.store.tiers import ENTRY, NAMES, PUBLISH, Roles, Tier, TierUnavailable, chain
@@ -232,6 +233,7 @@ class VisMemoStore(Roles, PendingWrites):
                 self._take_news(tier)
                 self.placement.make_room(tier, 0)
             except Exception as err:  # noqa: BLE001
+                unexpected(err, f"{tier.name} indexing")
                 logger.warning("vismemo: %s: indexing stopped (%s: %s); serving the %d entries indexed", tier,
                                type(err).__name__, err, len(tier.lru))
 
@@ -313,6 +315,7 @@ class VisMemoStore(Roles, PendingWrites):
         except TierUnavailable:  # the server, not the entry: keep it for when the server is back
             return None, None
         except _NOT_THE_BLOB as err:  # the read's own arguments or code, not the bytes: a miss, the entry kept
+            unexpected(err, f"{tier.name} read")
             logger.warning("vismemo: %s read of %s failed (%s: %s); entry kept", tier.name, key[:12],
                            type(err).__name__, err)
             return None, None

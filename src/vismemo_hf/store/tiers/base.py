@@ -16,6 +16,7 @@ import torch
 
 from vismemo_hf.store import blob
 from vismemo_hf.store.entry import Entry
+from vismemo_hf.store.faults import StoreFault
 
 #: what ``put`` / ``pop`` of a tier take and give: a decoded ``Entry`` (K/V where the model runs) or blob bytes
 ENTRY: Final = "entry"
@@ -40,7 +41,7 @@ Admits = Literal["fits", "ranked", "copy", "publish"]
 News = tuple[str, str, tuple[int, int, int], torch.Tensor]
 
 
-class TierUnavailable(RuntimeError):
+class TierUnavailable(StoreFault, RuntimeError):
     """A tier could not answer now (its server, not the entry: the entry is kept, the read is a miss)."""
 
 
