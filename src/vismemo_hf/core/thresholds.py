@@ -172,11 +172,6 @@ def centred_tokens(embeds: torch.Tensor, token_mean: torch.Tensor) -> torch.Tens
     return F.normalize(F.normalize(embeds.float(), dim=-1) - token_mean.float().to(embeds.device), dim=-1)
 
 
-def token_cosines(a: torch.Tensor, b: torch.Tensor, token_mean: torch.Tensor) -> torch.Tensor:
-    """(N,) centred cosines of two images' L2-normalised tokens (the fine rule, exactly)."""
-    return (centred_tokens(a, token_mean) * centred_tokens(b, token_mean)).sum(-1)
-
-
 #: the fine stage also compares a request's image with a cached one moved by up to this many visual tokens along
 #: each axis (a page scrolled or moved by whole tokens), over the tokens both show
 MAX_SHIFT = 1

@@ -95,9 +95,6 @@ class DocPage:
     def n_tokens(self) -> int:
         return self.grid**2
 
-    def row_of_key(self, key: str) -> int:
-        return self.keys.index(key)
-
     def cell(self, row: int, column: int) -> str:
         return self.values[row][column]
 

@@ -362,10 +362,6 @@ class RemoteTier(_ShardGuard, TierBase):
     def client(self):
         return self.link.client
 
-    @property
-    def needs_reload(self) -> bool:
-        return bool(self._reload)
-
     def available(self) -> bool:
         return self.link.available()
 
