@@ -138,3 +138,37 @@ def test_an_image_served_approximately_is_an_exact_hit_the_next_time(tiny, pages
     other = vismemo_hf.VisMemoCache(store=store)
     generate(model, build_inputs(processor, [pages["edit"]], question="Which row holds 9999?"), other, 1)
     assert other.events[0].kind is HitKind.EXACT
+
+
+def test_an_image_that_moved_in_its_window_does_not_wait_for_its_entry(tiny, pages):
+    """An agent keeping two screens: the last request's screen, its entry still being written, comes after another
+    screen now. The routing computes it in full (another context), so the request takes its encoder output from
+    the announcement and does not wait for the write; the same image in its own context waits and reuses it."""
+    import threading
+    import time
+
+    model, processor = tiny
+    store = vismemo_hf.VisMemoStore(prefix_bytes=0)
+    release = threading.Event()
+    store.writer.submit(lambda: release.wait(20))  # every write after it stays pending until released
+    try:
+        first = vismemo_hf.VisMemoCache(store=store, approximate="never")
+        generate(model, build_inputs(processor, [pages["base"]]), first, 1)
+        assert store.pending_image(first.events[0].key) is not None  # announced, not written yet
+        moved = build_inputs(processor, [pages["noise"], pages["base"]])
+        cache = vismemo_hf.VisMemoCache(store=store, approximate="never")
+        waited, t0 = store.writer.wait_ms, time.perf_counter()
+        tokens, scores = generate(model, moved, cache, 2)
+        assert time.perf_counter() - t0 < 10 and store.writer.wait_ms == waited, "waited for the write"
+        assert [e.kind for e in cache.events] == [HitKind.MISS, HitKind.EXACT]
+        assert cache.events[1].fallback == "context" and cache.events[1].reused == 0
+        plain_tokens, plain_scores = generate(model, moved, DynamicCache(), 2)
+        assert torch.equal(tokens, plain_tokens) and (scores - plain_scores).abs().max() <= 1e-4
+        timer = threading.Timer(0.5, release.set)  # in its own context it waits for the entry, and reuses it
+        timer.start()
+        again = vismemo_hf.VisMemoCache(store=store, approximate="never")
+        generate(model, build_inputs(processor, [pages["base"]], question="What is the value of row 2?"), again, 1)
+        assert again.events[0].kind is HitKind.EXACT and again.events[0].reused > 0 and store.writer.wait_ms > waited
+    finally:
+        release.set()
+        store.flush()

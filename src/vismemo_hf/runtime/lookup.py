@@ -43,6 +43,7 @@ from vismemo_hf.core.thresholds import (
 )
 from vismemo_hf.runtime import prefix as prefixes
 from vismemo_hf.runtime.reference import reference_for
+from vismemo_hf.store.background import Announced
 from vismemo_hf.store.entry import Entry
 from vismemo_hf.store.faults import store_call
 
@@ -326,10 +327,7 @@ def lookup_request(adapter, cache, input_ids, pixel_values, grids, get_image_fea
     n_images = adapter.image_count(grids)
     source = _expanded_order(image_mask, n_images, expand)
     placeholder_runs = _runs(image_mask)
-    runs = [n for _, _, n in placeholder_runs]
-    lengths = [0] * n_images  # each original image's placeholder run (its first copy's)
-    for j in reversed(range(min(len(source), len(runs)))):
-        lengths[source[j]] = runs[j]
+    lengths = _first_copy_lengths(source, [n for _, _, n in placeholder_runs], n_images)
     items = adapter.split_images(pixel_values, grids, lengths)
     items = [items[i] for i in source]
     grid_list = [g for _, g, _ in items]
@@ -343,16 +341,16 @@ def lookup_request(adapter, cache, input_ids, pixel_values, grids, get_image_fea
     prefix, covered = _prefix(adapter, cache, owner, input_ids, spans, grid_list, [keys[i] for i in source],
                               expand == 1 and valid is None and videos is None and not compressing)
     reused = bool(covered) or (prefix is not None and prefix.length > 0)
-    entries = {i: None if reused else _exact_entry(adapter, cache, keys[i], grid_list[j]) for i, j in originals.items()}
+    contexts = _contexts(input_ids, valid, spans, [keys[i] for i in source],
+                         video_items(adapter.video_mask(input_ids, token_types), merge, videos),
+                         owner.encode() + getattr(cache.store, "context_key", b""))
+    pending, entries = _exact_stage(adapter, cache, owner, originals, keys, grid_list, contexts, reused)
     exact_ms = (time.perf_counter() - t0) * 1e3 / max(1, len(source))
-    todo = [i for i in originals if entries[i] is None and originals[i] not in covered]
+    todo = [i for i in originals if entries[i] is None and i not in pending and originals[i] not in covered]
     pixels, extras = [host[i][0] for i in source], [host[i][2] for i in source]
     hashes, firsts, tiles, pixel_ms = _pixel_stage(adapter, cache, owner, {i: originals[i] for i in todo}, pixels,
                                                    extras, grid_list, keys, reused or not approximate)
     approximate_ms = pixel_ms * len(todo)
-    contexts = _contexts(input_ids, valid, spans, [keys[i] for i in source],
-                         video_items(adapter.video_mask(input_ids, token_types), merge, videos),
-                         owner.encode() + getattr(cache.store, "context_key", b""))
     t0 = time.perf_counter()
     lendable = {i: (*f, tiles[i]) for i, f in firsts.items()
                 if adapter.tile_encoder or _lends(cache.policy, f[0], *contexts[originals[i]])}
@@ -365,6 +363,9 @@ def lookup_request(adapter, cache, input_ids, pixel_values, grids, get_image_fea
         (row, start), (digest, sketch), entry = spans[j], contexts[j], entries[i]
         if j in covered:
             match = _prefix_match(adapter, row, start, keys[i], grid_list[j], digest, sketch)
+        elif i in pending:
+            match = _pending_match(adapter, (row, start), keys[i], grid_list[j], pending[i], (pixels[j], extras[j]),
+                                   digest, sketch)
         elif entry is not None:
             match = _exact_match(row, start, entry, digest, sketch)
             store_call("index", lambda e=entry: cache.store.note_pixels(e.key, e.patch_hashes), None)
@@ -437,6 +438,51 @@ def _exact_entry(adapter, cache, key: str, grid) -> Entry | None:
     """The stored entry of ``key`` if it can serve this model, else None."""
     entry = store_call("read", lambda: cache.store.get(key, cache.owner(adapter.fingerprint)), None)
     return entry if _usable(adapter, cache, entry, key, grid) else None
+
+
+def _first_copy_lengths(source: list[int], runs: list[int], n_images: int) -> list[int]:
+    """Each original image's placeholder run: its first copy's (``source``: the original image of each copy)."""
+    lengths = [0] * n_images
+    for j in reversed(range(min(len(source), len(runs)))):
+        lengths[source[j]] = runs[j]
+    return lengths
+
+
+def _exact_stage(adapter, cache, owner: str, originals: dict[int, int], keys: dict[int, str], grids, contexts,
+                 reused: bool) -> tuple[dict[int, Announced], dict[int, Entry | None]]:
+    """(announcements, entries) by original image: the pending entries a request takes the encoder output of
+    (``_pending_in_full``), and the stored entries of the others (None: none usable, or inside a reused prefix)."""
+    if reused:
+        return {}, dict.fromkeys(originals)
+    pending = {i: found for i, j in originals.items()
+               if (found := _pending_in_full(cache, owner, keys[i], *contexts[j])) is not None}
+    return pending, {i: None if i in pending else _exact_entry(adapter, cache, keys[i], grids[j])
+                     for i, j in originals.items()}
+
+
+def _pending_in_full(cache, owner: str, key: str, digest: str, sketch: torch.Tensor | None) -> Announced | None:
+    """The announcement of ``key``'s entry while it is still being written, when the routing computes the image in
+    full here anyway (another context before it than the entry's: ``RoutingPolicy.context_in_full``, an agent's
+    screen that moved in its window): the encoder output is all the request takes from it, so it does not wait for
+    the write. None: the entry is read as usual."""
+    found = store_call("index", lambda: cache.store.pending_image(key), None)
+    if found is None or found.embeds is None or found.prefix is None or found.fingerprint != owner or \
+            found.prefix == digest:
+        return None
+    return found if cache.policy.context_in_full(True, context_change(found.context, sketch)) else None
+
+
+def _pending_match(adapter, span: tuple[int, int], key: str, grid, found: Announced, pixels, digest: str,
+                   sketch: torch.Tensor | None) -> ImageMatch:
+    """An exact hit on an entry still being written (``_pending_in_full``), from its announcement: its encoder output,
+    the image computed in full (``RoutingPolicy.early_plan``); ``pixels``: its (pixel values, extras)."""
+    values, extras = pixels
+    assert found.embeds is not None  # ``_pending_in_full`` takes announcements that carry them
+    feats = ImageFeatures(key, grid, found.embeds, rows=adapter.token_rows, heights=adapter.hash_rows,
+                          pixel_features=adapter.pixel_features(values, grid, found.patch_hashes, extras))
+    return ImageMatch(*span, feats, found.embeds, found.deepstack, found.descriptors, HitKind.EXACT, digest,
+                      alias=feats, score=1.0, prefix_changed=True, context=sketch,
+                      context_change=context_change(found.context, sketch), encoded_tokens=0, found_by="key")
 
 
 def _exact_match(row: int, start: int, entry: Entry, prefix: str, sketch: torch.Tensor | None) -> ImageMatch:

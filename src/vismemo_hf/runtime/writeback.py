@@ -104,7 +104,8 @@ def write_entries(adapter, cache, done: list[tuple], importance=lambda i: None) 
             return _entry(match, fingerprint, kv, offset), weights
 
         announced = Announced(key, fingerprint, tuple(match.features.grid), match.descriptors,
-                              match.features.patch_hashes) if match.descriptors is not None else None
+                              match.features.patch_hashes, match.prefix, match.context, match.embeds.detach(),
+                              match.deepstack) if match.descriptors is not None else None
         store_call("write", lambda b=build, a=announced: cache.store.put_later(b, a), None)
 
 

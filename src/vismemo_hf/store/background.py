@@ -121,13 +121,20 @@ ACTIVITY = Activity()
 @dataclass(frozen=True)
 class Announced:
     """What a lookup needs of an entry still being built: its key, model, grid, region descriptors and token pixel
-    hashes. The store indexes it at once, so the next request finds it; a read of its bytes waits for the write."""
+    hashes. The store indexes it at once, so the next request finds it; a read of its bytes waits for the write.
+    ``prefix`` / ``context`` (the digest and sketch of what preceded the image) and ``embeds`` / ``deepstack`` (its
+    encoder output) let a request that would compute the image in full anyway (another context) take its encoder
+    output without waiting for the write (``runtime.lookup``)."""
 
     key: str
     fingerprint: str
     grid: tuple
     descriptors: torch.Tensor
     patch_hashes: torch.Tensor | None = None
+    prefix: str | None = None
+    context: torch.Tensor | None = None
+    embeds: torch.Tensor | None = None
+    deepstack: torch.Tensor | None = None
 
 
 class Writer:

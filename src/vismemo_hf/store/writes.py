@@ -42,6 +42,7 @@ class PendingWrites:
                 if self.placement.tier_of(key) is not None or self.writer.pending(key):
                     return
                 self.placement.moving.add(key)  # in transit to its first tier: never forgotten meanwhile
+                self._announced()[key] = announced
                 self.catalog.add(key, announced.fingerprint, announced.grid, announced.descriptors)
                 self.catalog.add_pixels(key, announced.patch_hashes)
 
@@ -54,6 +55,7 @@ class PendingWrites:
             finally:
                 if key is not None:
                     with self._lock:
+                        self._announced().pop(key, None)
                         self.placement.moving.discard(key)
                         if not placed:  # not written: no longer announced. A placed entry stays indexed even
                             # while a remote tier's own write of it is still in flight (``settle_writes``
@@ -61,6 +63,16 @@ class PendingWrites:
                             self.placement.forget_if_gone(key)
 
         self.writer.submit(run, key)
+
+    def _announced(self) -> dict[str, Announced]:
+        """The announcements of the writes still pending, by key (under ``_lock``)."""
+        return self.__dict__.setdefault("_pending_announced", {})
+
+    def pending_image(self, key: str) -> Announced | None:
+        """The announcement of ``key`` while its entry is still being written (None once written, or never
+        announced): what a request may take from it without waiting for the write."""
+        with self._lock:
+            return self._announced().get(key)
 
     def put_when_idle(self, build: Callable[[], tuple[Entry, torch.Tensor | None] | None]) -> None:
         """Build an entry with ``build()`` and ``put`` it on a thread of its own, behind no announced write: for
