@@ -7,7 +7,7 @@ from transformers import DynamicCache
 import vismemo_hf
 from vismemo_hf import HitKind
 
-from conftest import _enabled_tiny, build_inputs, generate, stored
+from conftest import _enabled_tiny, build_inputs, generate, noise_image, stored
 
 
 def _layer0_visual_keys(model, inputs):
@@ -172,3 +172,34 @@ def test_an_image_that_moved_in_its_window_does_not_wait_for_its_entry(tiny, pag
     finally:
         release.set()
         store.flush()
+
+
+@pytest.mark.approximate
+def test_a_candidate_still_being_written_is_passed_over_where_it_could_give_nothing(tiny, pages):
+    """The next screen of an agent keeping two, the last one's entry still being written: an approximate hit on it
+    after another context would be computed in full, so the lookup does not wait to read it and the screen is a
+    miss with plain's answer; once written, the same request finds it (and computes it in full after the change)."""
+    import threading
+    import time
+
+    model, processor = tiny
+    store = vismemo_hf.VisMemoStore(prefix_bytes=0)
+    release = threading.Event()
+    store.writer.submit(lambda: release.wait(20))
+    other = noise_image(1, size=(112, 112))  # another grid: never a candidate of the stored page
+    moved = build_inputs(processor, [other, pages["edit"]])
+    try:
+        generate(model, build_inputs(processor, [pages["base"]]), vismemo_hf.VisMemoCache(store=store), 1)
+        cache = vismemo_hf.VisMemoCache(store=store, approximate="always", store_misses=False)
+        waited, t0 = store.writer.wait_ms, time.perf_counter()
+        tokens, scores = generate(model, moved, cache, 2)
+        assert time.perf_counter() - t0 < 10 and store.writer.wait_ms == waited, "waited for the write"
+        assert [e.kind for e in cache.events] == [HitKind.MISS, HitKind.MISS]
+        plain_tokens, plain_scores = generate(model, moved, DynamicCache(), 2)
+        assert torch.equal(tokens, plain_tokens) and (scores - plain_scores).abs().max() <= 1e-4
+    finally:
+        release.set()
+        store.flush()
+    written = vismemo_hf.VisMemoCache(store=store, approximate="always", store_misses=False)
+    generate(model, moved, written, 1)
+    assert written.events[1].kind is HitKind.APPROXIMATE and written.events[1].fallback == "context"

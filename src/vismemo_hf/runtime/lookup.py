@@ -349,7 +349,7 @@ def lookup_request(adapter, cache, input_ids, pixel_values, grids, get_image_fea
     todo = [i for i in originals if entries[i] is None and i not in pending and originals[i] not in covered]
     pixels, extras = [host[i][0] for i in source], [host[i][2] for i in source]
     hashes, firsts, tiles, pixel_ms = _pixel_stage(adapter, cache, owner, {i: originals[i] for i in todo}, pixels,
-                                                   extras, grid_list, keys, reused or not approximate)
+                                                   extras, grid_list, keys, contexts, reused or not approximate)
     approximate_ms = pixel_ms * len(todo)
     t0 = time.perf_counter()
     lendable = {i: (*f, tiles[i]) for i, f in firsts.items()
@@ -413,14 +413,16 @@ def _prefix(adapter, cache, owner: str, input_ids, spans, grids, keys: list[str]
     return plan, {j for j, (_, start) in enumerate(spans) if start + counts[j] <= plan.length}
 
 
-def _pixel_stage(adapter, cache, owner: str, todo: dict[int, int], pixels, extras, grids, keys: dict, reused: bool):
+def _pixel_stage(adapter, cache, owner: str, todo: dict[int, int], pixels, extras, grids, keys: dict, contexts,
+                 reused: bool):
     """(hashes, pixel-first aliases, tile digests, ms per image) of the images ``todo`` (image -> its first copy)
-    without an exact hit; after a reused prefix no alias is looked for (every image there is computed in full)."""
+    without an exact hit; after a reused prefix no alias is looked for (every image there is computed in full).
+    ``contexts``: each copy's (digest, sketch)."""
     t0 = time.perf_counter()
     hashes = {i: None if reused else _hashes_for_lookup(adapter, cache, owner, pixels[j], grids[j], extras[j])
               for i, j in todo.items()}
     firsts = {i: found for i, j in todo.items()
-              if (found := _pixel_alias(adapter, cache, owner, grids[j], hashes[i], keys[i])) is not None}
+              if (found := _pixel_alias(adapter, cache, owner, grids[j], hashes[i], keys[i], contexts[j])) is not None}
     tiles = {i: adapter.tile_digests(pixels[j], grids[j], extras[j]) for i, j in todo.items()}
     return hashes, firsts, tiles, (time.perf_counter() - t0) * 1e3 / max(1, len(todo))
 
@@ -463,8 +465,8 @@ def _exact_stage(adapter, cache, owner: str, originals: dict[int, int], keys: di
 def _pending_in_full(cache, owner: str, key: str, digest: str, sketch: torch.Tensor | None) -> Announced | None:
     """The announcement of ``key``'s entry while it is still being written, when the routing computes the image in
     full here anyway (another context before it than the entry's: ``RoutingPolicy.context_in_full``, an agent's
-    screen that moved in its window): the encoder output is all the request takes from it, so it does not wait for
-    the write. None: the entry is read as usual."""
+    screen that moved in its window): an exact hit takes its encoder output from it, an approximate candidate is
+    passed over (it would give nothing), and the request does not wait for the write. None: read as usual."""
     found = store_call("index", lambda: cache.store.pending_image(key), None)
     if found is None or found.embeds is None or found.prefix is None or found.fingerprint != owner or \
             found.prefix == digest:
@@ -514,17 +516,20 @@ def _hashes_for_lookup(adapter, cache, owner: str, pixels: torch.Tensor, grid, e
     return adapter.patch_hashes(pixels, grid, extra)
 
 
-def _pixel_alias(adapter, cache, owner: str, grid, hashes: torch.Tensor | None, own: str) -> tuple | None:
+def _pixel_alias(adapter, cache, owner: str, grid, hashes: torch.Tensor | None, own: str, context: tuple) -> \
+        tuple | None:
     """Pixel-first stage (docs/METHOD.md §1, step 2): (entry, (N,) changed tokens, share of tokens unchanged) of
     the first candidate of the pixel index that the image shows edited (``pixel_changes``), or None. The image's
-    own key (``own``: an entry the exact stage could not read or use) is never its alias."""
+    own key (``own``: an entry the exact stage could not read or use) is never its alias, nor an entry still being
+    written that the image would be computed in full against (``context``: the image's (digest, sketch);
+    ``_pending_in_full``): a request does not wait for it."""
     same_pixels = cache.lookup_thresholds(adapter.fingerprint).same_pixels
     if hashes is None or same_pixels is None:
         return None
     found = store_call("index", lambda: cache.store.pixel_candidates(owner, tuple(grid), hashes, cache.top_k), [])
     rows = adapter.hash_rows(hashes, grid) if found else None
     for key, _ in found:
-        if key == own:
+        if key == own or _pending_in_full(cache, owner, key, *context) is not None:
             continue
         entry = store_call("read", lambda k=key: cache.store.peek(k, owner), None)
         if not _usable(adapter, cache, entry, key, tuple(grid)):
@@ -717,6 +722,8 @@ def _approximate(adapter, match: ImageMatch, cache, get_image_features) -> Image
     for key, _ in found:
         # found: both computed above; a miss looked up here has its region descriptors (``lookup_request``)
         assert sketch is not None and mine is not None and match.descriptors is not None
+        if _pending_in_full(cache, owner, key, match.prefix, match.context) is not None:
+            continue  # an entry still being written that this image would be computed in full against: no wait
         section = store_call("read", lambda k=key: cache.store.lookup_section(k, owner), None)
         if section is None:
             continue
