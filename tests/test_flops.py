@@ -113,6 +113,7 @@ def test_a_lent_partial_encode_costs_what_the_floor_counts_and_keeps_what_the_en
                             window=adapter.encoder_window)
     with torch.no_grad():
         _, kvs = adapter.encode_capturing(encoder, pixels, torch.tensor([grid]))
+        kvs = [kv() for kv in kvs]  # laid out when called
         with FlopCounterMode(display=False) as counter:
             adapter.encode_tokens(encoder, [(pixels, grid, tokens)], lent=kvs)
     unit = adapter.merge**2

@@ -165,6 +165,7 @@ def test_tokens_lent_their_images_tower_kv_come_out_as_in_the_whole_image(family
     with torch.no_grad():
         plain = adapter.encode(encoder, pixels, torch.tensor([grid]))[0]
         whole, kvs = adapter.encode_capturing(encoder, pixels, torch.tensor([grid]))
+        kvs = [kv() for kv in kvs]  # laid out when called
         lent = adapter.encode_tokens(encoder, [(pixels, grid, tokens)], lent=kvs)[0]
         alone = adapter.encode_tokens(encoder, [(pixels, grid, tokens)])[0]
     assert torch.equal(whole[0][0], plain[0])
@@ -320,9 +321,9 @@ def test_an_evicted_entry_leaves_the_pixel_index(qwen2):
     model, processor = qwen2
     base = synthetic.page(8, SIZE)
     store = stored(model, processor, base)
-    assert len(store.catalog.pixels) == 1
+    assert len(store.catalog.pixel_index()) == 1
     store.clear()
-    assert len(store.catalog.pixels) == 0
+    assert len(store.catalog.pixel_index()) == 0
     event = _event(model, processor, store, synthetic.edited(8, row=0, value="0000", size=SIZE))
     assert event.kind is HitKind.MISS
 

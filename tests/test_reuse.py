@@ -140,10 +140,11 @@ def test_an_image_served_approximately_is_an_exact_hit_the_next_time(tiny, pages
     assert other.events[0].kind is HitKind.EXACT
 
 
-def test_an_image_that_moved_in_its_window_does_not_wait_for_its_entry(tiny, pages):
+def test_an_image_whose_entry_is_still_being_written_does_not_wait_for_it(tiny, pages):
     """An agent keeping two screens: the last request's screen, its entry still being written, comes after another
     screen now. The routing computes it in full (another context), so the request takes its encoder output from
-    the announcement and does not wait for the write; the same image in its own context waits and reuses it."""
+    the announcement and does not wait for the write; the same image in its own context is an exact hit on the
+    announcement's K/V, again without waiting, and equal to plain transformers."""
     import threading
     import time
 
@@ -164,14 +165,41 @@ def test_an_image_that_moved_in_its_window_does_not_wait_for_its_entry(tiny, pag
         assert cache.events[1].fallback == "context" and cache.events[1].reused == 0
         plain_tokens, plain_scores = generate(model, moved, DynamicCache(), 2)
         assert torch.equal(tokens, plain_tokens) and (scores - plain_scores).abs().max() <= 1e-4
-        timer = threading.Timer(0.5, release.set)  # in its own context it waits for the entry, and reuses it
-        timer.start()
+        same = build_inputs(processor, [pages["base"]], question="What is the value of row 2?")
         again = vismemo_hf.VisMemoCache(store=store, approximate="never")
-        generate(model, build_inputs(processor, [pages["base"]], question="What is the value of row 2?"), again, 1)
-        assert again.events[0].kind is HitKind.EXACT and again.events[0].reused > 0 and store.writer.wait_ms > waited
+        t0 = time.perf_counter()
+        tokens, scores = generate(model, same, again, 2)
+        assert time.perf_counter() - t0 < 10 and store.writer.wait_ms == waited, "waited for the write"
+        assert store.pending_image(first.events[0].key) is not None  # still not written
+        assert again.events[0].kind is HitKind.EXACT and again.events[0].reused == again.events[0].n_tokens
+        plain_tokens, plain_scores = generate(model, same, DynamicCache(), 2)
+        assert torch.equal(tokens, plain_tokens) and (scores - plain_scores).abs().max() <= 1e-4
+        release.set()
+        store.flush()  # once written, the entry serves the same hit
+        stored = vismemo_hf.VisMemoCache(store=store, approximate="never")
+        assert torch.equal(generate(model, same, stored, 2)[0], plain_tokens)
+        assert stored.events[0].kind is HitKind.EXACT and stored.events[0].reused == stored.events[0].n_tokens
     finally:
         release.set()
         store.flush()
+
+
+def test_an_entry_with_non_finite_k_v_is_not_served_before_its_write(tiny, pages, monkeypatch):
+    """An announced entry whose K/V are not finite is never an exact hit's: the request reads as usual (and the
+    write, which refuses them, leaves a miss)."""
+    from vismemo_hf.runtime import writeback
+
+    model, processor = tiny
+    store = vismemo_hf.VisMemoStore(prefix_bytes=0)
+    gather = writeback.image_kv
+    monkeypatch.setattr(writeback, "image_kv", lambda layers, match: gather(layers, match) * float("nan"))
+    inputs = build_inputs(processor, [pages["base"]])
+    generate(model, inputs, vismemo_hf.VisMemoCache(store=store, approximate="never"), 1)
+    again = vismemo_hf.VisMemoCache(store=store, approximate="never")
+    tokens, _ = generate(model, inputs, again, 2)
+    assert again.events[0].kind is HitKind.MISS
+    assert torch.equal(tokens, generate(model, inputs, DynamicCache(), 2)[0])
+    store.flush()
 
 
 @pytest.mark.approximate

@@ -59,10 +59,8 @@ def scoped(fingerprint: str, namespace: str | None) -> str:
 def exact_key(fingerprint: str, pixels: torch.Tensor, grid: tuple[int, int, int]) -> str:
     """Hash of (model fingerprint, preprocessed pixel bytes, grid): equal keys mean the same image for the same model.
 
-    BLAKE3 of every byte, on as many threads as this process may run on (up to 8): a 4,096-token image is about
-    100 MB of float32 pixel values, and an exact hit waits for their key: BLAKE3 hashes them in 12 ms on two threads
-    where SHA-256 took 100 ms on one and 57 ms in chunks on two (``results/perf/exact-key.md``). It is a
-    cryptographic hash like SHA-256, and its digest does not depend on the threads: keys are the same on every
+    BLAKE3 of every byte (a cryptographic hash, several times faster than SHA-256 and on several threads for large
+    images: ``results/perf/exact-key.md``); its digest does not depend on the threads, so keys are the same on every
     machine that shares a store."""
     data = _host_bytes(pixels)
     h = _hasher(data)
@@ -78,9 +76,10 @@ def tensor_digest(tensor: torch.Tensor) -> str:
     return _update(_hasher(data), tensor, data).hexdigest(16)
 
 
-#: below this many bytes one thread hashes: the binding starts a pool of threads for each multithreaded hasher
-#: (a pool of its own, not a process-wide one, which a forked child could not use)
-PARALLEL_BYTES = 4 << 20
+#: below this many bytes one thread hashes: the binding starts a pool of threads for each multithreaded hasher (a
+#: pool of its own, not a process-wide one, which a forked child could not use), which saves nothing on an image
+#: of fewer than about a thousand float32 tokens (``results/perf/exact-key.md``)
+PARALLEL_BYTES = 16 << 20
 
 
 def _host_bytes(tensor: torch.Tensor) -> memoryview:

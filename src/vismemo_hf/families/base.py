@@ -198,8 +198,8 @@ class VisionTower:
         return self.encode(get_image_features, pixels, torch.tensor([g for _, g, _ in images], device=pixels.device))
 
     def encode_capturing(self, get_image_features, pixel_values, grids):
-        """``encode``, and per image the tower's own K/V that a later ``encode_tokens`` of an edited copy lends
-        (``families.tower_kv``); None in their place when the family's tower cannot."""
+        """``encode``, and per image what gives the tower's own K/V when called, which a later ``encode_tokens`` of
+        an edited copy lends (``families.tower_kv``); None in their place when the family's tower cannot."""
         return self.encode(get_image_features, pixel_values, grids), None
 
     def lendable(self, tower: torch.Tensor | None, patches: int) -> bool:

@@ -53,8 +53,9 @@ class LendingTower:
         return tower_kv.lend(self.base.visual, kept)
 
     def encode_capturing(self, get_image_features, pixel_values, grids):
-        """``encode``, and each image's tower K/V (``families.tower_kv.capture``) for later partial encodes; (outputs,
-        None) when the tower runs flash attention (whose fused kernel has no place to lend K/V to)."""
+        """``encode``, and per image what gives its tower K/V when called (``families.tower_kv.capture``: laid out
+        for later partial encodes by the entry's build, off the request's path); (outputs, None) when the tower runs
+        flash attention (whose fused kernel has no place to lend K/V to)."""
         from vismemo_hf.families import tower_kv
 
         if not tower_kv.can_capture(self.base.visual):

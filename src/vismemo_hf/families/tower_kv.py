@@ -17,6 +17,8 @@ not lent to: a partial encode there runs whole windows (``core.pixel_first.encod
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field
@@ -114,22 +116,26 @@ def expected_shape(visual, patches: int) -> tuple[int, int, int, int]:
 @contextmanager
 def capture(visual, order: list[torch.Tensor | None]):
     """Record, for each full-attention block, every image's rotated (K, V); yields a list that holds, after the
-    block, one (layers, 2, patches, width) tensor per image in patch order. ``order``: per image, the patch
-    order the tower ran them in (a permutation; None: their own order)."""
+    block, per image in patch order what lays its K/V out as one (layers, 2, patches, width) tensor when first
+    called (an entry's build, off the request's path). ``order``: per image, the patch order the tower ran them in
+    (a permutation; None: their own order)."""
     record: dict[int, list] = {}
-    out: list[torch.Tensor] = []
+    out: list[Callable[[], torch.Tensor]] = []
     with _running(visual, record=record):
         yield out
     layers = full_layers(visual)
-    for i, perm in enumerate(order):
-        per = []
-        for layer in layers:
-            k, v = record[layer][i]
-            kv = torch.stack([k[0], v[0]]).transpose(1, 2).flatten(2)  # (2, patches, heads * head_dim)
-            if perm is not None:
-                kv = kv[:, torch.argsort(perm.to(kv.device))]
-            per.append(kv)
-        out.append(torch.stack(per).detach())
+    out.extend(functools.cache(functools.partial(_laid_out, record, layers, i, perm)) for i, perm in enumerate(order))
+
+
+def _laid_out(record: dict[int, list], layers: list[int], image: int, perm: torch.Tensor | None) -> torch.Tensor:
+    per = []
+    for layer in layers:
+        k, v = record[layer][image]
+        kv = torch.stack([k[0], v[0]]).transpose(1, 2).flatten(2)  # (2, patches, heads * head_dim)
+        if perm is not None:
+            kv = kv[:, torch.argsort(perm.to(kv.device))]
+        per.append(kv)
+    return torch.stack(per).detach()
 
 
 @contextmanager

@@ -100,8 +100,8 @@ class AliasReader:
         except ValueError as err:  # a token the alias does not hold: nothing to reuse (a miss, never an error)
             logger.warning("vismemo: %s", err)
             return None
-        if m.kind is HitKind.EXACT:
-            kv = token_rows(m.alias_entry.kv, rows)[:, first_layer:]
+        if m.kind is HitKind.EXACT:  # the entry's K/V, or (still being written) what its announcement gives
+            kv = token_rows(m.alias_entry.kv if m.alias_entry is not None else m.alias_kv(), rows)[:, first_layer:]
         else:
             kv = store_call("read", lambda: self.store.get_tokens(m.alias.key, self.owner, rows,
                                                                   first_layer), None)

@@ -19,6 +19,7 @@ from types import SimpleNamespace
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from vismemo_hf.core.checks import all_finite
 from vismemo_hf.core.context import context_change, context_sketch
 from vismemo_hf.core.features import (
     centred_sketches,
@@ -66,6 +67,8 @@ class ImageMatch:
     prefix: str = ""  # hash of the context before the image in its row
     alias: ImageFeatures | None = None
     alias_entry: Entry | None = None
+    #: an exact hit on an entry still being written: what gives its K/V (``Announced.kv``), read without waiting
+    alias_kv: Callable[[], torch.Tensor] | None = None
     alias_offset: int = 0
     score: float | None = None
     prefix_changed: bool = False  # a hit whose alias's K/V were computed after another context before the image
@@ -86,9 +89,10 @@ class ImageMatch:
     #: which stage found the alias: "key" (exact), "pixels" (pixel-first), "encoder" (coarse and fine stages),
     #: "thumbnail" (the aligned pixel stage); None: a miss
     found_by: str | None = None
-    #: (layers, 2, patches, width) the tower's own K/V of a whole-image encode (``families.tower_kv``), kept with the
-    #: entry so that an edited copy's partial encode can attend to it; None: not captured
-    tower_kv: torch.Tensor | None = None
+    #: (layers, 2, patches, width) the tower's own K/V of a whole-image encode (``families.tower_kv``), or what gives
+    #: them when called (laid out by the entry's build), kept with the entry so that an edited copy's partial encode
+    #: can attend to it; None: not captured
+    tower_kv: torch.Tensor | Callable[[], torch.Tensor] | None = None
     #: a call that gives the digests of the tiles the tower encodes alone (``VisionTower.tile_digests``), kept with the
     #: entry so that an edited copy re-encodes only its changed tiles; None: the tower encodes the image whole
     tile_digests: Callable[[], torch.Tensor] | None = None
@@ -105,7 +109,7 @@ class ImageMatch:
         return tokens + self.start
 
     def as_miss(self) -> ImageMatch:
-        return replace(self, kind=HitKind.MISS, alias=None, alias_entry=None, alias_offset=0, score=None,
+        return replace(self, kind=HitKind.MISS, alias=None, alias_entry=None, alias_kv=None, alias_offset=0, score=None,
                        prefix_changed=False, context_change=None, pixel_score=None, aligned=True, found_by=None)
 
 
@@ -452,39 +456,63 @@ def _first_copy_lengths(source: list[int], runs: list[int], n_images: int) -> li
 
 def _exact_stage(adapter, cache, owner: str, originals: dict[int, int], keys: dict[int, str], grids, contexts,
                  reused: bool) -> tuple[dict[int, Announced], dict[int, Entry | None]]:
-    """(announcements, entries) by original image: the pending entries a request takes the encoder output of
-    (``_pending_in_full``), and the stored entries of the others (None: none usable, or inside a reused prefix)."""
+    """(announcements, entries) by original image: the entries still being written that a request is served from
+    without waiting (``_pending_served``), and the stored entries of the others (None: none usable, or inside a
+    reused prefix)."""
     if reused:
         return {}, dict.fromkeys(originals)
     pending = {i: found for i, j in originals.items()
-               if (found := _pending_in_full(cache, owner, keys[i], *contexts[j])) is not None}
+               if (found := _pending_served(cache, owner, keys[i], *contexts[j])) is not None}
     return pending, {i: None if i in pending else _exact_entry(adapter, cache, keys[i], grids[j])
                      for i, j in originals.items()}
 
 
-def _pending_in_full(cache, owner: str, key: str, digest: str, sketch: torch.Tensor | None) -> Announced | None:
-    """The announcement of ``key``'s entry while it is still being written, when the routing computes the image in
-    full here anyway (another context before it than the entry's: ``RoutingPolicy.context_in_full``, an agent's
-    screen that moved in its window): an exact hit takes its encoder output from it, an approximate candidate is
-    passed over (it would give nothing), and the request does not wait for the write. None: read as usual."""
+def _announcement(cache, owner: str, key: str) -> Announced | None:
+    """The announcement of ``key``'s entry while it is still being written for ``owner`` (None once written)."""
     found = store_call("index", lambda: cache.store.pending_image(key), None)
-    if found is None or found.embeds is None or found.prefix is None or found.fingerprint != owner or \
-            found.prefix == digest:
+    if found is None or found.embeds is None or found.prefix is None or found.fingerprint != owner:
         return None
-    return found if cache.policy.context_in_full(True, context_change(found.context, sketch)) else None
+    return found
+
+
+def _in_full(cache, found: Announced, digest: str, sketch: torch.Tensor | None) -> bool:
+    """Whether the routing computes an image announced by ``found`` in full here anyway: another context before it
+    than the entry's (``RoutingPolicy.context_in_full``, an agent's screen that moved in its window)."""
+    return found.prefix != digest and cache.policy.context_in_full(True, context_change(found.context, sketch))
+
+
+def _pending_in_full(cache, owner: str, key: str, digest: str, sketch: torch.Tensor | None) -> Announced | None:
+    """The announcement of ``key``'s entry still being written when an image would be computed in full against it
+    (``_in_full``): an approximate candidate then is passed over unread (it would give nothing)."""
+    found = _announcement(cache, owner, key)
+    return found if found is not None and _in_full(cache, found, digest, sketch) else None
+
+
+def _pending_served(cache, owner: str, key: str, digest: str, sketch: torch.Tensor | None) -> Announced | None:
+    """The announcement of ``key``'s entry while it is still being written, when a request is served from it without
+    waiting for the write: an exact hit on its K/V (``Announced.kv``, finite), or, where the routing computes the
+    image in full anyway (``_in_full``), on its encoder output. None: read as usual (a read waits for the write)."""
+    found = _announcement(cache, owner, key)
+    if found is None or _in_full(cache, found, digest, sketch):
+        return found
+    kv = store_call("read", found.kv, None) if found.kv is not None else None
+    return found if kv is not None and all_finite(kv) else None
 
 
 def _pending_match(adapter, span: tuple[int, int], key: str, grid, found: Announced, pixels, digest: str,
                    sketch: torch.Tensor | None) -> ImageMatch:
-    """An exact hit on an entry still being written (``_pending_in_full``), from its announcement: its encoder output,
-    the image computed in full (``RoutingPolicy.early_plan``); ``pixels``: its (pixel values, extras)."""
+    """An exact hit on an entry still being written (``_pending_served``), from its announcement: its K/V and
+    encoder output (or, another context before it, its encoder output, the image computed in full:
+    ``RoutingPolicy.early_plan``); ``pixels``: its (pixel values, extras)."""
     values, extras = pixels
-    assert found.embeds is not None  # ``_pending_in_full`` takes announcements that carry them
+    assert found.embeds is not None  # ``_pending_served`` takes announcements that carry them
     feats = ImageFeatures(key, grid, found.embeds, rows=adapter.token_rows, heights=adapter.hash_rows,
-                          pixel_features=adapter.pixel_features(values, grid, found.patch_hashes, extras))
+                          pixel_features=adapter.pixel_features(values, grid, None, extras))
+    changed = found.prefix != digest
     return ImageMatch(*span, feats, found.embeds, found.deepstack, found.descriptors, HitKind.EXACT, digest,
-                      alias=feats, score=1.0, prefix_changed=True, context=sketch,
-                      context_change=context_change(found.context, sketch), encoded_tokens=0, found_by="key")
+                      alias=feats, alias_kv=found.kv, alias_offset=found.offset, score=1.0, prefix_changed=changed,
+                      context=sketch, context_change=context_change(found.context, sketch) if changed else None,
+                      encoded_tokens=0, found_by="key")
 
 
 def _exact_match(row: int, start: int, entry: Entry, prefix: str, sketch: torch.Tensor | None) -> ImageMatch:

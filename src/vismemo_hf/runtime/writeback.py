@@ -3,7 +3,9 @@ entropy, thumbnail, context hash and the patch-first K/V of every layer, read fr
 
 from __future__ import annotations
 
+import functools
 import logging
+from collections.abc import Callable
 
 import torch
 
@@ -96,17 +98,24 @@ def write_entries(adapter, cache, done: list[tuple], importance=lambda i: None) 
         seen.add(key)
         weights = importance(i)
 
-        def build(match=match, offset=offset, weights=weights):
-            kv = image_kv(layers, match)
+        gather = functools.cache(functools.partial(image_kv, layers, match))  # once, by whoever reads it first
+
+        def build(match=match, offset=offset, weights=weights, gather=gather):
+            kv = gather()
             if not all_finite(kv):
                 logger.warning("vismemo: image %s has non-finite K/V; not stored", match.features.key[:12])
                 return None
             return _entry(match, fingerprint, kv, offset), weights
 
         announced = Announced(key, fingerprint, tuple(match.features.grid), match.descriptors,
-                              match.features.patch_hashes, match.prefix, match.context, match.embeds.detach(),
-                              match.deepstack) if match.descriptors is not None else None
+                              _hashes_of(match.features), match.prefix, match.context, match.embeds.detach(),
+                              match.deepstack, gather, offset) if match.descriptors is not None else None
         store_call("write", lambda b=build, a=announced: cache.store.put_later(b, a), None)
+
+
+def _hashes_of(features) -> Callable[[], torch.Tensor | None]:
+    """What gives an image's token pixel hashes (computed on first use: off a miss's path, ``store.catalog``)."""
+    return lambda: features.patch_hashes
 
 
 def columns_kv(layers: list[tuple], row: int, columns: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -173,7 +182,8 @@ def _computed_kv(adapter, layers: list[tuple], match, positions: torch.Tensor) -
 
 def _entry(match, fingerprint: str, kv: torch.Tensor, offset: int) -> Entry:
     feats = match.features
-    tower = match.tower_kv if match.tower_kv is not None and all_finite(match.tower_kv) else None
+    tower = match.tower_kv() if callable(match.tower_kv) else match.tower_kv  # laid out here, off the request's path
+    tower = tower if tower is not None and all_finite(tower) else None
     return Entry(key=feats.key, fingerprint=fingerprint, grid=feats.grid, embeds=match.embeds.detach(),
                  deepstack=match.deepstack.detach() if match.deepstack is not None else None,
                  descriptors=match.descriptors, entropy=feats.entropy, kv=kv, offset=offset,

@@ -121,20 +121,26 @@ ACTIVITY = Activity()
 @dataclass(frozen=True)
 class Announced:
     """What a lookup needs of an entry still being built: its key, model, grid, region descriptors and token pixel
-    hashes. The store indexes it at once, so the next request finds it; a read of its bytes waits for the write.
-    ``prefix`` / ``context`` (the digest and sketch of what preceded the image) and ``embeds`` / ``deepstack`` (its
-    encoder output) let a request that would compute the image in full anyway (another context) take its encoder
-    output without waiting for the write (``runtime.lookup``)."""
+    hashes (or what computes them). The store indexes it at once, so the next request finds it; a read of its bytes
+    waits for the write. ``prefix`` / ``context`` (the digest and sketch of what preceded the image), ``embeds`` /
+    ``deepstack`` (its encoder output) and ``kv`` / ``offset`` (its K/V) let a request with the same image be served
+    without waiting for the write: an exact hit on its K/V, or one computed in full (another context) on its encoder
+    output (``runtime.lookup``)."""
 
     key: str
     fingerprint: str
     grid: tuple
     descriptors: torch.Tensor
-    patch_hashes: torch.Tensor | None = None
+    #: the token pixel hashes, or what computes them (indexed when a pixel-first lookup first needs them)
+    patch_hashes: torch.Tensor | Callable[[], torch.Tensor | None] | None = None
     prefix: str | None = None
     context: torch.Tensor | None = None
     embeds: torch.Tensor | None = None
     deepstack: torch.Tensor | None = None
+    #: what gives the image's K/V as its entry will hold them, (N, L, 2, H, D) on the host, and the position of its
+    #: first token they were computed at: an exact hit reads them without waiting for the write
+    kv: Callable[[], torch.Tensor] | None = None
+    offset: int = 0
 
 
 class Writer:

@@ -3,6 +3,8 @@ coarse descriptor index over them, and per model its lookup reference and calibr
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from vismemo_hf.core.thresholds import LookupThresholds, ModelReference
@@ -18,6 +20,9 @@ class Catalog:
         self.where: dict[str, tuple[str, tuple]] = {}  # key -> (fingerprint, grid)
         self.index = DescriptorIndex()
         self.pixels = PixelIndex()  # the pixel-first index: what this process stored or looked at
+        #: entries whose token pixel hashes are indexed when a pixel-first lookup first needs them (key -> what
+        #: computes them): a miss's request never hashes its image's tokens for an index nobody may read
+        self._pixels_later: dict[str, Callable[[], torch.Tensor | None]] = {}
         self._references: dict[str, ModelReference] = {}
         self._thresholds: dict[str, LookupThresholds] = {}
         for preset in [thresholds] if isinstance(thresholds, str) else (thresholds or []):
@@ -43,12 +48,38 @@ class Catalog:
         if known is not None:
             self.index.remove(known[0], known[1], key)
         self.pixels.remove(key)
+        self._pixels_later.pop(key, None)
 
-    def add_pixels(self, key: str, hashes: torch.Tensor | None) -> None:
-        """Index a cataloged entry's token pixel hashes for the pixel-first lookup (``store.pixels``)."""
+    def add_pixels(self, key: str, hashes: torch.Tensor | Callable[[], torch.Tensor | None] | None) -> None:
+        """Index a cataloged entry's token pixel hashes for the pixel-first lookup (``store.pixels``); ``hashes``
+        may be what computes them, called when a pixel-first lookup first reads the index (``pixel_index``)."""
         known = self.where.get(key)
-        if known is not None and hashes is not None:
+        if known is None or hashes is None or key in self.pixels:
+            return
+        if callable(hashes):
+            self._pixels_later[key] = hashes
+        else:
+            self._pixels_later.pop(key, None)
             self.pixels.add(key, known[0], known[1], hashes)
+
+    def indexes_pixels(self, key: str) -> bool:
+        """Whether ``key``'s pixel hashes are indexed, or will be at the next pixel-first lookup."""
+        return key in self.pixels or key in self._pixels_later
+
+    def knows_pixels(self, fingerprint: str, grid) -> bool:
+        """Whether any entry of this model and grid is (or is about to be) in the pixel-first index."""
+        group = (fingerprint, tuple(grid))
+        return self.pixels.knows(fingerprint, grid) or any(self.where.get(k) == group for k in self._pixels_later)
+
+    def pixel_index(self) -> PixelIndex:
+        """The pixel-first index, every entry whose hashes were left for later indexed first."""
+        while self._pixels_later:
+            key, hashes = self._pixels_later.popitem()
+            known = self.where.get(key)
+            computed = hashes()
+            if known is not None and computed is not None:
+                self.pixels.add(key, known[0], known[1], computed)
+        return self.pixels
 
     def candidates(self, fingerprint: str, grid, descriptors: torch.Tensor, tau: float, top_k: int):
         return self.index.search(fingerprint, grid, descriptors, tau, top_k)

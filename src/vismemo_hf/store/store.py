@@ -398,17 +398,17 @@ class VisMemoStore(Roles, PendingWrites):
         """Pixel-first stage: (key, share of its sampled distinctive tokens the image shows) of same-grid entries
         whose pixels the image shows at the same places (``store.pixels``), best first."""
         with self._lock:
-            return self.catalog.pixels.candidates(fingerprint, grid, hashes, top_k)
+            return self.catalog.pixel_index().candidates(fingerprint, grid, hashes, top_k)
 
     def knows_pixels(self, fingerprint: str, grid: tuple[int, int, int]) -> bool:
         """Whether the pixel-first index holds any entry of this model and grid."""
         with self._lock:
-            return self.catalog.pixels.knows(fingerprint, grid)
+            return self.catalog.knows_pixels(fingerprint, grid)
 
     def note_pixels(self, key: str, hashes: torch.Tensor | None) -> None:
         """Index an entry a lookup found otherwise (exact key, encoder output) for later pixel-first lookups."""
         with self._lock:
-            if key not in self.catalog.pixels:
+            if not self.catalog.indexes_pixels(key):
                 self.catalog.add_pixels(key, hashes)
 
     def reference(self, fingerprint: str) -> ModelReference | None:

@@ -48,6 +48,10 @@ class PendingWrites:
 
         def run():
             placed = False
+            if announced is not None and callable(announced.patch_hashes):
+                hashes = store_call("index", announced.patch_hashes, None)  # off the request's path, outside the lock
+                with self._lock:  # indexed now, unless a pixel-first lookup needed them first
+                    self.catalog.add_pixels(announced.key, hashes)
             try:
                 built = store_call("build", build, None)
                 if built is not None:
