@@ -1,6 +1,6 @@
 """The approximate-lookup gate (``runtime.gate``, ``VisMemoCache(approximate="auto")``): approximate lookups go on
 while what their hits save outweighs what their misses lose on the model's own requests, and stop (but for a
-request in ``EXPLORE``) where they do not; exact hits never depend on it."""
+request now and then, ever more rarely) where they do not; exact hits never depend on it."""
 
 import pytest
 import torch
@@ -49,9 +49,29 @@ def test_hits_slower_than_a_miss_close_it_and_it_explores():
     for _ in range(5):
         gate.record(_hit(ms=30.0))  # a hit takes longer than the prefill it replaces
     assert gate.gain_ms() < 0 and not gate.is_open()
-    looks = _looks(gate, 4 * gate.EXPLORE)
-    assert sum(looks) == 4, "only every EXPLORE-th request looks while the gate is closed"
-    assert all(looks[i] == ((gate.requests - len(looks) + i + 1) % gate.EXPLORE == 0) for i in range(len(looks)))
+    looks = _looks(gate, 2 * gate.MAX_EXPLORE + gate.EXPLORE * 7)
+    at = [i + 1 for i, looked in enumerate(looks) if looked]
+    gaps = [b - a for a, b in zip([0, *at], at)]
+    assert gaps[:4] == [gate.EXPLORE, 2 * gate.EXPLORE, 4 * gate.EXPLORE, gate.MAX_EXPLORE], \
+        "a closed gate explores after EXPLORE requests, then ever more rarely, up to MAX_EXPLORE"
+    assert all(gap == gate.MAX_EXPLORE for gap in gaps[3:])
+
+
+def test_an_opened_gate_explores_often_again():
+    gate = ApproximateGate()
+    for _ in range(3):
+        gate.record(_miss(ms=20.0, lookup_ms=8.0))
+    for _ in range(5):
+        gate.record(_hit(ms=30.0))
+    _looks(gate, 4 * gate.MAX_EXPLORE)  # explored ever more rarely
+    assert gate.interval == gate.MAX_EXPLORE
+    for _ in range(gate.WINDOW):
+        gate.record(_hit(ms=1.0))  # the traffic changed: hits pay
+    assert all(_looks(gate, 3)) and gate.interval == 0
+    for _ in range(gate.WINDOW):
+        gate.record(_hit(ms=30.0))  # and changed back
+    looks = _looks(gate, gate.EXPLORE)
+    assert looks[-1] and not any(looks[:-1]), "closed again, it explores after EXPLORE requests first"
 
 
 def test_misses_that_lose_their_lookup_close_it():

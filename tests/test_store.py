@@ -382,3 +382,82 @@ def test_a_gated_writer_starts_its_jobs_between_requests():
     finally:
         ACTIVITY.leave()
     writer.close()
+
+
+def test_a_read_runs_its_entry_job_itself_when_it_has_not_started():
+    """A job queued behind another (or held by a gated writer while a request runs) is run by the thread that waits
+    for its key, at once; meanwhile the key stays pending for every other reader, and the writer thread never runs
+    it again. A job already running is waited for."""
+    import threading
+
+    from vismemo_hf.store.background import ACTIVITY, Writer
+
+    writer = Writer("vismemo-test", gated=True)
+    release, threads = threading.Event(), []
+    writer.submit(lambda: release.wait(30))  # the writer thread is busy with another job
+    built = threading.Event()
+
+    def job():
+        threads.append(threading.get_ident())
+        assert writer.pending("k")  # still pending while it runs here
+        built.set()
+
+    ACTIVITY.enter()
+    try:
+        writer.submit(job, key="k")
+        t0 = time.perf_counter()
+        writer.wait_for("k")
+        assert built.is_set() and time.perf_counter() - t0 < 5
+        assert threads == [threading.get_ident()] and not writer.pending("k")
+    finally:
+        ACTIVITY.leave()
+    release.set()
+    assert writer.drain(10) == 0 and threads == [threading.get_ident()]  # never run twice
+    running, done = threading.Event(), threading.Event()
+
+    def slow():
+        running.set()
+        time.sleep(0.3)
+        done.set()
+
+    writer.submit(slow, key="s")
+    assert running.wait(10)
+    writer.wait_for("s")  # already on the writer thread: waited for
+    assert done.is_set() and not writer.pending("s")
+    writer.close()
+
+
+def _child_writes(writer) -> None:
+    import threading
+
+    assert not writer.pending("held"), "the parent's pending write is not the child's"
+    ran = threading.Event()
+    writer.submit(ran.set, key="child")
+    writer.wait_for("child")
+    assert ran.is_set()
+
+
+def test_a_forked_child_neither_inherits_nor_waits_for_its_parents_writes():
+    """A process forked while its parent's writer holds a pending write (a worker pool forking a server) starts with
+    no pending writes, writes its own on a pool of its own, and exits without waiting for the parent's."""
+    import multiprocessing
+    import threading
+
+    from vismemo_hf.store.background import Writer
+
+    writer = Writer("vismemo-test", gated=True)
+    release = threading.Event()
+    writer.submit(lambda: release.wait(60), key="held")
+    try:
+        child = multiprocessing.get_context("fork").Process(target=_child_writes, args=(writer,))
+        t0 = time.perf_counter()
+        child.start()
+        child.join(45)
+        alive = child.is_alive()
+        if alive:
+            child.kill()
+        assert not alive and child.exitcode == 0 and time.perf_counter() - t0 < 20
+        assert writer.pending("held")  # the parent's own write is still the parent's
+    finally:
+        release.set()
+        writer.close()

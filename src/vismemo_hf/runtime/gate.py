@@ -12,8 +12,10 @@ answers, per model and policy, whether the next request looks for an approximate
 - a miss that looked lost its lookup's time;
 - lookups go on while the expected gain of the next one is positive: over the last ``WINDOW`` looking requests, the
   hit rate (one hit and one miss assumed besides) times a hit's saving, minus the miss rate times a miss's loss (or
-  while too few were measured); else only every ``EXPLORE``-th request looks, so that the evidence follows the
-  traffic (a new kind of page, a warm GPU).
+  while too few were measured); else only an exploring request looks, so that the evidence follows the traffic (a
+  new kind of page, a warm GPU): every ``EXPLORE``-th request at first, and each exploration that leaves the gate
+  closed doubles the interval, up to ``MAX_EXPLORE`` (a model on which lookups never pay stops paying for them); the
+  interval starts again from ``EXPLORE`` once the gate opens.
 
 Exact hits and reused prefixes never depend on it. Times are wall times from the prefill's start to the next forward
 of the same cache or the end of ``generate`` (after the first token's synchronisation on an accelerator)."""
@@ -49,6 +51,7 @@ class ApproximateGate:
 
     WINDOW = 24
     EXPLORE = 8
+    MAX_EXPLORE = 64
     #: looking requests (and misses for the miss rate) measured before the gate may close
     MIN_LOOKED = 6
     MIN_MISSES = 2
@@ -58,13 +61,25 @@ class ApproximateGate:
     looked: deque = field(default_factory=lambda: deque(maxlen=ApproximateGate.WINDOW))
     rates: deque = field(default_factory=lambda: deque(maxlen=ApproximateGate.WINDOW))
     requests: int = 0
+    #: requests between two explorations of a closed gate, and those since the last one
+    interval: int = 0
+    since: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def looks(self) -> bool:
         """Whether the next request looks for approximate hits."""
         with self._lock:
             self.requests += 1
-            return self._open() or self.requests % self.EXPLORE == 0
+            if self._open():
+                self.interval, self.since = 0, 0
+                return True
+            if not self.interval:  # just closed: the first exploration after EXPLORE requests
+                self.interval, self.since = self.EXPLORE, 0
+            self.since += 1
+            if self.since < self.interval:
+                return False
+            self.since, self.interval = 0, min(self.MAX_EXPLORE, 2 * self.interval)
+            return True
 
     def is_open(self) -> bool:
         with self._lock:

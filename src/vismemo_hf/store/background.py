@@ -117,6 +117,19 @@ class Activity:
 #: the process's requests in progress (``runtime.context`` enters and leaves it around every enabled forward)
 ACTIVITY = Activity()
 
+#: the deadline (monotonic) of the gated job the calling thread runs, if any (``checkpoint``)
+_JOB = threading.local()
+
+
+def checkpoint() -> None:
+    """Between two steps of a gated background job (an entry's build, its write): wait while a request's forward
+    runs, until the job's deadline. A job started between two requests then stops at its next step when the next
+    request begins, instead of sharing the cores and the interpreter with it; elsewhere (not a gated job's thread)
+    nothing happens."""
+    deadline = getattr(_JOB, "deadline", None)
+    if deadline is not None:
+        ACTIVITY.idle(deadline)
+
 
 @dataclass(frozen=True)
 class Announced:
@@ -156,6 +169,7 @@ class Writer:
         self.name, self.gated = name, gated
         self._pool: ThreadPoolExecutor | None = None
         self._pending: dict[str, Future] = {}
+        self._jobs: dict[str, Callable[[], None]] = {}  # the job of each pending key (``wait_for`` may run it)
         self._anonymous: list[Future] = []
         self._lock = threading.Lock()
         self.wait_ms = 0.0
@@ -177,13 +191,18 @@ class Writer:
 
             def between_requests():
                 ACTIVITY.idle(deadline)
-                job()
+                _JOB.deadline = deadline  # the job's own steps wait for requests too (``checkpoint``)
+                try:
+                    job()
+                finally:
+                    _JOB.deadline = None
 
             future = self._pool.submit(between_requests if self.gated else job)
             if key is None:
                 self._anonymous.append(future)
             else:
                 self._pending[key] = future
+                self._jobs[key] = job
         future.add_done_callback(partial(self._done, key))
         return future
 
@@ -191,6 +210,7 @@ class Writer:
         with self._lock:
             if key is not None and self._pending.get(key) is future:
                 del self._pending[key]
+                self._jobs.pop(key, None)
             elif future in self._anonymous:
                 self._anonymous.remove(future)
 
@@ -198,10 +218,36 @@ class Writer:
         return key in self._pending
 
     def wait_for(self, key: str) -> None:
-        """Wait for the write of ``key``, if one is pending."""
-        future = self._pending.get(key)
-        if future is not None:
-            self._wait([future])
+        """Wait for the write of ``key``, if one is pending. A job that has not started yet is run here, on the
+        calling thread, at once: the request that needs the entry waits for its build and write alone, not for the
+        jobs queued before it nor for a gated writer to be let through. Meanwhile the key stays pending (other
+        readers wait for this run)."""
+        with self._lock:
+            future, job = self._pending.get(key), self._jobs.pop(key, None)
+            if future is None:
+                return
+            inline: Future | None = None
+            if job is not None:
+                inline = Future()
+                inline.set_running_or_notify_cancel()
+                self._pending[key] = inline
+        if inline is not None and job is not None and future.cancel():  # not started: it runs here instead
+            t0 = time.perf_counter()
+            try:
+                job()  # its own faults are caught inside it, as on the writer thread
+            finally:
+                self.wait_ms += (time.perf_counter() - t0) * 1e3
+                inline.set_result(None)
+                self._done(key, inline)
+            return
+        if inline is not None:  # already running (or done): wait for it as it is
+            with self._lock:
+                if self._pending.get(key) is inline:
+                    self._pending[key] = future
+            inline.set_result(None)
+            if future.done():
+                self._done(key, future)
+        self._wait([future])
 
     def drain(self, timeout: float | None = None) -> int:
         """Wait for every pending write (at most ``timeout`` seconds); returns how many were left."""
@@ -241,6 +287,20 @@ def _watch_exit(writer: Writer) -> None:
             _EXIT_HOOKED = True
         except RuntimeError:  # already shutting down: nothing more can be scheduled anyway
             pass
+
+
+def _after_fork_in_child() -> None:
+    """A forked child owns none of its parent's pending writes (their threads are not in it): its writers start
+    empty, with pools of their own when they first write, and its exit waits for nothing of the parent's."""
+    for writer in list(_WRITERS):
+        writer._lock = threading.Lock()
+        writer._pool, writer._pending, writer._jobs, writer._anonymous = None, {}, {}, []
+    _WRITERS.clear()
+    ACTIVITY.__init__()  # type: ignore[misc]  # no request of the parent's runs in the child
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _complete_at_exit() -> None:
