@@ -12,7 +12,7 @@ import torch
 from vismemo_hf.core.checks import all_finite
 from vismemo_hf.core.plan import HitKind
 from vismemo_hf.families.base import execution_device
-from vismemo_hf.store.background import Announced, checkpoint
+from vismemo_hf.store.background import Announced
 from vismemo_hf.store.entry import Entry
 from vismemo_hf.store.faults import store_call
 
@@ -102,7 +102,6 @@ def write_entries(adapter, cache, done: list[tuple], importance=lambda i: None) 
 
         def build(match=match, offset=offset, weights=weights, gather=gather):
             kv = gather()
-            checkpoint()
             if not all_finite(kv):
                 logger.warning("vismemo: image %s has non-finite K/V; not stored", match.features.key[:12])
                 return None
@@ -182,16 +181,12 @@ def _computed_kv(adapter, layers: list[tuple], match, positions: torch.Tensor) -
 
 
 def _entry(match, fingerprint: str, kv: torch.Tensor, offset: int) -> Entry:
-    """The entry of ``match``'s image: its features computed here (a gated writer's job pauses between them while a
-    request runs: ``store.background.checkpoint``)."""
+    """The entry of ``match``'s image, its features computed here (on the writer's thread, off the request's path)."""
     feats = match.features
-    tower = match.tower_kv() if callable(match.tower_kv) else match.tower_kv  # laid out here, off the request's path
+    tower = match.tower_kv() if callable(match.tower_kv) else match.tower_kv  # laid out here
     tower = tower if tower is not None and all_finite(tower) else None
-    checkpoint()
     entropy = feats.entropy
-    checkpoint()
     thumb = match.thumbnail() if match.thumbnail is not None else None
-    checkpoint()
     return Entry(key=feats.key, fingerprint=fingerprint, grid=feats.grid, embeds=match.embeds.detach(),
                  deepstack=match.deepstack.detach() if match.deepstack is not None else None,
                  descriptors=match.descriptors, entropy=entropy, kv=kv, offset=offset,

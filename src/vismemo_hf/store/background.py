@@ -117,20 +117,6 @@ class Activity:
 #: the process's requests in progress (``runtime.context`` enters and leaves it around every enabled forward)
 ACTIVITY = Activity()
 
-#: the deadline (monotonic) of the gated job the calling thread runs, if any (``checkpoint``)
-_JOB = threading.local()
-
-
-def checkpoint() -> None:
-    """Between two steps of a gated background job (an entry's build, its write): wait while a request's forward
-    runs, until the job's deadline. A job started between two requests then stops at its next step when the next
-    request begins, instead of sharing the cores and the interpreter with it; elsewhere (not a gated job's thread)
-    nothing happens."""
-    deadline = getattr(_JOB, "deadline", None)
-    if deadline is not None:
-        ACTIVITY.idle(deadline)
-
-
 @dataclass(frozen=True)
 class Announced:
     """What a lookup needs of an entry still being built: its key, model, grid, region descriptors and token pixel
@@ -191,11 +177,7 @@ class Writer:
 
             def between_requests():
                 ACTIVITY.idle(deadline)
-                _JOB.deadline = deadline  # the job's own steps wait for requests too (``checkpoint``)
-                try:
-                    job()
-                finally:
-                    _JOB.deadline = None
+                job()
 
             future = self._pool.submit(between_requests if self.gated else job)
             if key is None:

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from vismemo_hf.store.background import Announced, checkpoint
+from vismemo_hf.store.background import Announced
 from vismemo_hf.store.entry import Entry
 from vismemo_hf.store.faults import store_call
 
@@ -54,7 +54,6 @@ class PendingWrites:
                     self.catalog.add_pixels(announced.key, hashes)
             try:
                 built = store_call("build", build, None)
-                checkpoint()
                 if built is not None:
                     placed = bool(store_call("write", lambda: self.put(*built), False))
             finally:
