@@ -113,6 +113,18 @@ class ImageMatch:
                        prefix_changed=False, context_change=None, pixel_score=None, aligned=True, found_by=None)
 
 
+@dataclass(frozen=True)
+class PixelAlias:
+    """What the pixel-first stage found for an image (docs/METHOD.md §1, step 2): the stored ``entry`` it shows
+    edited, its (N,) ``changed`` tokens, the ``share`` of its tokens unchanged, and (``tiles``) what gives the image's
+    tile digests (a tower that encodes tiles alone re-encodes the changed ones)."""
+
+    entry: Entry
+    changed: torch.Tensor
+    share: float
+    tiles: Callable[[], torch.Tensor] | None = None
+
+
 class DeferredImageFeatures:
     """Vision-tower output computed on first use.
 
@@ -356,8 +368,8 @@ def lookup_request(adapter, cache, input_ids, pixel_values, grids, get_image_fea
                                                    extras, grid_list, keys, contexts, reused or not approximate)
     approximate_ms = pixel_ms * len(todo)
     t0 = time.perf_counter()
-    lendable = {i: (*f, tiles[i]) for i, f in firsts.items()
-                if adapter.tile_encoder or _lends(cache.policy, f[0], *contexts[originals[i]])}
+    lendable = {i: replace(f, tiles=tiles[i]) for i, f in firsts.items()
+                if adapter.tile_encoder or _lends(cache.policy, f.entry, *contexts[originals[i]])}
     partial, encodings, wholes = _encode_request(adapter, cache, get_image_features, lendable, todo,
                                                  {i: items[originals[i]] for i in todo}, encoded)
     encoder_ms = (time.perf_counter() - t0) * 1e3
@@ -379,7 +391,7 @@ def lookup_request(adapter, cache, input_ids, pixel_values, grids, get_image_fea
                               encoded_tokens=partial[i][2] if i in partial else None, tile_digests=tiles[i],
                               whole_encode=wholes.get(i))
             if i in firsts:
-                match = _pixel_first_match(match, *firsts[i])
+                match = _pixel_first_match(match, firsts[i])
             elif not reused and approximate:
                 t1 = time.perf_counter()
                 match = _approximate(adapter, match, cache, get_image_features)
@@ -545,12 +557,12 @@ def _hashes_for_lookup(adapter, cache, owner: str, pixels: torch.Tensor, grid, e
 
 
 def _pixel_alias(adapter, cache, owner: str, grid, hashes: torch.Tensor | None, own: str, context: tuple) -> \
-        tuple | None:
-    """Pixel-first stage (docs/METHOD.md §1, step 2): (entry, (N,) changed tokens, share of tokens unchanged) of
-    the first candidate of the pixel index that the image shows edited (``pixel_changes``), or None. The image's
-    own key (``own``: an entry the exact stage could not read or use) is never its alias, nor an entry still being
-    written that the image would be computed in full against (``context``: the image's (digest, sketch);
-    ``_pending_in_full``): a request does not wait for it."""
+        PixelAlias | None:
+    """Pixel-first stage (docs/METHOD.md §1, step 2): the ``PixelAlias`` of the first candidate of the pixel index that
+    the image shows edited (``pixel_changes``), or None. The image's own key (``own``: an entry the exact stage
+    could not read or use) is never its alias, nor an entry still being written that the image would be computed
+    in full against (``context``: the image's (digest, sketch); ``_pending_in_full``): a request does not wait
+    for it."""
     same_pixels = cache.lookup_thresholds(adapter.fingerprint).same_pixels
     if hashes is None or same_pixels is None:
         return None
@@ -564,7 +576,7 @@ def _pixel_alias(adapter, cache, owner: str, grid, hashes: torch.Tensor | None, 
             continue
         changed = pixel_changes(hashes, entry.patch_hashes, same_pixels, rows)
         if changed is not None and adapter.same_layout(SimpleNamespace(patch_hashes=hashes), entry):
-            return entry, changed, 1.0 - float(changed.float().mean())
+            return PixelAlias(entry, changed, 1.0 - float(changed.float().mean()))
     return None
 
 
@@ -622,30 +634,31 @@ def _whole_encoder(adapter, get_image_features, item: tuple, capturing: bool) ->
     return whole
 
 
-def _encode_changed(adapter, get_image_features, found: dict, items: dict) -> tuple[dict, set]:
+def _encode_changed(adapter, get_image_features, found: dict[int, PixelAlias], items: dict) -> tuple[dict, set]:
     """({image: (embeds, deepstack, tokens encoded)}, the images lent tower K/V) of pixel-first hits (``found``:
-    image -> ``_pixel_alias``'s result and the image's ``tile_digests`` call) whose alias kept its tower K/V: the
+    image -> its ``PixelAlias``, with its ``tiles``) whose alias kept its tower K/V: the
     tower runs, in one call, for
     each image's changed tokens (whole windows of a windowed tower), which attend at every full-attention block to
     the alias's other patches (``families.tower_kv``); the changed tokens take its output, the others keep the
     alias's. An alias without tower K/V is encoded in full (a partial encode without the rest of the image as context
     is measured wrong: ``results/quality/encoder-reuse.md``); none lent when the family's tower cannot. A tower that
     encodes tiles alone re-encodes the changed tiles of the images it can by itself (``VisionTower.encode_edited``)."""
-    own = adapter.encode_edited(get_image_features, {i: (items[i], f[0], f[1], f[3]) for i, f in found.items()}) \
-        if found and adapter.tile_encoder else {}
-    found = {i: f[:3] for i, f in found.items() if i not in own and adapter.lendable(f[0].tower_kv, items[i][0].shape[0])}
+    own = adapter.encode_edited(get_image_features, {i: (items[i], f.entry, f.changed, f.tiles)
+                                                     for i, f in found.items()}) if found and adapter.tile_encoder else {}
+    found = {i: f for i, f in found.items() if i not in own and adapter.lendable(f.entry.tower_kv, items[i][0].shape[0])}
     wanted = {}
-    for i, (entry, changed, _) in found.items():
-        if bool(changed.any()):
-            wanted[i] = encoder_tokens(changed, token_grid(entry.grid, adapter.merge)[1:], halo=0,
+    for i, f in found.items():
+        if bool(f.changed.any()):
+            wanted[i] = encoder_tokens(f.changed, token_grid(f.entry.grid, adapter.merge)[1:], halo=0,
                                        window=adapter.encoder_window)
     fresh = adapter.encode_tokens(get_image_features, [(items[i][0], items[i][1], t) for i, t in wanted.items()],
-                                  lent=[found[i][0].tower_kv for i in wanted]) if wanted else []
+                                  lent=[found[i].entry.tower_kv for i in wanted]) if wanted else []
     if fresh is None:
         return own, set()
     fresh = dict(zip(wanted, fresh))
     out = {}
-    for i, (entry, changed, _) in found.items():
+    for i, f in found.items():
+        entry, changed = f.entry, f.changed
         embeds, deepstack = _on_device(entry.embeds, items[i][0]), entry.deepstack
         deepstack = _on_device(deepstack, items[i][0]) if deepstack is not None else None
         if i in fresh:
@@ -664,10 +677,11 @@ def _on_device(tensor: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return tensor.to(like.device) if tensor.device != like.device else tensor
 
 
-def _pixel_first_match(match: ImageMatch, entry: Entry, changed: torch.Tensor, same: float) -> ImageMatch:
+def _pixel_first_match(match: ImageMatch, found: PixelAlias) -> ImageMatch:
     """The match as an approximate hit on the entry its pixels found (tokens in place: no shift, no warp)."""
+    entry = found.entry
     changed_prefix = entry.prefix != match.prefix
-    return replace(match, kind=HitKind.APPROXIMATE, alias=entry.features(), alias_offset=entry.offset, score=same,
+    return replace(match, kind=HitKind.APPROXIMATE, alias=entry.features(), alias_offset=entry.offset, score=found.share,
                    prefix_changed=changed_prefix, found_by="pixels",
                    context_change=context_change(entry.context, match.context) if changed_prefix else None)
 
