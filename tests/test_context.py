@@ -466,6 +466,22 @@ def test_context_cases_cover_every_class_with_three_questions_and_a_stale_answer
     assert [c.questions for c in again] != [c.questions for c in context.cases("docpage", 12, 1)]
 
 
+def test_a_selected_or_highlighted_row_changes_the_pixels_of_that_row_alone():
+    """``select-row`` / ``highlight-row``: the stored page shown with one record's band inverted or highlighted; the
+    text is the same (no stale answer), the pixels change in one band of rows only, and the first question is about
+    the painted record."""
+    import numpy as np
+
+    for pages in ("docpage", "synthdoc"):
+        for cls in ("select-row", "highlight-row"):
+            for seed in (5, 6):
+                (case,) = context.cases(pages, seed, 1, (cls,))
+                stored, shown = np.asarray(case.stored[0][1]), np.asarray(case.asked[0][1])
+                rows = np.nonzero((stored != shown).any(axis=(1, 2)))[0]
+                assert rows.size and rows.max() - rows.min() < stored.shape[0] / 6, (pages, cls, rows)
+                assert all(q.stale is None for q in case.questions) and case.intended == "approximate"
+
+
 def test_the_context_report_compares_each_answer_with_plain_transformers(base_reader):
     from vismemo_hf.bench import context as report
 

@@ -12,6 +12,8 @@ Classes (``CLASSES``):
 * ``rotate`` / ``rescale``: the page turned by 0.5-1 degree or zoomed by 1-3 % about its centre: every token
   changes a little.
 * ``insert-row`` / ``erase-cell``: a record inserted (the rows below move down a row), a value erased.
+* ``select-row`` / ``highlight-row``: one record's row shown selected (its colours inverted, as a UI selects a row)
+  or highlighted (blended with a marker's yellow); the text is unchanged, every token of the row changes.
 
 Each case holds three questions (the first about what changed, where something did), whose answers no instruction
 text chooses. The texts come from three generators (sentences, chat turns, random words with digits) drawn by
@@ -24,11 +26,14 @@ import random
 import string
 from dataclasses import dataclass
 
-from vismemo_hf.eval import docpage, synthdoc
+from PIL import Image, ImageOps
+
+from vismemo_hf.eval import docpage, synthdoc, workload
 
 LENGTHS = ((1, 10), (11, 40), (41, 120), (121, 300))
 CLASSES = tuple(f"text-{kind}-{lo}-{hi}" for lo, hi in LENGTHS for kind in ("exact", "approx")) + (
-    "image-exact", "image-approx", "digit-edit", "key-edit", "rotate", "rescale", "insert-row", "erase-cell")
+    "image-exact", "image-approx", "digit-edit", "key-edit", "rotate", "rescale", "insert-row", "erase-cell",
+    "select-row", "highlight-row")
 
 _WORDS = ("the a of to and in is for on with as by at from this that page report form screen shows please read look "
           "check total date order number item list below next step user assistant open click file window table row "
@@ -138,6 +143,16 @@ class _Pages:
     def value(self, page, row, col) -> str:
         return page.values[row][col] if self.kind == "docpage" else page.rows[row][1]
 
+    def paint_row(self, page, img: Image.Image, row: int, paint) -> Image.Image:
+        """``img`` (``page`` rendered) with record ``row``'s band repainted by ``paint``."""
+        if self.kind == "docpage":
+            return workload.paint_row(img, page, row, paint)
+        top = row * synthdoc.CELL + page.shift[1]
+        box = (0, max(0, top), img.width, min(img.height, top + synthdoc.CELL))
+        out = img.copy()
+        out.paste(paint(img.crop(box)), box[:2])
+        return out
+
 
 def _three(pages: _Pages, page, rng: random.Random, first: Asked | None = None, skip=()) -> tuple[Asked, ...]:
     out = [first] if first is not None else []
@@ -222,6 +237,11 @@ def make_case(cls: str, pages: _Pages, base, other, rng: random.Random) -> Case 
         else:
             page = synthdoc.erase_value(base, row)
         return Case(cls, (("image", img),), (("image", render(page)),), _three(pages, page, rng, skip={(row, col)}),
+                    "approximate")
+    elif cls in ("select-row", "highlight-row"):
+        shown = pages.paint_row(base, img, row, ImageOps.invert if cls == "select-row" else workload.highlight)
+        first = pages.about(base, row, col, None)
+        return Case(cls, (("image", img),), (("image", shown),), _three(pages, base, rng, first, {(row, col)}),
                     "approximate")
     else:
         raise ValueError(f"unknown context class {cls!r}; classes: {', '.join(CLASSES)}")

@@ -39,15 +39,20 @@ class Screen:
     def render(self, size: tuple[int, int]) -> Image.Image:
         img = docpage.render(self.page)
         for row in sorted(self.highlighted):
-            img = _band(img, self.page, row, lambda band: Image.blend(band, Image.new("RGB", band.size, (250, 220, 60)),
-                                                                      0.35))
+            img = paint_row(img, self.page, row, highlight)
         if self.selected is not None:
-            img = _band(img, self.page, self.selected, ImageOps.invert)
+            img = paint_row(img, self.page, self.selected, ImageOps.invert)
         return img if img.size == size else img.resize(size, Image.Resampling.BICUBIC)
 
 
-def _band(img: Image.Image, page: docpage.DocPage, row: int, paint: Callable[[Image.Image], Image.Image]):
-    """``img`` with the band of record ``row`` (its line across the record block) repainted by ``paint``."""
+def highlight(band: Image.Image) -> Image.Image:
+    """A highlighted row: the band blended with a marker's yellow."""
+    return Image.blend(band, Image.new("RGB", band.size, (250, 220, 60)), 0.35)
+
+
+def paint_row(img: Image.Image, page: docpage.DocPage, row: int, paint: Callable[[Image.Image], Image.Image]):
+    """``img`` with the band of record ``row`` (its line across the record block) repainted by ``paint``
+    (``highlight``, or ``ImageOps.invert`` for a selected row)."""
     top = page.y0 + row * page.pitch + page.offset[1] - 4
     box = (max(0, page.x0 - 8 + page.offset[0]), max(0, top), min(page.side, page.side - 16),
            min(page.side, top + page.pitch))
