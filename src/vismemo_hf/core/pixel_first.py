@@ -30,10 +30,10 @@ def distinctive(hashes: torch.Tensor) -> torch.Tensor:
 #: the least share of an image's distinctive tokens outside the band of token rows its changes lie in, for a copy
 #: changed in a region to be the candidate edited (``region_share``); ``REGION_SAME_TOP`` when the band starts at the
 #: first row, ``REGION_SAME_TWO`` when the changes lie in two bands (two rows swapped, two regions edited); more than
-#: ``MAX_BANDS`` bands are never a region. Another page of the same layout changes text in rows all over it: on the
-#: readers' pages it leaves at most 0.12 outside one band, which then starts at the first row, else at most 0.05, and at
-#: most 0.12 outside two; an inverted, tinted or covered region leaves 0.27-0.95 outside, an inserted row its rows above
-#: (0.11-0.50), two rows swapped or cells edited in two rows 0.68-0.84 (``results/lookup/pixel-shares.md``)
+#: ``MAX_BANDS`` bands are never a region. Another page of the same layout changes text in rows all over it and leaves
+#: less outside one band (less still unless the band starts at the first row) or two than an inverted, tinted or
+#: covered region, an inserted row, two rows swapped or cells edited in two rows leave: the bounds sit between the
+#: shares ``results/lookup/pixel-shares.md`` measures on the readers' pages (``benchmarks/pixel_shares.py``)
 REGION_SAME = 0.1
 REGION_SAME_TOP = 0.25
 REGION_SAME_TWO = 0.3

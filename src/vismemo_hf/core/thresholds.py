@@ -440,8 +440,8 @@ def aligned_similarity(a: torch.Tensor, b: torch.Tensor, per_token: int, hopeles
 #: the least aligned thumbnail similarity (``aligned_similarity``) of a candidate the fine stage matched by its
 #: tokens alone: another page of one layout can pass the tokens' rule (receipts of the base reader's streams,
 #: ``benchmarks/stream_recall.py``), while the copies the fine stage finds (moved, rescanned, re-encoded, brightened,
-#: cropped) align as closely as the pixel stage asks, and the closest unrelated calibration pairs of both readers at
-#: 0.90 (``results/lookup/``); a copy that fails it is a miss (``runtime.lookup``; ``vismemo calibrate``'s rule
+#: cropped) align as closely as the pixel stage asks, and the closest unrelated calibration pairs of both readers
+#: align less (``results/lookup/``); a copy that fails it is a miss (``runtime.lookup``; ``vismemo calibrate``'s rule
 #: counts it so)
 ENCODER_PIXEL_AGREE = 0.9
 

@@ -355,7 +355,7 @@ class ModelAdapter(VisionTower):
 
     def hold_fingerprint(self, held: bool) -> None:
         """A forward begins (True) or ends (False): the weights are checked once as it begins, not at each of its
-        lookups, reads and writes (a check reads every parameter's address and version: ~0.1 ms per decoder layer)."""
+        lookups, reads and writes (a check reads every parameter's address and version)."""
         if held:
             self._weights.of(self.model)
         with _HOLDING:  # forwards of several threads: no count lost (a lost one would hold the value for ever)

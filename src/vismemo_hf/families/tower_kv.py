@@ -2,7 +2,7 @@
 
 A partial encode (``ModelAdapter.encode_tokens``) runs only the tokens an approximate hit recomputes. Given only
 a halo of neighbours as context, a full-attention tower's output for them is far from a whole-image encode's
-(``results/quality/encoder-reuse.md``: cosine 0.77 on the tiny reader with a halo of 2 tokens). Lent instead the
+(``results/quality/encoder-reuse.md`` measures how far, with a halo of 2 tokens). Lent instead the
 alias's K/V of every other patch at every attention layer, the changed tokens attend over the whole image as in a
 whole-image encode; what differs is only that the unchanged patches' states are the alias's (they never saw the
 changed pixels), the same approximation the language model's reuse makes one level up.

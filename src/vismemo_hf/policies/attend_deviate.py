@@ -103,8 +103,8 @@ class AttendDeviatePolicy(RoutingPolicy):
     drift_deviation: float | None = 0.1
     #: a copy changed everywhere (as for ``drift_deviation``) below that bound recomputes every token whose deviation
     #: exceeds this, not ``outlier_factor`` x its median: the median measures how much its content changed, not a
-    #: noise floor, and tokens reused at up to 0.01 changed digits on brightened and blurred pages of the base reader
-    #: (``results/quality/unseen-changes-drift-0.01.md``); past ``max_recompute_ratio`` it is computed in full. None:
+    #: noise floor, and tokens reused at a larger bound changed digits on brightened and blurred pages of the base
+    #: reader (``results/quality/unseen-changes-drift-0.01.md``); past ``max_recompute_ratio`` it is computed in full. None:
     #: outliers against the median, as for a local edit
     drift_min_deviation: float | None = 0.003
     #: a local edit's reading-order dependents: the tokens after each token whose pixels changed, in its token row,
@@ -123,8 +123,8 @@ class AttendDeviatePolicy(RoutingPolicy):
     watch_tokens: int = 16
     #: an approximate hit found by its pixels encodes only its changed tokens, which attend at every full-attention
     #: tower block to the alias's kept tower K/V of the other patches (``RoutingPolicy.reuses_encoder``,
-    #: ``families.tower_kv``; docs/METHOD.md §1 step 2): their output agrees with a whole-image encode to a cosine
-    #: of 0.997-1.000 on both readers (``results/quality/encoder-reuse.md``); entries then keep the tower's K/V
+    #: ``families.tower_kv``; docs/METHOD.md §1 step 2): their output agrees closely with a whole-image encode on both
+    #: readers (``results/quality/encoder-reuse.md``); entries then keep the tower's K/V
     reuse_encoder: bool = True
 
     def __post_init__(self) -> None:

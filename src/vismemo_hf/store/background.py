@@ -24,10 +24,10 @@ def one_torch_thread() -> None:
     """Make the calling thread's torch operations run on one thread. A thread that runs a parallel torch operation
     gets an OpenMP team of its own, and while that thread lives the process has more OpenMP threads than cores:
     every team's threads then sleep between parallel regions instead of spinning, and each small operation of the
-    serving thread waits for them to wake (``benchmarks/stream_latency.py`` on a 2-core host, before this setting:
-    plain transformers' decoding step on the base reader 3.50 ms before any enabled request, 14.84 ms after a
-    stream, in the same process as the stream's store; ``results/perf/stream-latency.md`` has the run with it). The
-    setting is the thread's own: the serving threads keep theirs."""
+    serving thread waits for them to wake (``benchmarks/stream_latency.py`` measured plain transformers' decoding
+    steps several times slower after a stream than before it, in the same process as the stream's store, before this
+    setting; ``results/perf/stream-latency.md`` has the run with it). The setting is the thread's own: the serving
+    threads keep theirs."""
     torch.set_num_threads(1)
 
 
