@@ -656,7 +656,8 @@ def _add_report(sub) -> None:
     p.add_argument("--readers", default="vismemo-docqa-base,vismemo-docqa-tiny", help="comma-separated readers")
     p.add_argument("--pairs", type=positive, default=20, help="pages per class (three questions each)")
     p.add_argument("--seed", type=int, default=9000, help="case seed (pages, texts, edits)")
-    p.add_argument("--policies", default="all", help="comma-separated of default, cacheblend, vismemo; or all")
+    p.add_argument("--policies", default="all",
+                   help="comma-separated of default, cacheblend, vismemo, whole-encode; or all (the first three)")
     p.add_argument("--classes", default="all", help="comma-separated classes of eval/context.py CLASSES, or all")
     p.add_argument("--front-pairs", type=nonnegative, default=0,
                    help="pages per class of the context check's front (its options swept on the seed after --seed; "

@@ -27,7 +27,10 @@ from vismemo_hf.eval.quality import TokenClock, anls
 from vismemo_hf.progress import progress as progress_bar
 
 #: the routings compared: the library's default and the two published baselines under the same lookup and store
-POLICIES = {"default": {}, "cacheblend": {"policy": "cacheblend"}, "vismemo": {"policy": "vismemo"}}
+#: (``--policies all``), and on request the default with each image's whole encode (no encoder reuse)
+POLICIES = {"default": {}, "cacheblend": {"policy": "cacheblend"}, "vismemo": {"policy": "vismemo"},
+            "whole-encode": {"policy": "attend-deviate-whole-encode"}}
+ALL = ("default", "cacheblend", "vismemo")
 #: the front of the context check (``--front``): the size of a small context change (``prefix_small_change``,
 #: tokens) swept, larger changes checked instead of computed in full (``prefix_check_large``), the default with its
 #: confidence guard off, the check layer alone (no probes, no guard) and every token computed
@@ -153,7 +156,7 @@ def main(args) -> int:
     unknown = [r for r in readers if r not in READERS]
     if unknown:
         raise ValueError(f"unknown reader(s) {unknown}; readers: {', '.join(READERS)}")
-    names = list(POLICIES) if args.policies == "all" else args.policies.split(",")
+    names = list(ALL) if args.policies == "all" else args.policies.split(",")
     bad = [p for p in names if p not in POLICIES]
     if bad:
         raise ValueError(f"unknown policy label(s) {bad}; labels: {', '.join(POLICIES)}")
