@@ -161,3 +161,25 @@ def test_attention_only_picks_the_highest_raw_attention_tokens():
     plan = policy.plan(feats, ImageFeatures("y", (1, 8, 10), torch.randn(n, 4), torch.zeros(n)), None,
                        WarmupSignals(attention))
     assert plan.recompute.tolist() == [0, 3, 7] and plan.mask.numel() == 0 and plan.reuse.numel() == n - 3
+
+
+def test_an_edit_across_a_token_row_is_not_lent_encoder_output():
+    """``row_share``: the largest share of one token row an edit changed; a local edit past ``lend_row_share`` (a
+    selected or highlighted row) has the default encode the image whole, another local edit is lent the alias's
+    encoder output, and so is a change of most of the image (a row inserted near the top)."""
+    from vismemo_hf.core.pixel_first import row_share
+
+    rows = torch.arange(16) // 4  # four rows of four tokens
+    local = torch.zeros(16, dtype=torch.bool)
+    local[5] = True
+    band = torch.zeros(16, dtype=torch.bool)
+    band[8:12] = True
+    assert row_share(local, rows) == 0.25 and row_share(band, rows) == 1.0
+    assert row_share(torch.zeros(0, dtype=torch.bool), torch.zeros(0, dtype=torch.long)) == 0.0
+    policy = get_policy("attend-deviate")
+    assert policy.lends_encoder(False, None, local, rows)
+    assert not policy.lends_encoder(False, None, band, rows)
+    assert get_policy("attend-deviate", lend_row_share=1.0).lends_encoder(False, None, band, rows)
+    moved = torch.zeros(16, dtype=torch.bool)
+    moved[4:] = True  # a row inserted at the top: every row below changed, not a local edit (recomputed anyway)
+    assert policy.lends_encoder(False, None, moved, rows)

@@ -130,6 +130,16 @@ def partly_changed(mine: torch.Tensor | None, theirs: torch.Tensor | None) -> bo
     return same >= PARTLY_SAME and 1.0 - same > LOCAL_CHANGE
 
 
+def row_share(changed: torch.Tensor, rows: torch.Tensor) -> float:
+    """The largest share of one token row's tokens that ``changed`` ((N,) bool) marks; ``rows``: each token's row."""
+    if not changed.numel():
+        return 0.0
+    rows = rows.to(torch.long).cpu()
+    counts = torch.bincount(rows).clamp_min(1)
+    hits = torch.bincount(rows, weights=changed.cpu().float(), minlength=counts.numel())
+    return float((hits / counts).max())
+
+
 def encoder_tokens(changed: torch.Tensor, hw: tuple[int, int], halo: int = ENCODE_HALO,
                    window: int | None = None) -> torch.Tensor:
     """(k,) sorted tokens to encode for the ``changed`` ones ((N,) bool over a ``hw`` token grid): each with the

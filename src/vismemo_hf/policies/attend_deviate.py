@@ -50,7 +50,7 @@ from typing import ClassVar
 
 import torch
 
-from vismemo_hf.core.pixel_first import partly_changed, region_changed
+from vismemo_hf.core.pixel_first import partly_changed, region_changed, row_share
 from vismemo_hf.core.plan import HitKind, ImageFeatures, ImagePlan, WarmupSignals
 from vismemo_hf.policies.base import (
     RoutingPolicy,
@@ -126,6 +126,11 @@ class AttendDeviatePolicy(RoutingPolicy):
     #: ``families.tower_kv``; docs/METHOD.md §1 step 2): their output agrees closely with a whole-image encode on both
     #: readers (``results/quality/encoder-reuse.md``); entries then keep the tower's K/V
     reuse_encoder: bool = True
+    #: a local edit (``local_share``) that changed more than this share of one token row's tokens (a selected or
+    #: highlighted row, a bar across the page: a band of changed colour next to every patch of the row) is not lent:
+    #: its image is encoded whole (``vismemo report context``'s ``select-row`` / ``highlight-row`` classes,
+    #: ``results/quality/rows/``)
+    lend_row_share: float = 0.67
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -148,6 +153,13 @@ class AttendDeviatePolicy(RoutingPolicy):
 
     def reuses_encoder(self) -> bool:
         return self.reuse_encoder
+
+    def lends_encoder(self, prefix_changed: bool, context_change: int | None, changed: torch.Tensor | None = None,
+                      rows: torch.Tensor | None = None) -> bool:
+        if changed is not None and rows is not None and changed.numel() and rows.numel() == changed.numel() and \
+                float(changed.float().mean()) <= self.local_share and row_share(changed, rows) > self.lend_row_share:
+            return False
+        return super().lends_encoder(prefix_changed, context_change)
 
     def prefetch_tokens(self, image: ImageFeatures, alias: ImageFeatures) -> torch.Tensor:
         return torch.arange(image.n_tokens)  # every token not recomputed is reused

@@ -244,13 +244,15 @@ class RoutingPolicy:
         return prefix_changed and self.prefix_routing == "check" and not self.prefix_check_large and \
             not self.small_change(context_change)
 
-    def lends_encoder(self, prefix_changed: bool, context_change: int | None) -> bool:
+    def lends_encoder(self, prefix_changed: bool, context_change: int | None, changed: torch.Tensor | None = None,
+                      rows: torch.Tensor | None = None) -> bool:
         """Whether an approximate hit found by its pixels may be lent its alias's encoder output (when the routing
-        ``reuses_encoder``): always in its alias's context; after another one only where the routing checks the
-        change and verifies the reuse (probes or the confidence guard, which then see the lent output's error too,
-        and whose fallbacks start again from the whole encode) and does not compute the image in full before any
-        layer runs (``context_in_full``). A routing that reuses after another context unverified encodes the image
-        whole: the lent output's error would add to the context's, unchecked."""
+        ``reuses_encoder``; ``changed``: its (N,) tokens whose pixels changed, ``rows``: each token's row, which a
+        routing that reuses the encoder may look at): in its alias's context; after another one only where the
+        routing checks the change and verifies the reuse (probes or the confidence guard, which then see the lent
+        output's error too, and whose fallbacks start again from the whole encode) and does not compute the image in
+        full before any layer runs (``context_in_full``). A routing that reuses after another context unverified
+        encodes the image whole: the lent output's error would add to the context's, unchecked."""
         if not prefix_changed:
             return True
         verified = self.prefix_probe_share > 0 or self.prefix_min_confidence > 0

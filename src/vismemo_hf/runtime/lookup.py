@@ -369,7 +369,7 @@ def lookup_request(adapter, cache, input_ids, pixel_values, grids, get_image_fea
     approximate_ms = pixel_ms * len(todo)
     t0 = time.perf_counter()
     lendable = {i: replace(f, tiles=tiles[i]) for i, f in firsts.items()
-                if adapter.tile_encoder or _lends(cache.policy, f.entry, *contexts[originals[i]])}
+                if adapter.tile_encoder or _lends(adapter, cache.policy, f, *contexts[originals[i]])}
     partial, encodings, wholes = _encode_request(adapter, cache, get_image_features, lendable, todo,
                                                  {i: items[originals[i]] for i in todo}, encoded)
     encoder_ms = (time.perf_counter() - t0) * 1e3
@@ -580,15 +580,18 @@ def _pixel_alias(adapter, cache, owner: str, grid, hashes: torch.Tensor | None, 
     return None
 
 
-def _lends(policy, entry: Entry, prefix: str, sketch: torch.Tensor | None) -> bool:
-    """Whether a pixel-first alias may lend its encoder output (``RoutingPolicy.lends_encoder``): not where the
+def _lends(adapter, policy, found: PixelAlias, prefix: str, sketch: torch.Tensor | None) -> bool:
+    """Whether a pixel-first alias may lend its encoder output (``RoutingPolicy.lends_encoder``, told how much of
+    one token row the edit changed): not where the
     routing computes the image in full before any layer runs (a context change that is not small), where only the
     image's own whole encode gives plain transformers' answer, nor after another context the routing does not verify.
     Later fallbacks (probes, an unsure answer, a page changed everywhere) start the prefill again from the whole
     encode (``ImageMatch.whole_encode``). A tower that re-encodes whole tiles (``VisionTower.tile_encoder``) gives
     every token what the whole encode gives it, and lends after any context."""
+    entry = found.entry
     changed = entry.prefix != prefix
-    return policy.lends_encoder(changed, context_change(entry.context, sketch) if changed else None)
+    rows = adapter.hash_rows(entry.patch_hashes, entry.grid) if entry.patch_hashes is not None else None
+    return policy.lends_encoder(changed, context_change(entry.context, sketch) if changed else None, found.changed, rows)
 
 
 def _encode_request(adapter, cache, get_image_features, firsts: dict, todo: list[int], items: dict, encoded) \
