@@ -9,7 +9,7 @@ import vismemo_hf
 from vismemo_hf import HitKind
 from vismemo_hf.runtime.gate import ApproximateGate, Sample, gate_for
 
-from conftest import build_inputs, generate, page_set, stored
+from conftest import build_inputs, generate, noise_image, page_set, stored
 
 
 def _miss(ms=100.0, tokens=1000, lookup_ms=10.0, looked=True):
@@ -163,3 +163,29 @@ def _fresh_tiny():
 
     model, processor = tiny_model("qwen2_vl", seed=0)
     return vismemo_hf.enable(model), processor
+
+
+def test_a_hit_computed_in_full_saved_nothing():
+    """Approximate hits that the routing computes in full (another context before each: an agent's next screen after
+    the last one) save nothing: they count as misses that looked, and the gate closes."""
+    gate = ApproximateGate()
+    for _ in range(gate.MIN_MISSES):
+        gate.record(_miss(ms=20.0, tokens=256, lookup_ms=0.0, looked=False))
+    for _ in range(gate.MIN_LOOKED):
+        gate.record(Sample(looked=True, hit=False, tokens=512, ms=30.0, lookup_ms=5.0, exact=True))
+    assert not gate.is_open()
+    assert len(gate.rates) == gate.MIN_MISSES, "a request with an exact hit says nothing of a miss's prefill rate"
+
+
+def test_requests_with_an_exact_hit_and_a_looked_up_image_are_evidence():
+    """An agent's window: the first screen an exact hit, the next one looked up. The gate hears of it (with its
+    exact hit marked), and a hit computed in full is no hit."""
+    model, processor = _fresh_tiny()
+    pages = page_set()
+    store = stored(model, processor, pages["base"], approximate="always")
+    cache = vismemo_hf.VisMemoCache(store=store, approximate="auto")
+    generate(model, build_inputs(processor, [pages["base"], noise_image(3)]), cache, new_tokens=1)
+    assert [e.kind for e in cache.events][0] is HitKind.EXACT
+    gate = gate_for(model._vismemo, repr(cache.policy))
+    sample = gate.looked[-1]
+    assert sample.looked and sample.exact and not sample.hit

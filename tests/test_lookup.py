@@ -145,3 +145,59 @@ def test_patch_entropy_is_each_tokens_luma_histogram_entropy(channels, temporal,
     order = torch.randperm(tokens, generator=g)
     shuffled = pixels.reshape(tokens, -1)[order].reshape(pixels.shape)
     assert torch.equal(patch_entropy(shuffled, **kwargs), got[order])
+
+
+def test_exact_keys_are_hashed_ahead_of_the_lookup(tiny, pages, monkeypatch):
+    """``generate`` asks for the images' encoder output before the prefill: from then on a key thread hashes their
+    pixels (``runtime.keys``), and the lookup makes each exact key from the digest without hashing the pixels
+    again. The keys are the ones hashed at the lookup, for one image and for two; a second request with the same
+    images is an exact hit on them."""
+    from vismemo_hf.core import features
+    from vismemo_hf.runtime import keys, lookup
+
+    model, processor = tiny
+    adapter = model._vismemo
+    monkeypatch.setattr(keys, "AHEAD_ON_HOST", True)  # on the host too (by default only from an accelerator)
+    used: list = []
+    digests = keys.KeysAhead.digests
+
+    def spy(self, pixel_values, count):
+        out = digests(self, pixel_values, count)
+        used.append(out)
+        return out
+
+    monkeypatch.setattr(keys.KeysAhead, "digests", spy)
+    hashed_here: list = []
+    own = lookup.exact_key
+    monkeypatch.setattr(lookup, "exact_key", lambda owner, pixels, grid, digest=None:
+                        hashed_here.append(digest is None) or own(owner, pixels, grid, digest))
+    for images in ([pages["base"]], [pages["noise"], pages["edit"]]):
+        inputs = build_inputs(processor, images)
+        store = vismemo_hf.VisMemoStore()
+        cache = vismemo_hf.VisMemoCache(store=store, approximate="never")
+        generate(model, inputs, cache, 1)
+        host = adapter.split_images(adapter.tower_pixels(inputs["pixel_values"]).cpu(),
+                                    adapter.image_geometry(inputs), None)
+        owner = cache.owner(adapter.fingerprint)
+        want = [features.exact_key(owner, pixels, grid) for pixels, grid, _ in host]
+        assert [e.key for e in cache.events] == want
+        again = vismemo_hf.VisMemoCache(store=store, approximate="never")
+        generate(model, inputs, again, 1)
+        assert all(e.kind is HitKind.EXACT for e in again.events)
+    # each lookup either used the digests hashed ahead or (their hashing not started) hashed the pixels itself
+    assert used and any(u is not None for u in used) and not all(hashed_here)
+
+
+def test_a_digest_hashed_from_other_pixels_is_not_used():
+    """Digests are only taken for the very tensor they were hashed from."""
+    from concurrent.futures import Future
+
+    from vismemo_hf.runtime.keys import KeysAhead
+
+    done: Future = Future()
+    done.set_result([b"x" * 32])
+    pixels = torch.zeros(4, 3)
+    ahead = KeysAhead(pixels, done)
+    assert ahead.digests(pixels.clone(), 1) is None
+    assert ahead.digests(pixels, 2) is None  # another image count than hashed
+    assert ahead.digests(pixels, 1) == [b"x" * 32]

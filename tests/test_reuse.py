@@ -231,3 +231,28 @@ def test_a_candidate_still_being_written_is_passed_over_where_it_could_give_noth
     written = vismemo_hf.VisMemoCache(store=store, approximate="always", store_misses=False)
     generate(model, moved, written, 1)
     assert written.events[1].kind is HitKind.APPROXIMATE and written.events[1].fallback == "context"
+
+
+def test_a_prefill_that_reuses_nothing_runs_as_the_model_runs_it(tiny, pages, monkeypatch):
+    """A screen that moved in an agent's window (another image before it now) is an exact hit the routing computes in
+    full: nothing of the prefill is reused, so the model's own forward runs it as a miss's (no prefill runner), its
+    event says why it was computed in full, and the answer is plain transformers'."""
+    from vismemo_hf.runtime import hooks
+
+    model, processor = tiny
+    store = vismemo_hf.VisMemoStore(prefix_bytes=0)
+    generate(model, build_inputs(processor, [pages["base"]]), vismemo_hf.VisMemoCache(store=store), 1)
+    store.flush()
+
+    def runner(*args, **kwargs):
+        raise AssertionError("the prefill runner ran a prefill that reuses nothing")
+
+    monkeypatch.setattr(hooks, "run_prefill", runner)
+    moved = build_inputs(processor, [pages["noise"], pages["base"]])
+    cache = vismemo_hf.VisMemoCache(store=store, approximate="never")
+    tokens, scores = generate(model, moved, cache, 3)
+    assert [e.kind for e in cache.events] == [HitKind.MISS, HitKind.EXACT]
+    assert cache.events[1].fallback == "context" and cache.events[1].recomputed == cache.events[1].n_tokens
+    plain_tokens, plain_scores = generate(model, moved, DynamicCache(), 3)
+    assert torch.equal(tokens, plain_tokens) and (scores - plain_scores).abs().max() <= 1e-4
+    assert store.stats()["fallbacks"]["context"] == 1  # counted as every fallback is

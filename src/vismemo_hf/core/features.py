@@ -56,17 +56,28 @@ def scoped(fingerprint: str, namespace: str | None) -> str:
     return hashlib.sha256(f"vismemo namespace\0{namespace}\0{fingerprint}".encode()).hexdigest()[:32]
 
 
-def exact_key(fingerprint: str, pixels: torch.Tensor, grid: tuple[int, int, int]) -> str:
-    """Hash of (model fingerprint, preprocessed pixel bytes, grid): equal keys mean the same image for the same model.
+def exact_key(fingerprint: str, pixels: torch.Tensor | None, grid: tuple[int, int, int],
+              digest: bytes | None = None) -> str:
+    """Hash of (model fingerprint, grid, preprocessed pixel bytes): equal keys mean the same image for the same model.
 
-    BLAKE3 of every byte (a cryptographic hash, several times faster than SHA-256 and on several threads for large
-    images: ``results/perf/exact-key.md``); its digest does not depend on the threads, so keys are the same on every
-    machine that shares a store."""
-    data = _host_bytes(pixels)
-    h = _hasher(data)
-    h.update(fingerprint.encode() + b"\0")
+    BLAKE3 of the fingerprint, the grid and the pixels' ``pixel_digest`` (given as ``digest`` when it was hashed
+    ahead: ``runtime.keys``), itself BLAKE3 of every byte (a cryptographic hash, several times faster than SHA-256 and
+    on several threads for large images: ``results/perf/exact-key.md``); no digest depends on the threads, so keys
+    are the same on every machine that shares a store."""
+    if digest is None:
+        if pixels is None:
+            raise ValueError("exact_key needs the pixels or their digest")
+        digest = pixel_digest(pixels)
+    h = blake3.blake3(b"vismemo key\0" + fingerprint.encode() + b"\0")
     h.update(repr(tuple(int(g) for g in grid)).encode() + b"\0")
-    return _update(h, pixels, data).hexdigest()
+    h.update(digest)
+    return h.hexdigest()
+
+
+def pixel_digest(pixels: torch.Tensor) -> bytes:
+    """32-byte BLAKE3 of a tensor's dtype, shape and bytes (an image's pixels as its tower reads them)."""
+    data = _host_bytes(pixels)
+    return _update(_hasher(data), pixels, data).digest()
 
 
 def tensor_digest(tensor: torch.Tensor) -> str:

@@ -118,10 +118,12 @@ def close_forward(ctx: ForwardContext, new_tokens: int) -> None:
     events = ctx.cache.events[ctx.first_event:]
     for event in events:
         event.timings["prefill"] = elapsed
-    if ctx.gate is not None and events and all(e.kind is not HitKind.EXACT for e in events):
+    if ctx.gate is not None and events:
         gate, looked, lookup_ms, tokens = ctx.gate
-        hit = any(e.kind is HitKind.APPROXIMATE for e in events)
-        ctx.cache._gate_pending = Pending(gate, Sample(looked, hit, tokens, 0.0, lookup_ms), ctx.started)
+        exact = any(e.kind is HitKind.EXACT for e in events)
+        hit = any(e.kind is HitKind.APPROXIMATE and e.recomputed < e.n_tokens for e in events)
+        if looked or not exact:
+            ctx.cache._gate_pending = Pending(gate, Sample(looked, hit, tokens, 0.0, lookup_ms, exact), ctx.started)
     try:
         ctx.cache.advance(new_tokens - ctx.reused_prefix)  # a reused prefix was counted when it was loaded
     finally:

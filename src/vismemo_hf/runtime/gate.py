@@ -17,7 +17,9 @@ answers, per model and policy, whether the next request looks for an approximate
   closed doubles the interval, up to ``MAX_EXPLORE`` (a model on which lookups never pay stops paying for them); the
   interval starts again from ``EXPLORE`` once the gate opens.
 
-Exact hits and reused prefixes never depend on it. Times are wall times from the prefill's start to the next forward
+Exact hits and reused prefixes never depend on it; a request with an exact hit and a looked-up image is evidence of
+what the lookup lost or found (not of a prefill's rate). A hit computed in full (another context before it) saved
+nothing: it counts as a miss that looked. Times are wall times from the prefill's start to the next forward
 of the same cache or the end of ``generate`` (after the first token's synchronisation on an accelerator)."""
 
 from __future__ import annotations
@@ -35,14 +37,17 @@ MODES = ("auto", "always", "never")
 
 @dataclass
 class Sample:
-    """One prefill's evidence: whether it looked for approximate hits, found one, its tokens, its wall time and the
-    lookup's own share of it (ms)."""
+    """One prefill's evidence: whether it looked for approximate hits, found one that reused K/V (one computed in
+    full saved nothing: a miss that looked), its tokens, its wall time and the lookup's own share of it (ms).
+    ``exact``: some image of it was an exact hit, whose saving is not the approximate lookup's: its time tells
+    neither a miss's prefill rate nor what an approximate hit saves, only what the lookup lost."""
 
     looked: bool
     hit: bool
     tokens: int
     ms: float
     lookup_ms: float
+    exact: bool = False
 
 
 @dataclass
@@ -96,8 +101,9 @@ class ApproximateGate:
         rate = statistics.median(self.rates)
         hits = [s for s in self.looked if s.hit]
         misses = [s for s in self.looked if not s.hit]
-        if len(hits) >= self.MIN_HITS:
-            saved = statistics.fmean(rate * s.tokens - s.ms for s in hits)
+        timed = [s for s in hits if not s.exact]
+        if len(timed) >= self.MIN_HITS:
+            saved = statistics.fmean(rate * s.tokens - s.ms for s in timed)
         else:  # too few hits to say what one saves: half a miss's prefill, what a typical hit skips
             saved = 0.5 * rate * statistics.fmean(s.tokens for s in self.looked)
         lost = statistics.fmean(s.lookup_ms for s in misses) if misses else 0.0
@@ -110,7 +116,7 @@ class ApproximateGate:
 
     def record(self, sample: Sample) -> None:
         with self._lock:
-            if not sample.hit and sample.tokens > 0:
+            if not sample.hit and not sample.exact and sample.tokens > 0:
                 self.rates.append(max(0.0, sample.ms - sample.lookup_ms) / sample.tokens)
             if sample.looked:
                 self.looked.append(sample)

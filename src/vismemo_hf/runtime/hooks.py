@@ -36,10 +36,11 @@ from vismemo_hf.families import ModelAdapter, routing
 from vismemo_hf.families.base import execution_device
 from vismemo_hf.runtime import attention, context, reference
 from vismemo_hf.runtime import gate as gates
+from vismemo_hf.runtime import keys as keys_ahead
 from vismemo_hf.runtime import prefix as prefixes
 from vismemo_hf.runtime.cache import VisMemoCache
 from vismemo_hf.runtime.lookup import DeferredImageFeatures, lookup_request
-from vismemo_hf.runtime.runner import finish_native, run_prefill
+from vismemo_hf.runtime.runner import computed_in_full, finish_native, run_prefill
 from vismemo_hf.store.background import ACTIVITY
 
 #: the model ``enable`` / ``disable`` / ``enabled`` are given, and return
@@ -75,7 +76,11 @@ def _own(module, name: str):
 def _image_features(self, pixel_values, *args, **kwargs):
     if _DEFER_IMAGES.get():
         kwargs.setdefault("return_dict", True)
-        return DeferredImageFeatures(_own(self, "get_image_features"), pixel_values, args, kwargs)
+        deferred = DeferredImageFeatures(_own(self, "get_image_features"), pixel_values, args, kwargs)
+        adapter = getattr(self, "_vismemo", None)
+        if adapter is not None:  # the exact keys' hashing overlaps generate's preparation of the prefill
+            deferred.keys = keys_ahead.start(adapter, pixel_values, adapter.deferred_geometry(deferred))
+        return deferred
     return _call_own(self, "get_image_features", pixel_values, *args, **kwargs)
 
 
@@ -133,12 +138,12 @@ def _look_up(ctx, adapter, kwargs):
     encoded = dict(kwargs.get("mm_encoder_outputs") or {})
     deferred = encoded.get("image")
     deferred = deferred if isinstance(deferred, DeferredImageFeatures) and not deferred.looked_up else None
-    expand, ran = 1, None
+    expand, ran, ahead = 1, None, None
     if kwargs.get("pixel_values") is not None:
         pixels, grids = kwargs["pixel_values"], adapter.image_geometry(kwargs)
     elif deferred is not None:  # generate() asked for the encoder before the prefill (and maybe expanded it)
-        pixels, grids, expand, ran = deferred.pixel_values, adapter.deferred_geometry(deferred), \
-            deferred.expand_factor, deferred.encoded
+        pixels, grids, expand, ran, ahead = deferred.pixel_values, adapter.deferred_geometry(deferred), \
+            deferred.expand_factor, deferred.encoded, deferred.keys
     else:
         return kwargs
     ids = kwargs.get("input_ids")
@@ -153,7 +158,8 @@ def _look_up(ctx, adapter, kwargs):
     looks = cache.approximate != "never" and (gate is None or gate.looks())
     request, outputs = lookup_request(adapter, cache, ids, pixels, grids, _own(adapter.base, "get_image_features"),
                                       ctx.valid, expand=expand, encoded=ran, videos=_videos(kwargs, encoded),
-                                      token_types=kwargs.get("mm_token_type_ids"), approximate=looks)
+                                      token_types=kwargs.get("mm_token_type_ids"), approximate=looks,
+                                      digests=ahead.digests(pixels, adapter.image_count(grids)) if ahead else None)
     ctx.request = request
     if gate is not None:
         ctx.gate = (gate, looks, request.approximate_ms, int(ids.numel()))
@@ -194,7 +200,10 @@ def _text_forward(self, *args, **kwargs):
         out = _after_prefix(self, ctx, request, kwargs)
         finish_native(ctx.adapter, request, ctx, kwargs.get("position_ids"))
         return out
+    plans = None
     if request is not None and request.needs_runner:
+        plans = computed_in_full(ctx.adapter, cache, request)  # nothing reused: the model's own forward runs it
+    if request is not None and request.needs_runner and plans is None:
         kwargs = {k: v for k, v in kwargs.items() if k not in ("past_key_values", "cache")}
         with attention.slot_attention(self.layers[0].self_attn.config):
             return run_prefill(ctx.adapter, request, **{**kwargs, "ctx": ctx})
@@ -204,7 +213,7 @@ def _text_forward(self, *args, **kwargs):
     else:
         out = _call_own(self, "forward", *args, **kwargs)
     if request is not None:  # a prefill the model computed itself: its complete images become entries
-        finish_native(ctx.adapter, request, ctx, kwargs.get("position_ids"))
+        finish_native(ctx.adapter, request, ctx, kwargs.get("position_ids"), plans)
     elif cache.watch is not None:  # an answer after a reuse: computed in full when the model is unsure of it
         if args:
             cache.watch = None

@@ -137,11 +137,13 @@ class DeferredImageFeatures:
     aside, so the lookup still sees the original images and knows the expansion factor.
     """
 
-    _OWN = ("pixel_values", "args", "kwargs", "_encode", "_output", "_assigned", "_provided")
+    _OWN = ("pixel_values", "args", "kwargs", "_encode", "_output", "_assigned", "_provided", "keys")
 
     def __init__(self, encode, pixel_values, args: tuple, kwargs: dict):
         self.pixel_values, self.args, self.kwargs = pixel_values, tuple(args), kwargs
         self._encode, self._output = encode, None
+        #: the images' pixel digests hashed ahead (``runtime.keys``), or None
+        self.keys = None
         self._assigned: dict = {}
         self._provided = False
 
@@ -324,7 +326,7 @@ def video_items(video_mask: torch.Tensor, merge: int, videos) -> dict[int, list[
 def lookup_request(adapter, cache, input_ids, pixel_values, grids, get_image_features,
                    valid: torch.Tensor | None = None, expand: int = 1, encoded=None,
                    videos=None, token_types: torch.Tensor | None = None,
-                   approximate: bool = True) -> tuple[PrefillRequest, object]:
+                   approximate: bool = True, digests: list[bytes] | None = None) -> tuple[PrefillRequest, object]:
     """Look every image up; return the request's matches and the ``mm_encoder_outputs["image"]`` object.
 
     ``valid``: (B, columns) False at padding, so that a left-padded row hashes its prefix like an unpadded one.
@@ -333,11 +335,10 @@ def lookup_request(adapter, cache, input_ids, pixel_values, grids, get_image_fea
     those images when it already ran (it is not run again). ``videos``: what identifies the request's videos
     (``video_items``), part of the context hash of every image after them. ``token_types``: the processor's
     ``mm_token_type_ids`` (families whose videos share the image placeholder tell them apart by it).
-    ``approximate``: look for approximate hits (False: exact hits and prefixes only; ``runtime.gate``)."""
-    merge = adapter.merge
-    # two reads: every decision below is made from host copies of the ids (their types, padding) and the geometry,
-    # and the keys, pixel features and thumbnails read one host copy of the pixels as the tower reads them (cast to
-    # its dtype: ``tower_pixels``); the tower gets the device's own
+    ``approximate``: look for approximate hits (False: exact hits and prefixes only; ``runtime.gate``).
+    ``digests``: each image's pixel digest, hashed ahead (``runtime.keys``), or None."""
+    # two reads: decisions read host copies of the ids (types, padding) and geometry; keys, pixel features and
+    # thumbnails one host copy of the pixels as the tower reads them (``tower_pixels``); the tower the device's own
     input_ids, token_types, valid, grids = host_copies((input_ids, token_types, valid, grids))
     image_mask = adapter.image_mask(input_ids, token_types)
     n_images = adapter.image_count(grids)
@@ -352,13 +353,14 @@ def lookup_request(adapter, cache, input_ids, pixel_values, grids, get_image_fea
     originals = {i: source.index(i) for i in sorted(set(source))}  # original image -> its first copy
     owner = cache.owner(adapter.fingerprint)
     host = adapter.split_images(adapter.tower_pixels(pixel_values).cpu(), grids, lengths)  # as the tower reads them
-    keys = {i: exact_key(owner, host[i][0], grid_list[j]) for i, j in originals.items()}
+    keys = {i: exact_key(owner, host[i][0], grid_list[j], digests[i] if digests is not None else None)
+            for i, j in originals.items()}
     compressing = cache.compress is not None or (cache.store_misses and cache.store.keep_ratio is not None)
     prefix, covered = _prefix(adapter, cache, owner, input_ids, spans, grid_list, [keys[i] for i in source],
                               expand == 1 and valid is None and videos is None and not compressing)
     reused = bool(covered) or (prefix is not None and prefix.length > 0)
     contexts = _contexts(input_ids, valid, spans, [keys[i] for i in source],
-                         video_items(adapter.video_mask(input_ids, token_types), merge, videos),
+                         video_items(adapter.video_mask(input_ids, token_types), adapter.merge, videos),
                          owner.encode() + getattr(cache.store, "context_key", b""))
     pending, entries = _exact_stage(adapter, cache, owner, originals, keys, grid_list, contexts, reused)
     exact_ms = (time.perf_counter() - t0) * 1e3 / max(1, len(source))

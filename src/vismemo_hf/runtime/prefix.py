@@ -102,12 +102,10 @@ def write(cache, prefix: PrefixPlan | None, exact_until: int) -> None:
     hashes = prefix.hashes[first:whole]
     prefixes = cache.store.prefixes
 
-    def gather():
-        blocks = []
-        for b in range(first, whole):
-            s, e = b * BLOCK, (b + 1) * BLOCK
-            blocks.append(torch.stack([torch.stack([k[0, :, s:e], v[0, :, s:e]]) for k, v in layers]).cpu().clone())
-        prefixes.add(hashes, blocks)
+    def gather():  # one copy of the whole span, cut into blocks (few operations: the writer shares the GIL)
+        s, e = first * BLOCK, whole * BLOCK
+        span = torch.stack([torch.stack([k[0, :, s:e], v[0, :, s:e]]) for k, v in layers]).cpu()
+        prefixes.add(hashes, [block.clone() for block in torch.split(span, BLOCK, dim=3)])
 
     def announce():
         prefixes.announce(hashes, cache.store.writer.submit(lambda: store_call("prefix", gather, None)))

@@ -429,14 +429,43 @@ def record_event(cache, event: CacheEvent) -> None:
                                                    fallback=event.fallback), None)
 
 
-def finish_native(adapter, request: PrefillRequest, ctx: ForwardContext, position_ids) -> None:
-    """After a prefill the model computed itself (every image a miss): store its images, record its events."""
+def computed_in_full(adapter, cache, request: PrefillRequest) -> list[ImagePlan] | None:
+    """Each image's plan when every image of ``request`` is computed at every layer before any layer runs (a miss, or
+    a hit the routing computes in full from the start: ``RoutingPolicy.early_plan`` after a context change that is not
+    small, a warped copy), from its own encoder output; else None. Such a prefill reuses nothing: the model's own
+    forward runs it, as a miss's, and the plans give its events and entries (``finish_native``)."""
+    if cache.compress is not None or (cache.store_misses and cache.store.keep_ratio is not None):
+        return None  # the runner's statistics choose what a compressed cache or entry keeps
+    plans = []
+    for m in request.images:
+        if m.kind is HitKind.MISS:
+            plans.append(cache.policy.miss_plan(m.features))
+            continue
+        if m.whole_encode is not None or m.alias is None or reused_encoder(m):
+            return None  # encoder output partly its alias's: the runner encodes it whole, or completes it later
+        if m.kind is HitKind.APPROXIMATE and not m.aligned:
+            plan = ImagePlan.full(HitKind.APPROXIMATE, m.n_tokens, m.alias.key, fallback="warp")
+        else:
+            plan = cache.policy.early_plan(m.kind, m.features, m.alias, m.prefix_changed, adapter.num_layers,
+                                           m.context_change)
+        if plan is None or not plan.complete:
+            return None
+        plans.append(plan)
+    return plans
+
+
+def finish_native(adapter, request: PrefillRequest, ctx: ForwardContext, position_ids,
+                  plans: list[ImagePlan] | None = None) -> None:
+    """After a prefill the model computed itself (every image a miss, or computed in full: ``plans``, from
+    ``computed_in_full``; an exact hit inside a reused prefix): store its images, record its events."""
     cache = ctx.cache
     positions = None if position_ids is None else _positions(position_ids)
     offsets = _offsets(positions, request.images) if positions is not None else [m.start for m in request.images]
-    runs = [ImageRun(m, at, ImagePlan.exact(m.n_tokens, m.features.key) if m.kind is HitKind.EXACT
-                     else cache.policy.miss_plan(m.features), timings={"warmup": 0.0, "recompute": 0.0})
-            for m, at in zip(request.images, offsets)]
+    if plans is None:
+        plans = [ImagePlan.exact(m.n_tokens, m.features.key) if m.kind is HitKind.EXACT
+                 else cache.policy.miss_plan(m.features) for m in request.images]
+    runs = [ImageRun(m, at, plan, timings={"warmup": 0.0, "recompute": 0.0})
+            for m, at, plan in zip(request.images, offsets, plans)]
     write_entries(adapter, cache, [(i, r.match, r.plan, r.offset) for i, r in enumerate(runs)])
     prefixes.write(cache, request.prefix, cast("VisMemoLayer", cache.layers[0]).get_seq_length() if cache.layers else 0)
     for i, run in enumerate(runs):
