@@ -34,17 +34,17 @@ def measure(spec: str, repeats: int, new_tokens: int = 4) -> dict[str, list[floa
     store, ratios, n = VisMemoStore(), {"ahead": [], "at the lookup": []}, 0
     before = keys.AHEAD_ON_HOST
     try:
-        for repeat in range(repeats):
+        for _ in range(repeats):
             for x in inputs:
-                x = {**x, "pixel_values": x["pixel_values"] + 1e-3 * (repeat + 1)}  # a new image: a miss
+                n += 1
+                x = {**x, "pixel_values": x["pixel_values"] + 1e-4 * n}  # a new image: a miss
                 plain_ms = bench._generate(plain, x, None, new_tokens)[0]
                 for j, mode in enumerate(("ahead", "at the lookup") if n % 2 else ("at the lookup", "ahead")):
                     keys.AHEAD_ON_HOST = mode == "ahead"
-                    y = {**x, "pixel_values": x["pixel_values"] + 1e-4 * (j + 1)}
+                    y = {**x, "pixel_values": x["pixel_values"] + 2e-5 * (j + 1)}
                     cache = VisMemoCache(store=store, approximate="never")
                     ratios[mode].append(bench._generate(model, y, cache, new_tokens)[0] / plain_ms)
                     store.writer.drain()  # untimed: no write of the last miss runs meanwhile
-                n += 1
     finally:
         keys.AHEAD_ON_HOST = before
     return ratios
