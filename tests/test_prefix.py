@@ -6,7 +6,7 @@ import torch
 
 import vismemo_hf
 from vismemo_hf import HitKind
-from vismemo_hf.store.prefixes import BLOCK, block_hashes
+from vismemo_hf.store.prefixes import BLOCK, block_ends, block_hashes
 
 from conftest import generate
 
@@ -100,9 +100,9 @@ def test_blocks_after_an_approximate_hit_are_not_kept(qwen2, pages):
     image_start = int((inputs["input_ids"][0] == model.config.image_token_id).nonzero()[0])
     ids = inputs["input_ids"][0].tolist()
     owner = cache.owner(model._vismemo.fingerprint)
-    hashes = block_hashes(owner, ids, [(image_start, cache.events[0].n_tokens, cache.events[0].key)])
-    kept = store.prefixes.longest(hashes)
-    assert kept * BLOCK <= image_start and len(store.prefixes) >= before
+    images = [(image_start, cache.events[0].n_tokens, cache.events[0].key)]
+    kept = store.prefixes.longest(block_hashes(owner, ids, images))
+    assert (block_ends(len(ids), images)[kept - 1] if kept else 0) <= image_start and len(store.prefixes) >= before
     again = vismemo_hf.VisMemoCache(store=store)
     generate(model, inputs, again, 1)
     assert again.events[0].found_by != "prefix"
@@ -170,7 +170,32 @@ def test_block_hashes_name_the_images_not_only_their_placeholders():
     ids = list(range(3 * BLOCK))
     a = block_hashes("m", ids, [(5, 10, "image-a")])
     b = block_hashes("m", ids, [(5, 10, "image-b")])
-    assert len(a) == 3 and all(x != y for x, y in zip(a, b))
+    assert len(a) == 4 and all(x != y for x, y in zip(a, b))  # a block ends at the image's end (15) too
+    assert block_ends(len(ids), [(5, 10, "image-a")]) == [15, BLOCK, 2 * BLOCK, 3 * BLOCK]
     assert block_hashes("m", ids, []) != block_hashes("other model", ids, [])
     longer = block_hashes("m", ids + [7] * BLOCK, [(5, 10, "image-a")])
-    assert longer[:3] == a
+    assert longer[:4] == a
+    assert block_ends(2 * BLOCK, [(0, BLOCK, "x")]) == [BLOCK, 2 * BLOCK]  # an image ending on a block's end: once
+
+
+def test_a_block_ends_at_every_image_end_so_another_question_reuses_the_page(tiny, pages):
+    """The same page with a question that differs from its first token: the requests share everything up to the
+    page's end, which is not a multiple of ``BLOCK``. A block ends there, so the page and the text before it are
+    reused (an exact hit found by the prefix) and only the question is computed, with plain transformers' answer."""
+    from conftest import build_inputs
+
+    model, processor = tiny
+    store = vismemo_hf.VisMemoStore()
+    first = build_inputs(processor, [pages["base"]], question="Read row 1.")
+    generate(model, first, vismemo_hf.VisMemoCache(store=store), 1)
+    inputs = build_inputs(processor, [pages["base"]], question="Which row holds 9999?")
+    ids = inputs["input_ids"][0]
+    image = (ids == model.config.image_token_id).nonzero().flatten()
+    end = int(image[-1]) + 1
+    common = int((first["input_ids"][0][:len(ids)] != ids[:first["input_ids"].shape[1]]).nonzero()[0])
+    assert end <= common < end + BLOCK and end % BLOCK, "the requests share the page and a few tokens after it"
+    cache = vismemo_hf.VisMemoCache(store=store)
+    tokens, scores = generate(model, inputs, cache, 3)
+    assert [e.found_by for e in cache.events] == ["prefix"] and cache.events[0].kind is HitKind.EXACT
+    plain_tokens, plain_scores = _plain_without(model, inputs)
+    assert torch.equal(tokens, plain_tokens) and (scores - plain_scores).abs().max() <= 1e-4

@@ -11,13 +11,14 @@ prefill still stores its blocks.
 
 from __future__ import annotations
 
+import bisect
 from contextvars import ContextVar
 from dataclasses import dataclass
 
 import torch
 
 from vismemo_hf.store.faults import store_call
-from vismemo_hf.store.prefixes import BLOCK, block_hashes
+from vismemo_hf.store.prefixes import block_ends, block_hashes
 
 #: set while a model forward whose caller reads the last position's logits only runs (``generate``'s
 #: ``logits_to_keep=1``): only such a prefill may skip the hidden states of a reused prefix
@@ -26,13 +27,18 @@ LAST_ONLY: ContextVar[bool] = ContextVar("vismemo_last_only", default=False)
 
 @dataclass(frozen=True)
 class PrefixPlan:
-    """One row's blocks: their chain hashes, how many the store holds, and the tokens reused (0: none) with their
-    K/V, one (layers, 2, KV heads, BLOCK, head dim) tensor per block."""
+    """One row's blocks: their chain hashes and ends (``store.prefixes.block_ends``), how many the store holds, and the
+    tokens reused (0: none) with their K/V, one (layers, 2, KV heads, its tokens, head dim) tensor per block."""
 
     hashes: tuple[str, ...]
+    ends: tuple[int, ...] = ()
     held: int = 0
     length: int = 0
     blocks: tuple[torch.Tensor, ...] = ()
+
+    def blocks_within(self, column: int) -> int:
+        """How many blocks end at or before ``column``."""
+        return bisect.bisect_right(self.ends, column)
 
 
 def plan(cache, owner: str, input_ids: torch.Tensor, spans: list[tuple[int, int]], counts: list[int],
@@ -45,20 +51,21 @@ def plan(cache, owner: str, input_ids: torch.Tensor, spans: list[tuple[int, int]
         return None
     ids = input_ids[0].tolist()
     images = sorted((start, n, key) for (_, start), n, key in zip(spans, counts, keys))
-    hashes = tuple(block_hashes(owner, ids, images))
+    hashes, ends = tuple(block_hashes(owner, ids, images)), tuple(block_ends(len(ids), images))
     held = store_call("prefix", lambda: prefixes.longest(hashes), 0)
-    length = min(held * BLOCK, len(ids) - 1)  # the last token is computed: its logits are the answer's
+    length = min(ends[held - 1] if held else 0, len(ids) - 1)  # the last token is computed: its logits are the answer's
     for start, n, _ in images:
         if start < length < start + n:  # an image is reused whole or not at all
             length = start
     # a prefix is reused when it holds an image: text alone (a system prompt) saves little, and the images after a
     # reused prefix are computed in full, without their own lookup
-    if not eligible or length < BLOCK or not any(start + n <= length for start, n, _ in images):
-        return PrefixPlan(hashes, held)
-    blocks = store_call("prefix", lambda: prefixes.read(hashes[:-(-length // BLOCK)]), None)
+    if not eligible or length < 1 or not any(start + n <= length for start, n, _ in images):
+        return PrefixPlan(hashes, ends, held)
+    needed = bisect.bisect_left(ends, length) + 1  # the blocks up to the one that holds the prefix's last token
+    blocks = store_call("prefix", lambda: prefixes.read(hashes[:needed]), None)
     if blocks is None:
-        return PrefixPlan(hashes, held)
-    return PrefixPlan(hashes, held, length, tuple(blocks))
+        return PrefixPlan(hashes, ends, held)
+    return PrefixPlan(hashes, ends, held, length, tuple(blocks))
 
 
 def preload(cache, prefix: PrefixPlan, device_of) -> None:
@@ -94,20 +101,24 @@ def write(cache, prefix: PrefixPlan | None, exact_until: int) -> None:
     thread."""
     if prefix is None or not cache.store_misses:
         return
-    whole = min(len(prefix.hashes), exact_until // BLOCK)
-    first = max(prefix.held, prefix.length // BLOCK)
+    whole = prefix.blocks_within(exact_until)
+    first = max(prefix.held, prefix.blocks_within(prefix.length))
     if whole <= first or any(layer.mapped for layer in cache.layers):
         return
     layers = [(layer.keys, layer.values) for layer in cache.layers]
     hashes = prefix.hashes[first:whole]
+    bounds = (0, *prefix.ends)[first:whole + 1]
     prefixes = cache.store.prefixes
 
     def gather():  # one copy of the whole span, cut into blocks (few operations: the writer shares the GIL)
-        s, e = first * BLOCK, whole * BLOCK
+        s, e = bounds[0], bounds[-1]
         span = torch.stack([torch.stack([k[0, :, s:e], v[0, :, s:e]]) for k, v in layers]).cpu()
-        prefixes.add(hashes, [block.clone() for block in torch.split(span, BLOCK, dim=3)])
+        sizes = [b - a for a, b in zip(bounds, bounds[1:])]
+        prefixes.add(hashes, [block.clone() for block in torch.split(span, sizes, dim=3)])
 
     def announce():
-        prefixes.announce(hashes, cache.store.writer.submit(lambda: store_call("prefix", gather, None)))
+        writer, key = cache.store.writer, f"prefix:{hashes[-1]}"
+        prefixes.announce(hashes, writer.submit(lambda: store_call("prefix", gather, None), key),
+                          lambda: writer.wait_for(key))
 
     store_call("prefix", announce, None)

@@ -2,11 +2,13 @@
 tokens (a chat re-sending its history, a second question about the same page) reuses them whole and computes only
 the rest (docs/METHOD.md §9).
 
-A request's tokens are cut into blocks of ``BLOCK`` tokens; block i is named by a chain hash of the model (and
-namespace), every token id up to the end of block i and the exact key of every image whose placeholders lie in
-those tokens (vLLM's block keys: an image is part of the hash, not only its placeholder ids). Two requests share a
-block exactly when everything before the block's end is the same, so a block's K/V are the K/V a full prefill of
-the new request computes there. Blocks are stored once, however many requests share them.
+A request's tokens are cut into blocks at every multiple of ``BLOCK`` tokens and at the end of every image
+(``block_ends``: a second question about a page shares everything up to the page's end, rarely a whole block after
+it); block i is named by a chain hash of the model (and namespace), every token id up to the end of block i and the
+exact key of every image whose placeholders lie in those tokens (vLLM's block keys: an image is part of the hash, not
+only its placeholder ids). Where blocks end depends only on the tokens before: two requests share a block exactly
+when everything before the block's end is the same, so a block's K/V are the K/V a full prefill of the new request
+computes there. Blocks are stored once, however many requests share them.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from __future__ import annotations
 import hashlib
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 
 import torch
@@ -25,26 +27,35 @@ from vismemo_hf.store.background import ACTIVITY
 BLOCK = 32
 
 
+def block_ends(length: int, images: Sequence[tuple[int, int, str]]) -> list[int]:
+    """Where the blocks of a row of ``length`` tokens end: every multiple of ``BLOCK`` and the end of every image (or
+    video) of ``images`` ((first column, token count, exact key) in column order), in order, each once, none past
+    ``length``."""
+    ends = set(range(BLOCK, length + 1, BLOCK))
+    ends.update(start + n for start, n, _ in images if 0 < start + n <= length)
+    return sorted(ends)
+
+
 def block_hashes(owner: str, ids: Sequence[int], images: Sequence[tuple[int, int, str]]) -> list[str]:
-    """The chain hash of each whole block of ``ids`` (one row's real token ids); ``images``: (first column, token
-    count, exact key) of every image (or video) of the row, in column order."""
+    """The chain hash of each block of ``ids`` (one row's real token ids), the blocks ending at ``block_ends``;
+    ``images``: (first column, token count, exact key) of every image (or video) of the row, in column order."""
     out = []
     h = hashlib.blake2b(owner.encode(), digest_size=16, person=b"vm-prefix")
-    at = 0
-    ids = list(ids)
-    for b in range(len(ids) // BLOCK):
-        end = (b + 1) * BLOCK
-        h.update(torch.tensor(ids[b * BLOCK:end], dtype=torch.int64).numpy().tobytes())
+    at, begin = 0, 0
+    data = torch.tensor(list(ids), dtype=torch.int64).numpy().tobytes()
+    for end in block_ends(len(ids), images):
+        h.update(data[8 * begin:8 * end])
         while at < len(images) and images[at][0] < end:  # an image that starts in this block names it
             h.update(f"|{images[at][0]}:{images[at][1]}:{images[at][2]}".encode())
             at += 1
         out.append(h.copy().hexdigest())
+        begin = end
     return out
 
 
 class PrefixBlocks:
     """Blocks' K/V in host memory within a byte budget, least recently used out first. Each block holds
-    (layers, 2, KV heads, BLOCK, head dim) in the model's dtype. Thread-safe; writes come from the store's writer
+    (layers, 2, KV heads, its tokens, head dim) in the model's dtype. Thread-safe; writes come from the store's writer
     thread, reads from the requests'."""
 
     def __init__(self, budget: int | None) -> None:
@@ -53,6 +64,7 @@ class PrefixBlocks:
         self._bytes = 0
         self._lock = threading.Lock()
         self._pending: dict[str, Future] = {}  # blocks being written: held for ``longest``, waited for by ``read``
+        self._waits: dict[int, Callable[[], None]] = {}  # id of a pending write -> what waits for it
         self.reused_blocks = 0
 
     def __len__(self) -> int:
@@ -72,11 +84,15 @@ class PrefixBlocks:
                 n += 1
             return n
 
-    def announce(self, hashes: Sequence[str], write: Future) -> None:
-        """``write`` (a job on the store's writer thread) is adding ``hashes``: they count as held meanwhile."""
+    def announce(self, hashes: Sequence[str], write: Future, wait: Callable[[], None] | None = None) -> None:
+        """``write`` (a job on the store's writer thread) is adding ``hashes``: they count as held meanwhile. ``wait``:
+        what a reader calls instead of waiting for ``write`` itself (``Writer.wait_for``: a job not started yet runs
+        on the reader's thread, not after the jobs queued before it)."""
         with self._lock:
             for h in hashes:
                 self._pending.setdefault(h, write)
+            if wait is not None:
+                self._waits[id(write)] = wait
         write.add_done_callback(lambda _: self._written(hashes, write))
 
     def _written(self, hashes: Sequence[str], write: Future) -> None:
@@ -84,13 +100,17 @@ class PrefixBlocks:
             for h in hashes:
                 if self._pending.get(h) is write:
                     del self._pending[h]
+            self._waits.pop(id(write), None)
 
     def read(self, hashes: Sequence[str]) -> list[torch.Tensor] | None:
-        """The blocks of ``hashes`` (each refreshed; a block being written is waited for), or None when one is gone
-        meanwhile."""
+        """The blocks of ``hashes`` (each refreshed; a block being written is waited for, its write run here when it
+        has not started), or None when one is gone meanwhile."""
         with self._lock:
-            writes = {id(f): f for h in hashes if (f := self._pending.get(h)) is not None}
-        ACTIVITY.wait_on(list(writes.values()), None)
+            writes = {id(f): (f, self._waits.get(id(f))) for h in hashes if (f := self._pending.get(h)) is not None}
+        for _, wait in writes.values():
+            if wait is not None:
+                wait()
+        ACTIVITY.wait_on([f for f, wait in writes.values() if wait is None], None)
         with self._lock:
             out = []
             for h in hashes:
