@@ -59,7 +59,7 @@ class ImagePlan:
     #: much to reuse), ``"uncertain"`` (after another context, the model is unsure of the answer), ``"changed"``
     #: (the page changed everywhere), ``"warp"`` (a zoomed or turned copy: its tokens do not line up with the alias's),
     #: ``"recomputed"`` (a routing that recomputes every token of an image lent encoder output: computed from its
-    #: whole encode, ``runtime.runner.WholeEncodeNeeded``)
+    #: whole encode, ``runtime.rerun.Rerun``)
     fallback: str | None = None
     #: tokens of ``recompute`` that verify the reuse of the rest (a changed context's probes): computed at every
     #: layer, their K/V are compared with the alias's; when their mean relative deviation (the largest over the

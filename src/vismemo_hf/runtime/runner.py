@@ -22,6 +22,7 @@ from vismemo_hf.runtime import prefix as prefixes
 from vismemo_hf.runtime.alias import AliasReader, stored_tokens
 from vismemo_hf.runtime.context import ForwardContext
 from vismemo_hf.runtime.lookup import ImageMatch, PrefillRequest
+from vismemo_hf.runtime.rerun import Rerun, Scope
 from vismemo_hf.runtime.schedule import ActiveStates, Layout, Placement, Schedule, causal_mask, padded_on_device
 from vismemo_hf.runtime.signals import SignalCollector
 from vismemo_hf.runtime.verify import Verifier
@@ -68,16 +69,6 @@ class ImageRun:
                           pixel_score=m.pixel_score, fallback=plan.fallback, verify_estimate=self.verify_estimate,
                           drift=m.drift, context_change=m.context_change, found_by=m.found_by,
                           encoded_tokens=m.n_tokens if m.encoded_tokens is None else m.encoded_tokens)
-
-
-class WholeEncodeNeeded(Exception):
-    """A plan computes in full an image whose encoder output is partly its alias's (``ImageMatch.whole_encode``):
-    plain transformers' answer needs the image's own whole encode, so the prefill starts again from it
-    (``run_prefill``). ``images``: image -> the fallback its plan then has ("miss": its alias K/V could not be read)."""
-
-    def __init__(self, images: dict[int, str]) -> None:
-        super().__init__(f"images {sorted(images)} need their whole encode")
-        self.images = images
 
 
 def whole_encoded(matches: list[ImageMatch], images: dict[int, str], inputs_embeds: torch.Tensor,
@@ -128,7 +119,7 @@ class PrefillRunner:
 
     def __init__(self, adapter, ctx: ForwardContext, request: PrefillRequest, inputs_embeds, attention_mask,
                  position_ids, forced: dict[int, str] | None = None):
-        #: images computed in full from the start, and why (``WholeEncodeNeeded``: a run before this one found it so)
+        #: images computed in full from the start, and why (a ``Rerun`` from the whole encode found it so)
         self.forced = forced or {}
         self.adapter, self.ctx, self.cache, self.policy = adapter, ctx, ctx.cache, ctx.cache.policy
         self.batch, self.length, _ = inputs_embeds.shape
@@ -190,24 +181,39 @@ class PrefillRunner:
                 self.reader.fetch(i, run.prefetched, first, run.offset, background=m.kind is HitKind.APPROXIMATE)
         self._whole_encodes()
 
-    def _whole_encodes(self, failed: dict[int, str] | None = None) -> None:
-        """Raise ``WholeEncodeNeeded`` when an image lent encoder output is computed in full: its plan computes every
-        token, or it is among the ``failed`` plans about to be (which are then all computed in full from the start)."""
+    def _whole_encodes(self) -> None:
+        """Raise a ``Rerun`` from the whole encode when an image lent encoder output is computed in full: its plan
+        computes every token."""
         if not self._lent:
             return
-        if failed and self._lent.intersection(failed):
-            raise WholeEncodeNeeded(failed)
         need = {i: "miss" if self.runs[i].match.kind is HitKind.MISS else plan.fallback or "recomputed"
                 for i in self._lent if (plan := self.runs[i].plan) is not None and plan.complete}
         if need:
-            raise WholeEncodeNeeded(need)
+            raise Rerun(need, Scope.ENCODE)
+
+    def reset(self, first: int, images: dict[int, str]) -> None:
+        """What a rerun throws away (``runtime.rerun``), in one place: ``images`` computed in full (each plan and
+        its fallback, its alias reads and verification forgotten), the cache's layers from ``first`` on, the warmup
+        statistics of those layers, the forward's layout and capture."""
+        t0 = self._snapshot[2] if self._snapshot is not None else time.perf_counter()
+        for i, reason in images.items():
+            run = self.runs[i]
+            m = run.match
+            logger.info("vismemo: the reuse of %s is computed in full (%s, estimate %.4g)", m.features.key[:12], reason,
+                        self.verifier.estimates.get(i, float("nan")))
+            run.plan = ImagePlan.full(m.kind, m.n_tokens, m.alias.key if m.alias is not None else None,
+                                      fallback=reason)
+            run.timings["rewind"] = (time.perf_counter() - t0) * 1e3
+            self.verifier.forget(i)
+            self.reader.forget(i)
+        self.cache.drop_layers(first)
+        self.signals.layer_stats = self.signals.layer_stats[:first]
+        self.ctx.layout, self.ctx.capture = None, None
 
     def abandon(self) -> None:
-        """Forget what this run computed (``WholeEncodeNeeded``): the reads it started, the layers' K/V, the forward
-        state."""
+        """Throw away all this run computed (a ``Rerun`` from the whole encode): every layer, every read."""
+        self.reset(0, {})
         self.reader.close()
-        self.cache.drop_layers(0)
-        self.ctx.layout, self.ctx.capture = None, None
 
     def _decide(self, layer: int, states: ActiveStates) -> None:
         """Plans due before ``layer``, made from what the layers below it observed."""
@@ -234,23 +240,15 @@ class PrefillRunner:
         self._whole_encodes()
 
     def _rewind(self, failed: list[int], states: ActiveStates, reason: str) -> int:
-        """The images of ``failed`` plans computed in full: the layers from the first decision layer with probes run
-        again from the states that entered it. Returns that layer."""
-        self._whole_encodes({i: reason for i in failed})
+        """A ``Rerun`` of the ``failed`` plans' images from the layers: reset from the first decision layer with
+        probes, its states restored; one of them lent encoder output widens it to the whole encode. Returns that
+        layer."""
+        rerun = Rerun({i: reason for i in failed}, Scope.LAYERS)
+        if self._lent.intersection(rerun.images):
+            raise rerun.widened(Scope.ENCODE)
         assert self._snapshot is not None  # failed plans are watched ones, and the first watched plan took it
-        first, snapshot, t0 = self._snapshot
-        for i in failed:
-            run = self.runs[i]
-            m = run.match
-            logger.info("vismemo: the reuse of %s failed verification (%s, estimate %.4g); computing the image in "
-                        "full", m.features.key[:12], reason, self.verifier.estimates.get(i, float("nan")))
-            run.plan = ImagePlan.full(m.kind, m.n_tokens, m.alias.key if m.alias is not None else None,
-                                      fallback=reason)
-            run.timings["rewind"] = (time.perf_counter() - t0) * 1e3
-            self.verifier.forget(i)
-            self.reader.forget(i)
-        self.cache.drop_layers(first)
-        self.signals.layer_stats = self.signals.layer_stats[:first]
+        first, snapshot, _ = self._snapshot
+        self.reset(first, rerun.images)
         states.restore(snapshot)
         self._snapshot = (first, snapshot, time.perf_counter()) if self.verifier.watched else None
         return first
@@ -475,16 +473,19 @@ def finish_native(adapter, request: PrefillRequest, ctx: ForwardContext, positio
 def run_prefill(adapter, request, *, ctx: ForwardContext, inputs_embeds, attention_mask=None, position_ids=None,
                 visual_pos_masks=None, deepstack_visual_embeds=None, **_ignored) -> BaseModelOutputWithPast:
     """The prefill of ``request``; again from the whole encode of the images lent encoder output whose plans turn out
-    to compute them in full (``WholeEncodeNeeded``), those computed in full from the start (each image at most once)."""
+    to compute them in full (a ``Rerun`` from the whole encode), those computed in full from the start (each image at
+    most once)."""
     forced: dict[int, str] = {}
     while True:
         runner = PrefillRunner(adapter, ctx, request, inputs_embeds, attention_mask, position_ids, forced)
         try:
             return runner.run(inputs_embeds, visual_pos_masks, deepstack_visual_embeds)
-        except WholeEncodeNeeded as need:
+        except Rerun as again:
+            if again.scope is not Scope.ENCODE:
+                raise
             runner.abandon()
-            logger.info("vismemo: %s computed in full; starting the prefill again from their whole encode", need)
+            logger.info("vismemo: %s; starting the prefill again from their whole encode", again)
             matches, inputs_embeds, deepstack_visual_embeds = whole_encoded(
-                list(request.images), need.images, inputs_embeds, visual_pos_masks, deepstack_visual_embeds)
+                list(request.images), again.images, inputs_embeds, visual_pos_masks, deepstack_visual_embeds)
             request = replace(request, images=tuple(matches))
-            forced.update({i: fallback for i, fallback in need.images.items() if fallback != "miss"})
+            forced.update({i: fallback for i, fallback in again.images.items() if fallback != "miss"})

@@ -18,6 +18,8 @@ import logging
 
 import torch
 
+from vismemo_hf.runtime.rerun import computed_in_full
+
 logger = logging.getLogger(__name__)
 
 
@@ -75,7 +77,7 @@ class Watch:
         if visual is not None:
             visual = torch.cat([visual, visual.new_zeros(visual.shape[0], full_embeds.shape[1] - visual.shape[1])], 1)
         cache.watch = None
-        cache.restart()
+        cache.restart()  # a ``Rerun`` from the sequence (``runtime.rerun``): every layer forgotten
         rest = {k: v for k, v in kwargs.items() if k not in ("inputs_embeds", "position_ids", "attention_mask",
                                                              "past_key_values", "cache", "cache_position",
                                                              "visual_pos_masks", "deepstack_visual_embeds",
@@ -86,6 +88,5 @@ class Watch:
         cache.rewound_to(full_embeds.shape[1] - q)  # the step's own q columns are added when its forward closes
         out.last_hidden_state = full.last_hidden_state[:, -q:]
         for event in self.events:
-            event.fallback, event.repaired_at = "uncertain", self.step
-            event.recomputed, event.reused, event.masked = event.n_tokens, 0, 0
+            computed_in_full(event, "uncertain", self.step)
         return out
