@@ -74,7 +74,8 @@ def test_bad_options_are_rejected():
 
 @pytest.mark.parametrize(("options", "error"), [
     ({"warmup_layers": 1.5}, TypeError), ({"policy": "cacheblend", "warmup_layers": 1.5}, TypeError),
-    ({"prefix_check_layer": 1.5, "prefix_routing": "check"}, TypeError), ({"prefix_watch_tokens": 2.0}, TypeError),
+    ({"context": {"check_layer": 1.5, "routing": "check"}}, TypeError), ({"context": {"watch_tokens": 2.0}}, TypeError),
+    ({"context": 5}, TypeError), ({"context": {"no_such_field": 1}}, TypeError), ({"context": {"routing": "x"}}, ValueError),
     ({"warmup_layers": True}, TypeError), ({"recompute_ratio": "0.3"}, TypeError),
     ({"recompute_ratio": float("nan")}, ValueError), ({"top_k": 2.5}, TypeError), ({"compress": 0.5}, TypeError),
     ({"compress": "x"}, TypeError), ({"thresholds": 123}, TypeError), ({"policy": None}, TypeError),

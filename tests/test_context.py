@@ -43,18 +43,18 @@ def _signals(check: torch.Tensor, prefix_changed=True, warmup=None) -> WarmupSig
 def test_the_context_check_recomputes_what_moved_and_spreads_probes_over_the_rest():
     policy = AttendDeviatePolicy()
     n = 100
-    check = torch.linspace(0.0, 0.004, n)  # below prefix_tolerance everywhere
+    check = torch.linspace(0.0, 0.004, n)  # below context.tolerance everywhere
     check[[5, 50, 93]] = torch.tensor([0.5, 0.02, 0.01])  # past it
     recompute, probes = policy.context_recompute(_signals(check), n)
     top = set(torch.sort(check, descending=True).indices[: math.ceil(0.15 * n)].tolist())
     assert top <= set(recompute.tolist()) and {5, 50, 93} <= top
-    assert probes.numel() == max(MIN_PROBES, math.ceil(policy.prefix_probe_share * n))
+    assert probes.numel() == max(MIN_PROBES, math.ceil(policy.context.probe_share * n))
     assert not set(probes.tolist()) & top and set(probes.tolist()) <= set(recompute.tolist())
     rest = torch.sort(check, descending=True).indices[len(top):]
     assert int(rest[0]) in probes.tolist() and int(rest[-1]) in probes.tolist()  # the rest's every rank
     many = torch.full((n,), 0.02)  # the context moved every token: compute the image in full
     assert policy.context_recompute(_signals(many), n) is None
-    assert AttendDeviatePolicy(prefix_miss_ratio=1.0).context_recompute(_signals(many), n)[0].numel() == n
+    assert AttendDeviatePolicy(context={"miss_ratio": 1.0}).context_recompute(_signals(many), n)[0].numel() == n
 
 
 def test_a_context_sketch_counts_the_tokens_two_texts_differ_in():
@@ -85,19 +85,19 @@ def test_a_small_context_change_recomputes_the_top_share_and_verifies_the_rest_l
     the image in full, the probes and the confidence guard judge it; a larger or unknown change still is."""
     policy = AttendDeviatePolicy()
     n = 100
-    signals = _signals(torch.full((n,), 0.02))  # every token past prefix_tolerance
+    signals = _signals(torch.full((n,), 0.02))  # every token past context.tolerance
     signals.context_change = 3
     recompute, probes = policy.context_recompute(signals, n)
-    assert recompute.numel() - probes.numel() == math.ceil(policy.prefix_recompute_ratio * n) and probes.numel()
+    assert recompute.numel() - probes.numel() == math.ceil(policy.context.recompute_ratio * n) and probes.numel()
     image = ImageFeatures("a", (1, 20, 20), torch.randn(n, 8), torch.zeros(n))
-    plan = policy.prefix_plan(image, "a", signals)
-    assert plan.fallback is None and plan.verify_tolerance == policy.prefix_small_tolerance
-    for larger in (policy.prefix_small_change + 1, None):
+    plan = policy.context_plan(image, "a", signals)
+    assert plan.fallback is None and plan.verify_tolerance == policy.context.small_tolerance
+    for larger in (policy.context.small_change + 1, None):
         signals.context_change = larger
         assert policy.context_recompute(signals, n) is None
-        assert policy.prefix_plan(image, "a", signals).fallback == "context"
-    with pytest.raises(ValueError, match="prefix_small"):
-        AttendDeviatePolicy(prefix_small_change=-1)
+        assert policy.context_plan(image, "a", signals).fallback == "context"
+    with pytest.raises(ValueError, match="small_change"):
+        AttendDeviatePolicy(context={"small_change": -1})
 
 
 def test_an_approximate_plan_after_another_context_adds_the_check_and_its_probes():
@@ -109,7 +109,7 @@ def test_an_approximate_plan_after_another_context_adds_the_check_and_its_probes
     check[7] = 0.3
     plan = policy.plan(image, alias, torch.arange(n), _signals(check))
     assert 7 in plan.recompute.tolist() and plan.verify is not None and plan.verify.numel() >= MIN_PROBES
-    assert plan.verify_tolerance == policy.prefix_probe_tolerance and plan.verify_confidence == 0.8
+    assert plan.verify_tolerance == policy.context.probe_tolerance and plan.verify_confidence == 0.8
     same = policy.plan(image, alias, torch.arange(n), _signals(check, prefix_changed=False))
     assert same.verify is None
     assert policy.plan(image, alias, torch.arange(n), _signals(torch.full((n,), 0.02))).fallback == "context"
@@ -118,7 +118,7 @@ def test_an_approximate_plan_after_another_context_adds_the_check_and_its_probes
 
 
 def test_a_larger_or_unknown_context_change_is_computed_in_full_before_any_layer():
-    """More than ``prefix_small_change`` tokens of other text, or other images before (unknown): the check layer does
+    """More than ``context.small_change`` tokens of other text, or other images before (unknown): the check layer does
     not see how far the deep layers moved, so the image is computed in full from the start, unless asked to check."""
     from vismemo_hf.policies.vismemo import VisMemoPolicy
 
@@ -127,12 +127,12 @@ def test_a_larger_or_unknown_context_change_is_computed_in_full_before_any_layer
     image = ImageFeatures("a", (1, 16, 16), torch.randn(n, 8), torch.zeros(n), torch.arange(n))
     alias = ImageFeatures("b", (1, 16, 16), torch.randn(n, 8), torch.zeros(n), torch.arange(n))
     for kind in (HitKind.EXACT, HitKind.APPROXIMATE):
-        for change in (policy.prefix_small_change + 1, None):
+        for change in (policy.context.small_change + 1, None):
             plan = policy.early_plan(kind, image, alias, True, 4, change)
             assert plan.kind is kind and plan.fallback == "context" and plan.recompute.numel() == n
             assert not plan.reuse.numel() and plan.alias == "b"
-            assert AttendDeviatePolicy(prefix_check_large=True).early_plan(kind, image, alias, True, 4, change) is None
-        assert policy.early_plan(kind, image, alias, True, 4, policy.prefix_small_change) is None  # checked later
+            assert AttendDeviatePolicy(context={"check_large": True}).early_plan(kind, image, alias, True, 4, change) is None
+        assert policy.early_plan(kind, image, alias, True, 4, policy.context.small_change) is None  # checked later
     assert policy.early_plan(HitKind.EXACT, image, alias, False, 4, None).fallback is None  # the same context
     assert VisMemoPolicy().early_plan(HitKind.APPROXIMATE, image, alias, True, 4, None) is None  # METHOD §2 reuses
 
@@ -256,16 +256,15 @@ def _seen_after_another_text(model, processor):
     return store, question, [("text", "Page 7:"), ("image", image)]
 
 
-@pytest.mark.parametrize("options, reason", [({"prefix_probe_tolerance": 0.0, "prefix_small_tolerance": 0.0},
-                                              "context"),
-                                             ({"prefix_probe_tolerance": 10.0, "prefix_small_tolerance": 10.0,
-                                               "prefix_min_confidence": 1.0}, "uncertain")])
+@pytest.mark.parametrize("options, reason", [({"probe_tolerance": 0.0, "small_tolerance": 0.0}, "context"),
+                                             ({"probe_tolerance": 10.0, "small_tolerance": 10.0,
+                                               "min_confidence": 1.0}, "uncertain")])
 def test_a_failed_verification_computes_the_image_in_full_exactly_as_plain(base_reader, options, reason):
     """The probes (or the confidence guard) fail after the layers ran: they run again from the decision layer with
     the image computed in full, and the answer and first-token probabilities are plain transformers'."""
     model, plain, processor = base_reader
     store, question, asked = _seen_after_another_text(model, processor)
-    cache = vismemo_hf.VisMemoCache(store=store, store_misses=False, **options)
+    cache = vismemo_hf.VisMemoCache(store=store, store_misses=False, context=options)
     answer, logprobs = _ask(model, processor, asked, question, cache)
     event = cache.events[0]
     assert event.kind is HitKind.EXACT and event.prefix_changed
@@ -274,8 +273,8 @@ def test_a_failed_verification_computes_the_image_in_full_exactly_as_plain(base_
     ref, ref_logprobs = _ask(plain, processor, asked, question, DynamicCache())
     assert answer == ref
     assert float((logprobs.exp() - ref_logprobs.exp()).abs().max()) <= 1e-4
-    kept = vismemo_hf.VisMemoCache(store=store, store_misses=False, prefix_probe_tolerance=10.0,
-                                   prefix_small_tolerance=10.0, prefix_min_confidence=0.0)
+    kept = vismemo_hf.VisMemoCache(store=store, store_misses=False,
+                                   context={"probe_tolerance": 10.0, "small_tolerance": 10.0, "min_confidence": 0.0})
     _ask(model, processor, asked, question, kept, 1)
     assert kept.events[0].fallback is None and kept.events[0].verify_estimate is not None
     assert kept.events[0].recomputed < kept.events[0].n_tokens
@@ -296,8 +295,8 @@ def test_a_rewound_prefill_compresses_from_one_window_statistic_per_layer(base_r
 
     model, _, processor = base_reader
     store, question, asked = _seen_after_another_text(model, processor)
-    cache = vismemo_hf.VisMemoCache(store=store, store_misses=False, prefix_probe_tolerance=0.0,
-                                    prefix_small_tolerance=0.0, compress=Recording(0.5))
+    cache = vismemo_hf.VisMemoCache(store=store, store_misses=False,
+                                    context={"probe_tolerance": 0.0, "small_tolerance": 0.0}, compress=Recording(0.5))
     _ask(model, processor, asked, question, cache, 1)
     event = cache.events[0]
     assert event.fallback == "context" and event.timings["rewind"] > 0
@@ -360,16 +359,16 @@ def test_an_exact_hit_after_a_few_other_tokens_counts_them_and_checks_them_as_a_
         event, policy = cache.events[0], cache.policy
         assert event.kind is HitKind.EXACT and event.prefix_changed
         assert event.context_change == _text_change(processor, model.config.image_token_id, stored, asked, question), text
-        assert (event.context_change <= policy.prefix_small_change) == small
+        assert (event.context_change <= policy.context.small_change) == small
         if small and event.fallback is None:
-            assert event.plan.verify_tolerance == policy.prefix_small_tolerance and event.recomputed < event.n_tokens
+            assert event.plan.verify_tolerance == policy.context.small_tolerance and event.recomputed < event.n_tokens
         if not small:  # a larger change: computed in full from the start, nothing of the alias read
             assert event.fallback == "context" and event.recomputed == event.n_tokens
         assert answer == _ask(plain, processor, asked, question, DynamicCache())[0]
-        checked = vismemo_hf.VisMemoCache(store=store, store_misses=False, prefix_check_large=True)
+        checked = vismemo_hf.VisMemoCache(store=store, store_misses=False, context={"check_large": True})
         assert _ask(model, processor, asked, question, checked)[0] == answer
         if not small and checked.events[0].fallback is None:  # the check of a larger change, when asked for
-            assert checked.events[0].plan.verify_tolerance == policy.prefix_probe_tolerance
+            assert checked.events[0].plan.verify_tolerance == policy.context.probe_tolerance
 
 
 def test_a_one_letter_key_edit_recomputes_the_rest_of_the_record(base_reader):
@@ -518,8 +517,8 @@ def test_an_unsure_answer_after_a_reuse_is_computed_in_full_at_that_token(base_r
     with torch.no_grad():
         ref = plain.generate(**inputs, **options)
     monkeypatch.setattr(PrefillRunner, "_uncertain", lambda self, states: [])  # the prefill's own check passes
-    cache = vismemo_hf.VisMemoCache(store=store, store_misses=False, prefix_probe_tolerance=10.0,
-                                    prefix_small_tolerance=10.0, prefix_min_confidence=1.0)
+    cache = vismemo_hf.VisMemoCache(store=store, store_misses=False,
+                                    context={"probe_tolerance": 10.0, "small_tolerance": 10.0, "min_confidence": 1.0})
     with torch.no_grad():
         out = model.generate(**inputs, cache=cache, **options)
     event = cache.events[0]

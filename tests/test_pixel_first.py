@@ -446,13 +446,13 @@ def test_after_a_small_change_of_text_the_edit_lends_and_a_fallback_starts_from_
     starts the prefill again from the image's own whole encode (deepstack features included): tokens and scores are
     those of a whole encode computed in full, and the tokens plain transformers'."""
     model, processor, store, inputs, run = _lent_runs(family)
-    _, lent = run(prefix_min_confidence=0.0)  # a random model is unsure of every answer: no confidence guard here
+    _, lent = run(context={"min_confidence": 0.0})  # a random model is unsure of every answer: no confidence guard here
     assert lent.found_by == "pixels" and lent.prefix_changed and 0 < lent.encoded_tokens != lent.n_tokens
     assert (lent.encoded_tokens < lent.n_tokens) == (lent.fallback is None)  # lent; whole again only after a fallback
     plain, _ = tiny_model(family)
     with torch.no_grad():
         expected = plain.generate(**inputs, max_new_tokens=3, do_sample=False)[:, inputs["input_ids"].shape[1]:]
-    for opts in (dict(miss_deviation=0.0), dict(prefix_min_confidence=1.0)):
+    for opts in (dict(miss_deviation=0.0), dict(context={"min_confidence": 1.0})):
         (tokens, scores), event = run(**opts)
         assert event.fallback in ("changed", "context", "uncertain") and event.recomputed == event.n_tokens
         assert event.encoded_tokens > event.n_tokens  # the partial encode, then the whole one
@@ -466,12 +466,12 @@ def test_after_another_text_only_a_verified_routing_lends():
     """After another text the lent output's error adds to the context's: a routing that checks the change but
     verifies nothing (no probes, no confidence guard), or reuses after it unchecked, encodes the edit whole."""
     _, _, _, _, run = _lent_runs("qwen2_vl")
-    _, probed = run(prefix_min_confidence=0.0)
+    _, probed = run(context={"min_confidence": 0.0})
     assert probed.encoded_tokens != probed.n_tokens  # lent (and encoded whole again only after a fallback)
-    for opts in (dict(prefix_probe_share=0.0, prefix_min_confidence=0.0), dict(prefix_routing="reuse")):
+    for opts in (dict(context={"probe_share": 0.0, "min_confidence": 0.0}), dict(context={"routing": "reuse"})):
         _, event = run(**opts)
         assert event.found_by == "pixels" and event.prefix_changed and event.encoded_tokens == event.n_tokens
-    _, same = _lent_runs("qwen2_vl", prefix="")[4](prefix_probe_share=0.0, prefix_min_confidence=0.0)
+    _, same = _lent_runs("qwen2_vl", prefix="")[4](context={"probe_share": 0.0, "min_confidence": 0.0})
     assert same.encoded_tokens < same.n_tokens  # in the alias's context it lends whatever the routing verifies
 
 
@@ -480,9 +480,9 @@ def test_a_lent_image_whose_alias_kv_cannot_be_read_is_a_miss_from_its_whole_enc
     from its own whole encode, and the answer is plain transformers'."""
     model, processor, store, inputs, run = _lent_runs("qwen3_vl")
     monkeypatch.setattr(store, "get_tokens", lambda *args, **kwargs: None)
-    (tokens, scores), event = run(prefix_min_confidence=0.0)
+    (tokens, scores), event = run(context={"min_confidence": 0.0})
     assert event.kind is HitKind.MISS and event.encoded_tokens > event.n_tokens
-    (whole_tokens, whole_scores), whole = run(prefix_min_confidence=0.0, reuse_encoder=False)
+    (whole_tokens, whole_scores), whole = run(context={"min_confidence": 0.0}, reuse_encoder=False)
     assert whole.kind is HitKind.MISS and whole.encoded_tokens == whole.n_tokens
     assert torch.equal(tokens, whole_tokens) and torch.equal(scores, whole_scores)
 
@@ -529,7 +529,7 @@ def test_a_watched_answer_repairs_from_the_whole_encode(qwen2):
     the whole sequence in full, so the watch holds, and uses, the whole encode of an image lent encoder output."""
     model, processor = qwen2
     _, _, store, inputs, _ = _lent_runs("qwen2_vl")
-    cache = vismemo_hf.VisMemoCache(store=store, store_misses=False, prefix_min_confidence=1e-6)
+    cache = vismemo_hf.VisMemoCache(store=store, store_misses=False, context={"min_confidence": 1e-6})
     generate(model, inputs, cache, 1)
     event = cache.events[0]
     assert event.fallback is None and 0 < event.encoded_tokens < event.n_tokens

@@ -146,7 +146,7 @@ def test_exact_hit_after_another_text_is_reported_and_checked():
     assert same.events[0].recomputed == 0
     ref = first_token(model, processor, page, question, "Doc A.", DynamicCache())
     # the check layer's routing alone (its probes never fail here; tests/test_verify.py tests them)
-    checked = vismemo_hf.VisMemoCache(store=store, prefix_probe_tolerance=10.0, prefix_min_confidence=0.0)
+    checked = vismemo_hf.VisMemoCache(store=store, context={"probe_tolerance": 10.0, "min_confidence": 0.0})
     hit = first_token(model, processor, page, question, "Doc A.", checked)
     event = checked.events[0]
     assert event.kind is HitKind.EXACT and event.prefix_changed

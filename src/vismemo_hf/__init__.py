@@ -27,6 +27,7 @@ _EXPORTS = {
     "ImagePlan": "vismemo_hf.core.plan",
     "WarmupSignals": "vismemo_hf.core.plan",
     "LookupThresholds": "vismemo_hf.core.thresholds",
+    "ContextRouting": "vismemo_hf.policies",
     "RoutingPolicy": "vismemo_hf.policies",
     "available_policies": "vismemo_hf.policies",
     "get_policy": "vismemo_hf.policies",
@@ -45,7 +46,7 @@ _EXPORTS = {
 if TYPE_CHECKING:
     from vismemo_hf.core.plan import CacheEvent, HitKind, ImageFeatures, ImagePlan, WarmupSignals
     from vismemo_hf.core.thresholds import LookupThresholds
-    from vismemo_hf.policies import RoutingPolicy, available_policies, get_policy, register_policy
+    from vismemo_hf.policies import ContextRouting, RoutingPolicy, available_policies, get_policy, register_policy
     from vismemo_hf.runtime.cache import VisMemoCache, VisMemoLayer
     from vismemo_hf.runtime.compress import VLCacheCompression
     from vismemo_hf.runtime.hooks import disable, enable, enabled
@@ -54,6 +55,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "CacheEvent",
+    "ContextRouting",
     "Entry",
     "HitKind",
     "ImageFeatures",

@@ -86,7 +86,7 @@ def stores_and_caches(model: VLModel) -> None:
     cache = VisMemoCache(store=store, policy="vismemo", warmup_layers=3, recompute_ratio=0.3, reuse_ratio=0.1,
                          thresholds=LookupThresholds(tau=0.8, tau_fine=0.85), tau=0.8, tau_fine=None, top_k=5,
                          store_misses=True, compress=VLCacheCompression(ratio=0.1), namespace="tenant", model=model,
-                         prefix_routing="check")
+                         context={"routing": "check"})
     VisMemoCache(policy=vismemo_hf.get_policy("cacheblend", recompute_ratio=0.15), thresholds="qwen2.5-vl-7b")
     assert_type(cache.events, list[CacheEvent])
     assert_type(cache.store, VisMemoStore)
@@ -138,7 +138,7 @@ SIGNATURES: list[object] = [
     VisMemoLayer.slot_columns, VisMemoLayer.keep_slots, VisMemoLayer.settle, VisMemoLayer.slot_of,
     RoutingPolicy, RoutingPolicy.signal_needs, RoutingPolicy.decision_layer, RoutingPolicy.early_plan,
     RoutingPolicy.prefetch, RoutingPolicy.route, RoutingPolicy.budget, RoutingPolicy.exact_plan,
-    RoutingPolicy.context_recompute, RoutingPolicy.prefix_plan, RoutingPolicy.miss_plan,
+    RoutingPolicy.context_recompute, RoutingPolicy.context_plan, RoutingPolicy.miss_plan,
     RoutingPolicy.prefetch_tokens, RoutingPolicy.plan,
     LookupThresholds, LookupThresholds.load, LookupThresholds.fine_for, LookupThresholds.near,
     LookupThresholds.matches,

@@ -31,17 +31,17 @@ from vismemo_hf.progress import progress as progress_bar
 POLICIES = {"default": {}, "cacheblend": {"policy": "cacheblend"}, "vismemo": {"policy": "vismemo"},
             "whole-encode": {"policy": "attend-deviate-whole-encode"}}
 ALL = ("default", "cacheblend", "vismemo")
-#: the front of the context check (``--front``): the size of a small context change (``prefix_small_change``,
-#: tokens) swept, larger changes checked instead of computed in full (``prefix_check_large``), the default with its
+#: the front of the context check (``--front``): the size of a small context change (``ContextRouting.small_change``,
+#: tokens) swept, larger changes checked instead of computed in full (``check_large``), the default with its
 #: confidence guard off, the check layer alone (no probes, no guard) and every token computed
 FRONT = {"small <= 8, larger in full (default)": {},
-         "small <= 16, larger in full": {"prefix_small_change": 16},
-         "small <= 32, larger in full": {"prefix_small_change": 32},
-         "small <= 8, larger checked": {"prefix_check_large": True},
-         "small <= 0, every change checked": {"prefix_small_change": 0, "prefix_check_large": True},
-         "small <= 16, no guard": {"prefix_small_change": 16, "prefix_min_confidence": 0.0, "prefix_watch_tokens": 0},
-         "check layer only": {"prefix_small_change": 0, "prefix_check_large": True, "prefix_probe_share": 0.0,
-                              "prefix_min_confidence": 0.0},
+         "small <= 16, larger in full": {"context": {"small_change": 16}},
+         "small <= 32, larger in full": {"context": {"small_change": 32}},
+         "small <= 8, larger checked": {"context": {"check_large": True}},
+         "small <= 0, every change checked": {"context": {"small_change": 0, "check_large": True}},
+         "small <= 16, no guard": {"context": {"small_change": 16, "min_confidence": 0.0, "watch_tokens": 0}},
+         "check layer only": {"context": {"small_change": 0, "check_large": True, "probe_share": 0.0,
+                                          "min_confidence": 0.0}},
          "every token (full)": {"policy": "full"}}
 #: labels an earlier ``context.json``'s front used for the same options (``--front-from``)
 FRONT_ALIASES = {"small <= 8": "small <= 8, larger checked", "small <= 8 (default)": "small <= 8, larger checked",
@@ -234,13 +234,13 @@ def _front_lines(front: dict, args, note: str) -> list[str]:
     lines = ["", "## The context check's front", "",
              f"The classes of another text or page before the image (seed {args.seed + 1}, "
              f"{args.front_pairs} pages per class, three questions each). Swept: the largest context change "
-             "(in tokens of text, `prefix_small_change`) checked as a small one (the 15 % whose K/V deviate "
+             "(in tokens of text, `context.small_change`) checked as a small one (the 15 % whose K/V deviate "
              "most at the check layer recomputed, the rest verified by probes against "
-             "`prefix_small_tolerance` and by the confidence guard); larger changes computed in full (the "
-             "default) or checked (`prefix_check_large`: the tokens past `prefix_tolerance` at the check layer "
-             "recomputed, probes against `prefix_probe_tolerance`, more than `prefix_miss_ratio` of the image "
-             "computes it all); at 16, without the confidence guard and watch (`prefix_min_confidence=0`, "
-             "`prefix_watch_tokens=0`); the check layer alone (no probes, no guard) and the `full` policy (every "
+             "`context.small_tolerance` and by the confidence guard); larger changes computed in full (the "
+             "default) or checked (`context.check_large`: the tokens past `context.tolerance` at the check layer "
+             "recomputed, probes against `context.probe_tolerance`, more than `context.miss_ratio` of the image "
+             "computes it all); at 16, without the confidence guard and watch (`context.min_confidence=0`, "
+             "`context.watch_tokens=0`); the check layer alone (no probes, no guard) and the `full` policy (every "
              "token computed). Worst: the lowest agreement over the classes; recomputed: the mean share of an "
              "image's tokens computed (a fallback computes all)." + note]
     for reader, summary in front.items():

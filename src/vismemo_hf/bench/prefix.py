@@ -32,13 +32,13 @@ from vismemo_hf.progress import progress as progress_bar
 
 
 class _Routing(TypedDict, total=False):
-    """The cache options of a routing of exact hits after another prefix."""
+    """The cache options of a routing of exact hits after another context."""
 
     policy: str
-    prefix_routing: str
+    context: dict
 
 
-ROUTINGS = {"reuse": _Routing(policy="attend-deviate", prefix_routing="reuse"),
+ROUTINGS = {"reuse": _Routing(policy="attend-deviate", context={"routing": "reuse"}),
             "check": _Routing(policy="attend-deviate")}
 
 
@@ -201,7 +201,7 @@ def main(args) -> int:
              "stored K/V carry the old text's context from layer 1 on). `reuse`: every visual token reused "
              "(docs/METHOD.md §2's exact hit); `check`: the default policy's routing of such hits (every token computed "
              "at layer 0; from layer 1 on, the 15 % whose fresh K/V deviate most from the stored ones at layer 1 "
-             "recomputed, and every token whose relative deviation there exceeds `prefix_tolerance` (0.005); the "
+             "recomputed, and every token whose relative deviation there exceeds `context.tolerance` (0.005); the "
              "rest reused). Compared with a full prefill of the new request: agreement of the first greedy "
              "token and KL(full || hit) of the first token's distribution, averaged over the pages. "
              "`changed prefix` is the length in tokens of the new text (0: the page was stored after a short text "

@@ -40,12 +40,12 @@ policy therefore:
 
 The deviation of a token is the largest, over the warmup layers and the check layer, of its
 relative K plus V deviation (``WarmupSignals``). Exact hits after another context are checked the same way
-(``prefix_routing="check"``, ``RoutingPolicy.prefix_plan``).
+(``ContextRouting(routing="check")``, ``RoutingPolicy.context_plan``).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
@@ -53,6 +53,7 @@ import torch
 from vismemo_hf.core.pixel_first import partly_changed, region_changed, row_share
 from vismemo_hf.core.plan import HitKind, ImageFeatures, ImagePlan, WarmupSignals
 from vismemo_hf.policies.base import (
+    ContextRouting,
     RoutingPolicy,
     approximate_plan,
     changed_tokens,
@@ -113,7 +114,8 @@ class AttendDeviatePolicy(RoutingPolicy):
     #: an edit is local when at most this share of the image's tokens changed pixels (a shift or a rescan changes
     #: them all and has no dependents)
     local_share: float = 0.25
-    prefix_routing: str = "check"
+    #: a hit after another context is checked (``ContextRouting``), not reused whole
+    context: ContextRouting = field(default_factory=lambda: ContextRouting(routing="check"))
     #: an approximate hit in the same context whose next token the model is unsure of (top probability below this,
     #: at the prefill and at each of the first ``watch_tokens`` generated tokens) is computed in full there, as after
     #: another context (``runtime/watch.py``): a near tie between two answers flips under
@@ -227,7 +229,7 @@ class AttendDeviatePolicy(RoutingPolicy):
             return ImagePlan.full(HitKind.APPROXIMATE, n, alias.key, fallback="changed")
         recompute = [chosen, *by_pixels]
         probes = None
-        if signals.prefix_changed and self.prefix_routing == "check":  # the alias was computed after another context
+        if signals.prefix_changed and self.context.routing == "check":  # the alias was computed after another context
             context = self.context_recompute(signals, n)
             if context is None:
                 return ImagePlan.full(HitKind.APPROXIMATE, n, alias.key, fallback="context")

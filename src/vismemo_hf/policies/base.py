@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from dataclasses import dataclass, fields
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar, TypeVar, cast
 
 import torch
@@ -113,6 +115,67 @@ class SignalNeeds:
     check_kv: bool = False
 
 
+@dataclass(frozen=True)
+class ContextRouting:
+    """How a routing reuses a hit after another context than its alias's (another text before the image, other
+    images or videos before it, an agent's screen that moved in its window): docs/METHOD.md §2-3. A policy's
+    ``context`` (``RoutingPolicy(context=ContextRouting(...))``, or a dict of these fields in a preset).
+    """
+
+    name: ClassVar[str] = "context"
+
+    #: ``"reuse"`` every token (docs/METHOD.md §2, whose K/V then carry the old context from layer 1 on) or
+    #: ``"check"``: compute every token up to ``check_layer``, then recompute the ``recompute_ratio`` whose fresh K/V
+    #: deviate most from the stored ones there (CacheBlend's selection), and also every token whose relative K + V
+    #: deviation there exceeds ``tolerance`` (a long or very different text moves every token); reuse the rest
+    routing: str = "reuse"
+    check_layer: int = 1
+    recompute_ratio: float = 0.15
+    tolerance: float = 0.005
+    #: ``"check"``: when it would recompute more than this share of the image, every token is computed instead
+    #: (``ImagePlan.fallback == "context"``): the context moved most of the image
+    miss_ratio: float = 0.5
+    #: and this share of the tokens it reuses (at least ``MIN_PROBES``), spread over their check-layer deviation, is
+    #: computed at every layer to verify the rest (``ImagePlan.verify``): a context's effect can grow with depth
+    #: where the check layer does not see it; past ``probe_tolerance`` the image is computed in full
+    probe_share: float = 0.0625
+    probe_tolerance: float = 0.008
+    #: and when, with the reuse, the model's next token has a top probability below this, the image is computed in
+    #: full (an unsure answer is one that any approximation may change)
+    min_confidence: float = 0.8
+    #: and the first this many generated tokens are watched the same way (``runtime/watch.py``): at an unsure one the
+    #: sequence so far is computed in full
+    watch_tokens: int = 16
+    #: a context that differs from the alias's in at most this many tokens of text (a label, a word of an
+    #: instruction: ``core.context.context_change``) is a small change: the check recomputes the
+    #: ``recompute_ratio`` whose K/V deviate most and verifies the rest by the probes, against
+    #: ``small_tolerance``, and by the confidence guard and watch, without ``tolerance`` and ``miss_ratio`` (a short
+    #: change lifts the first layers' deviation of most tokens while what the answer reads stays close;
+    #: ``vismemo report context``); a larger or unknown change: ``check_large``
+    small_change: int = 8
+    small_tolerance: float = 0.1
+    #: a larger or unknown change (other images or videos before the image, more than ``small_change`` tokens of
+    #: text): False computes the image in full from the start (``fallback="context"``); True checks it
+    #: (``tolerance``, ``miss_ratio``, probes against ``probe_tolerance``).
+    #: A change that large moves the deep layers' K/V of most tokens where the check layer does not see it, and a
+    #: check that passes there can reuse a reading the new text changes: on the context report's front it disagreed
+    #: with a full prefill on the tiny reader after 11-40 characters while computing most such images in full anyway
+    check_large: bool = False
+
+    def __post_init__(self) -> None:
+        check_field_types(self)
+        if self.routing not in ("reuse", "check"):
+            raise ValueError(f"context routing must be 'reuse' or 'check', got {self.routing!r}")
+        if self.check_layer < 0 or not 0.0 <= self.recompute_ratio <= 1.0 or self.tolerance < 0:
+            raise ValueError("context check_layer and tolerance must be >= 0, recompute_ratio in [0, 1]")
+        if not 0.0 <= self.miss_ratio <= 1.0 or not 0.0 <= self.probe_share <= 1.0:
+            raise ValueError("context miss_ratio and probe_share must lie in [0, 1]")
+        if self.small_change < 0 or self.small_tolerance < 0:
+            raise ValueError("context small_change and small_tolerance must be >= 0")
+        if self.probe_tolerance < 0 or not 0.0 <= self.min_confidence <= 1.0 or self.watch_tokens < 0:
+            raise ValueError("context probe_tolerance and watch_tokens must be >= 0, min_confidence in [0, 1]")
+
+
 @dataclass
 class RoutingPolicy:
     """Shared parameters and the exact-hit / miss plans; subclasses route approximate hits.
@@ -131,50 +194,24 @@ class RoutingPolicy:
     warmup_layers: int = 3
     recompute_ratio: float = 0.3
     reuse_ratio: float = 0.1
-    #: an exact hit after another text before the image: ``"reuse"`` every token (docs/METHOD.md §2, whose K/V
-    #: then carry the old text's context from layer 1 on) or ``"check"``: compute every token up to
-    #: ``prefix_check_layer``, then recompute the ``prefix_recompute_ratio`` whose fresh K/V deviate most
-    #: from the stored ones there (CacheBlend's selection), and also every token whose relative K + V
-    #: deviation there exceeds ``prefix_tolerance`` (a long or very different text moves every token); reuse
-    #: the rest
-    prefix_routing: str = "reuse"
-    prefix_check_layer: int = 1
-    prefix_recompute_ratio: float = 0.15
-    prefix_tolerance: float = 0.005
-    #: ``"check"`` on a hit whose context changed: when it would recompute more than this share of the image,
-    #: every token is computed instead (``ImagePlan.fallback == "context"``): the context moved most of the image
-    prefix_miss_ratio: float = 0.5
-    #: and this share of the tokens it reuses (at least ``MIN_PROBES``), spread over their check-layer deviation, is
-    #: computed at every layer to verify the rest (``ImagePlan.verify``): a context's effect can grow with depth
-    #: where the check layer does not see it; past ``prefix_probe_tolerance`` the image is computed in full
-    prefix_probe_share: float = 0.0625
-    prefix_probe_tolerance: float = 0.008
-    #: and when, with the reuse, the model's next token has a top probability below this, the image is computed in
-    #: full (an unsure answer is one that any approximation may change)
-    prefix_min_confidence: float = 0.8
-    #: and the first this many generated tokens are watched the same way (``runtime/watch.py``): at an unsure one the
-    #: sequence so far is computed in full
-    prefix_watch_tokens: int = 16
-    #: a context that differs from the alias's in at most this many tokens of text (a label, a word of an
-    #: instruction: ``core.context.context_change``) is a small change: the check recomputes the
-    #: ``prefix_recompute_ratio`` whose K/V deviate most and verifies the rest by the probes, against
-    #: ``prefix_small_tolerance``, and by the confidence guard and watch, without ``prefix_tolerance`` and
-    #: ``prefix_miss_ratio`` (a short change lifts the first layers' deviation of most tokens while what the answer
-    #: reads stays close; ``vismemo report context``); a larger or unknown change: ``prefix_check_large``
-    prefix_small_change: int = 8
-    prefix_small_tolerance: float = 0.1
-    #: a larger or unknown change (other images or videos before the image, more than ``prefix_small_change`` tokens
-    #: of text): False computes the image in full from the start (``fallback="context"``); True checks it
-    #: (``prefix_tolerance``, ``prefix_miss_ratio``, probes against ``prefix_probe_tolerance``).
-    #: A change that large moves the deep layers' K/V of most tokens where the check layer sees little of it, and a
-    #: check that passes there can reuse a reading the new text changes: on the context report's front it disagreed
-    #: with a full prefill on the tiny reader after 11-40 characters while computing most such images in full anyway
-    prefix_check_large: bool = False
+    #: a hit after another context before the image (another text, other images before it): how its reuse is
+    #: checked (``ContextRouting``; a dict of some of its fields changes those of the policy's own)
+    context: ContextRouting = field(default_factory=lambda: ContextRouting())
     #: reused tokens a compressed alias entry holds no K/V for (docs/METHOD.md §4): ``"mask"`` them (VL-Cache's choice;
     #: they are left out of attention) or ``"recompute"`` them (compute them at every layer)
     missing: str = "mask"
 
     def __post_init__(self) -> None:
+        if isinstance(self.context, dict):  # fields over the policy's own context routing
+            own = cast("Callable[[], ContextRouting]", next(f for f in fields(self) if f.name == "context").default_factory)
+            unknown = sorted(set(self.context) - {f.name for f in fields(ContextRouting)})
+            if unknown:
+                raise TypeError(f"policy {self.name!r}: context has no field(s) {unknown}; it takes "
+                                f"{sorted(f.name for f in fields(ContextRouting))}")
+            self.context = dataclasses.replace(own(), **self.context)
+        if not isinstance(self.context, ContextRouting):
+            raise TypeError(f"policy {self.name!r}: context must be a ContextRouting or a dict of its fields, got "
+                            f"{self.context!r}")
         check_field_types(self)
         if not 0.0 <= self.recompute_ratio <= 1.0 or not 0.0 <= self.reuse_ratio <= 1.0:
             raise ValueError("recompute_ratio and reuse_ratio must lie in [0, 1]")
@@ -182,18 +219,6 @@ class RoutingPolicy:
             raise ValueError("warmup_layers must be >= 0")
         if self.missing not in ("mask", "recompute"):
             raise ValueError(f"missing must be 'mask' or 'recompute', got {self.missing!r}")
-        if self.prefix_routing not in ("reuse", "check"):
-            raise ValueError(f"prefix_routing must be 'reuse' or 'check', got {self.prefix_routing!r}")
-        if self.prefix_check_layer < 0 or not 0.0 <= self.prefix_recompute_ratio <= 1.0 or self.prefix_tolerance < 0:
-            raise ValueError("prefix_check_layer and prefix_tolerance must be >= 0, prefix_recompute_ratio in [0, 1]")
-        if not 0.0 <= self.prefix_miss_ratio <= 1.0 or not 0.0 <= self.prefix_probe_share <= 1.0:
-            raise ValueError("prefix_miss_ratio and prefix_probe_share must lie in [0, 1]")
-        if self.prefix_small_change < 0 or self.prefix_small_tolerance < 0:
-            raise ValueError("prefix_small_change and prefix_small_tolerance must be >= 0")
-        if self.prefix_probe_tolerance < 0 or not 0.0 <= self.prefix_min_confidence <= 1.0 or \
-                self.prefix_watch_tokens < 0:
-            raise ValueError("prefix_probe_tolerance and prefix_watch_tokens must be >= 0, prefix_min_confidence in "
-                             "[0, 1]")
 
     # -- what the prefill runner asks (it reads no field of a policy) ---------------------------------------
     def signal_needs(self, kind: HitKind) -> SignalNeeds:
@@ -216,14 +241,14 @@ class RoutingPolicy:
 
     def decision_layer(self, kind: HitKind) -> int:
         """The layer before which the plan of an image of ``kind`` is made (the end of its warmup)."""
-        return self.prefix_check_layer if kind is HitKind.EXACT else self.warmup_layers
+        return self.context.check_layer if kind is HitKind.EXACT else self.warmup_layers
 
     def early_plan(self, kind: HitKind, image: ImageFeatures, alias: ImageFeatures | None, prefix_changed: bool,
                    n_layers: int, context_change: int | None = None) -> ImagePlan | None:
         """The plan made before any layer runs, limited to what the alias holds; None: made at ``decision_layer``
         from the warmup's signals (``route``). A hit after a context change that is not small (``context_change``:
         the tokens of text the contexts differ in, None when unknown or not text alone) is computed in full unless
-        ``prefix_check_large``; an exact hit that would be checked at a layer the model does not have is too."""
+        ``context.check_large``; an exact hit that would be checked at a layer the model does not have is too."""
         if kind is HitKind.MISS:
             return self.miss_plan(image)
         if alias is None:
@@ -234,14 +259,14 @@ class RoutingPolicy:
             return None
         plan = self.exact_plan(image, alias.key, prefix_changed)
         if plan is None:
-            return ImagePlan.full(HitKind.EXACT, image.n_tokens, alias.key) if self.prefix_check_layer >= n_layers \
+            return ImagePlan.full(HitKind.EXACT, image.n_tokens, alias.key) if self.context.check_layer >= n_layers \
                 else None
         return plan.limited_to(alias, self.missing)
 
     def context_in_full(self, prefix_changed: bool, context_change: int | None) -> bool:
         """Whether a hit after another context (``prefix_changed``) that differs from its alias's by
         ``context_change`` tokens of text is computed in full before any layer runs (``early_plan``)."""
-        return prefix_changed and self.prefix_routing == "check" and not self.prefix_check_large and \
+        return prefix_changed and self.context.routing == "check" and not self.context.check_large and \
             not self.small_change(context_change)
 
     def lends_encoder(self, prefix_changed: bool, context_change: int | None, changed: torch.Tensor | None = None,
@@ -255,8 +280,8 @@ class RoutingPolicy:
         encodes the image whole: the lent output's error would add to the context's, unchecked."""
         if not prefix_changed:
             return True
-        verified = self.prefix_probe_share > 0 or self.prefix_min_confidence > 0
-        return self.prefix_routing == "check" and verified and not self.context_in_full(True, context_change)
+        verified = self.context.probe_share > 0 or self.context.min_confidence > 0
+        return self.context.routing == "check" and verified and not self.context_in_full(True, context_change)
 
     def prefetch(self, kind: HitKind, image: ImageFeatures, alias: ImageFeatures) -> tuple[torch.Tensor, int]:
         """(tokens, first layer): the alias K/V to read before the warmup runs, only tokens the alias holds. Every
@@ -271,7 +296,7 @@ class RoutingPolicy:
               signals: WarmupSignals) -> ImagePlan:
         """The plan made at ``decision_layer`` from the warmup's signals, limited to what the alias holds."""
         if kind is HitKind.EXACT:
-            plan = self.prefix_plan(image, alias.key, signals)
+            plan = self.context_plan(image, alias.key, signals)
         else:
             plan = self.plan(image, alias, prefetched, signals)
         return plan.limited_to(alias, self.missing)
@@ -281,43 +306,43 @@ class RoutingPolicy:
         return min(n_tokens, math.ceil(ratio * n_tokens - 1e-9))
 
     def exact_plan(self, image: ImageFeatures, alias: str, prefix_changed: bool = False) -> ImagePlan | None:
-        """The plan of an exact hit, or None to decide at ``prefix_check_layer`` with ``prefix_plan``."""
-        if prefix_changed and self.prefix_routing == "check":
+        """The plan of an exact hit, or None to decide at ``context.check_layer`` with ``context_plan``."""
+        if prefix_changed and self.context.routing == "check":
             return None
         return ImagePlan.exact(image.n_tokens, alias)
 
     def context_recompute(self, signals: WarmupSignals, n: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(recompute, probes) for a changed context (``prefix_routing="check"``), both sorted: the
-        ``prefix_recompute_ratio`` whose K/V deviate most at the check layer, every token past ``prefix_tolerance``,
-        and the probes that verify the rest (``prefix_probe_share`` of it at every rank of its deviation); None when
-        the check alone is more than ``prefix_miss_ratio`` of the image (compute it all). A small change
-        (``small_context``) recomputes the ``prefix_recompute_ratio`` alone and never returns None."""
+        """(recompute, probes) for a changed context (``context.routing="check"``), both sorted: the
+        ``context.recompute_ratio`` whose K/V deviate most at the check layer, every token past ``context.tolerance``,
+        and the probes that verify the rest (``context.probe_share`` of it at every rank of its deviation); None when
+        the check alone is more than ``context.miss_ratio`` of the image (compute it all). A small change
+        (``small_context``) recomputes the ``context.recompute_ratio`` alone and never returns None."""
         deviation = signals.check_deviation
         if deviation is None:
             raise ValueError("the context check needs the fresh and cached K/V of the check layer")
         score = (deviation[0] + deviation[1]).float()
-        count = self.budget(self.prefix_recompute_ratio, n)
+        count = self.budget(self.context.recompute_ratio, n)
         if not self.small_context(signals):
-            count = max(count, int((score > self.prefix_tolerance).sum()))
-            if count > self.prefix_miss_ratio * n:
+            count = max(count, int((score > self.context.tolerance).sum()))
+            if count > self.context.miss_ratio * n:
                 return None
         order = torch.sort(score, descending=True, stable=True).indices
         rest = order[count:]
         probes = rest[:0]
-        if rest.numel() and self.prefix_probe_share > 0:
-            m = min(rest.numel(), max(MIN_PROBES, math.ceil(self.prefix_probe_share * n)))
+        if rest.numel() and self.context.probe_share > 0:
+            m = min(rest.numel(), max(MIN_PROBES, math.ceil(self.context.probe_share * n)))
             probes = rest[torch.linspace(0, rest.numel() - 1, m).round().long().unique()]
         return torch.cat([order[:count], probes]).sort().values, probes.sort().values
 
     def small_change(self, context_change: int | None) -> bool:
-        """Whether a context change of ``context_change`` tokens (None: unknown) is small (``prefix_small_change``)."""
-        return context_change is not None and context_change <= self.prefix_small_change
+        """Whether a context change of ``context_change`` tokens (None: unknown) is small (``context.small_change``)."""
+        return context_change is not None and context_change <= self.context.small_change
 
     def small_context(self, signals: WarmupSignals) -> bool:
         """Whether the changed context of ``signals`` is a small change."""
         return self.small_change(signals.context_change)
 
-    def prefix_plan(self, image: ImageFeatures, alias: str, signals: WarmupSignals) -> ImagePlan:
+    def context_plan(self, image: ImageFeatures, alias: str, signals: WarmupSignals) -> ImagePlan:
         """An exact hit after another context: recompute what the context changed (``context_recompute``)."""
         n = image.n_tokens
         context = self.context_recompute(signals, n)
@@ -326,15 +351,15 @@ class RoutingPolicy:
         recompute, probes = context
         rest = torch.ones(n, dtype=torch.bool)
         rest[recompute] = False
-        return ImagePlan(HitKind.EXACT, n, self.prefix_check_layer, recompute, torch.nonzero(rest).flatten(),
+        return ImagePlan(HitKind.EXACT, n, self.context.check_layer, recompute, torch.nonzero(rest).flatten(),
                          torch.zeros(0, dtype=torch.long), alias,
                          **self.verification(probes, signals))
 
     def verification(self, probes: torch.Tensor, signals: WarmupSignals) -> dict:
         """The ``ImagePlan`` fields that verify a reuse after another context by ``probes``."""
-        tolerance = self.prefix_small_tolerance if self.small_context(signals) else self.prefix_probe_tolerance
+        tolerance = self.context.small_tolerance if self.small_context(signals) else self.context.probe_tolerance
         return {"verify": probes, "verify_tolerance": tolerance,
-                "verify_confidence": self.prefix_min_confidence, "verify_watch": self.prefix_watch_tokens}
+                "verify_confidence": self.context.min_confidence, "verify_watch": self.context.watch_tokens}
 
     def miss_plan(self, image: ImageFeatures) -> ImagePlan:
         return ImagePlan.full(HitKind.MISS, image.n_tokens)

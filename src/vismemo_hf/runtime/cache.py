@@ -226,10 +226,6 @@ class _Unset:
     """Marks a default the caller did not pass, so the policy's own default applies (it prints as the number)."""
 
 
-class _UnsetInt(int, _Unset):
-    pass
-
-
 class _UnsetFloat(float, _Unset):
     pass
 
@@ -267,8 +263,9 @@ class VisMemoCache(DynamicCache):
     ``configs/policies/`` or a YAML path, or a policy instance; the default, ``attend-deviate``,
     recomputes what changed or what the question attends to and reuses the rest (``vismemo`` is
     the paper's routing, docs/METHOD.md §2). ``warmup_layers``, ``recompute_ratio`` and ``reuse_ratio``
-    show the default policy's values; a policy with other defaults (vismemo: 3, 30 %, 10 %;
-    cacheblend: 1 check layer, 15 %) keeps its own unless they are passed.
+    (None: the policy's own, attend-deviate 1, 0 %, 10 %; vismemo 3, 30 %, 10 %; cacheblend 1 check layer,
+    15 %) and the policy's other options (``context``: a dict of ``ContextRouting`` fields, how a hit after another
+    context is checked) are passed on to it.
     ``compress=VLCacheCompression(ratio)`` shrinks the K/V kept for decoding after prefill.
 
     Approximate lookup compares embeddings centred by the model's reference means with ``thresholds``: a
@@ -296,9 +293,9 @@ class VisMemoCache(DynamicCache):
         self,
         store: VisMemoStore | None = None,
         policy: str | RoutingPolicy = DEFAULT_POLICY,
-        warmup_layers: int = _UnsetInt(1),
-        recompute_ratio: float = _UnsetFloat(0.0),
-        reuse_ratio: float = _UnsetFloat(0.1),
+        warmup_layers: int | None = None,
+        recompute_ratio: float | None = None,
+        reuse_ratio: float | None = None,
         thresholds: str | LookupThresholds | None = None,
         tau: float | None = None,
         tau_fine: float | None = None,
@@ -321,7 +318,7 @@ class VisMemoCache(DynamicCache):
             raise TypeError(f"policy must be a policy name, a preset name or path, or a RoutingPolicy, got {policy!r}")
         policy = os.fspath(policy) if isinstance(policy, os.PathLike) else policy
         shared = {"warmup_layers": warmup_layers, "recompute_ratio": recompute_ratio, "reuse_ratio": reuse_ratio}
-        given = {k: v for k, v in shared.items() if not isinstance(v, _Unset)}
+        given = {k: v for k, v in shared.items() if v is not None}
         self.policy = get_policy(policy, **given, **policy_options)
         if isinstance(thresholds, (str, os.PathLike)):
             thresholds = LookupThresholds.load(os.fspath(thresholds))
