@@ -10,7 +10,7 @@ import vismemo_hf
 from vismemo_hf import HitKind
 from vismemo_hf.families import model_fingerprint
 from vismemo_hf.families.routing import ConfigView
-from vismemo_hf.runtime.context import current as current_forward
+from vismemo_hf.runtime.forward import current as current_forward
 from vismemo_hf.testing import tiny_model
 
 from conftest import build_inputs, generate, stored

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from vismemo_hf.core.plan import HitKind, ImagePlan
-from vismemo_hf.runtime.schedule import ActiveStates, Placement, Schedule, positions_of, query_blocks, slot_mask
+from vismemo_hf.runtime.schedule import ActiveStates, ImageSpan, Schedule, positions_of, query_blocks, slot_mask
 from vismemo_hf.store import blob
 from vismemo_hf.store.catalog import Catalog
 from vismemo_hf.store.eviction import ExactPriorityLRU
@@ -22,7 +22,7 @@ def _plan(n, recompute, reuse, mask, warmup=1):
 
 def test_active_columns_follow_each_images_plan_and_pad_short_rows():
     schedule = Schedule(batch=2, length=10, valid=None, device="cpu")
-    images = [Placement(0, 2, 4, _plan(4, [1], [0, 2], [3])), Placement(1, 5, 3, None)]
+    images = [ImageSpan(0, 2, 4, _plan(4, [1], [0, 2], [3])), ImageSpan(1, 5, 3, None)]
     assert torch.equal(schedule.active(0, images), torch.arange(10).expand(2, -1))  # warmup: every token
     late = schedule.active(1, images)
     assert late[0].tolist() == [0, 1, 3, 6, 7, 8, 9, -1, -1, -1][: late.shape[1]]

@@ -25,7 +25,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from vismemo_hf.families import routing
-from vismemo_hf.runtime import context
+from vismemo_hf.runtime import forward
 
 ATTENTION_NAME = "vismemo"
 
@@ -110,7 +110,7 @@ def blocked_sdpa(module, query, key, value, mask, blocks, scaling=None, **kwargs
 
 
 def vismemo_attention_forward(module, query, key, value, attention_mask, scaling=None, **kwargs):
-    ctx = context.current()
+    ctx = forward.current()
     layer_idx = getattr(module, "layer_idx", None)
     if ctx is None or ctx.adapter is None or layer_idx is None or layer_idx >= len(ctx.cache.layers) or \
             routing.own(getattr(module, "config", None)) is not ctx.adapter.text.config:

@@ -21,7 +21,7 @@ from vismemo_hf.core.plan import CacheEvent
 from vismemo_hf.core.thresholds import LookupThresholds
 from vismemo_hf.defaults import DEFAULT_POLICY
 from vismemo_hf.policies import RoutingPolicy, get_policy
-from vismemo_hf.runtime import context
+from vismemo_hf.runtime import forward
 from vismemo_hf.runtime.compress import VLCacheCompression
 from vismemo_hf.runtime.gate import MODES as APPROXIMATE_MODES
 from vismemo_hf.runtime.gate import Pending
@@ -382,7 +382,7 @@ class VisMemoCache(DynamicCache):
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: object,
                **kwargs: object) -> tuple[torch.Tensor, torch.Tensor]:
-        ctx = context.current(self)
+        ctx = forward.current(self)
         if ctx is None:
             raise RuntimeError(
                 "VisMemoCache is used by a model that was not prepared: call vismemo_hf.enable(model) once "
@@ -449,5 +449,5 @@ class VisMemoCache(DynamicCache):
             self.layers[i] = VisMemoLayer()
 
     def advance(self, new_tokens: int) -> None:
-        """Close a forward that added ``new_tokens`` request columns (called by ``context.close_forward``)."""
+        """Close a forward that added ``new_tokens`` request columns (called by ``forward.close_forward``)."""
         self._length += new_tokens

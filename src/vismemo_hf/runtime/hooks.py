@@ -34,7 +34,7 @@ from transformers import PretrainedConfig
 
 from vismemo_hf.families import ModelAdapter, routing
 from vismemo_hf.families.base import execution_device
-from vismemo_hf.runtime import attention, context, reference
+from vismemo_hf.runtime import attention, forward, reference
 from vismemo_hf.runtime import gate as gates
 from vismemo_hf.runtime import keys as keys_ahead
 from vismemo_hf.runtime import prefix as prefixes
@@ -106,7 +106,7 @@ def _generate(self, *args, **kwargs):
         ACTIVITY.leave()
         cache = _cache_of(kwargs)
         if cache is not None:
-            context.settle_gate(cache)  # a generate of one token: its prefill ends here
+            forward.settle_gate(cache)  # a generate of one token: its prefill ends here
 
 
 def _prepare_multimodal(self, model_kwargs, *args, **kwargs):
@@ -126,11 +126,11 @@ def _before(module, args, kwargs):
         raise ValueError(
             "a VisMemoCache needs use_cache=True: with use_cache=False the model does not keep the reused K/V "
             "and would compute wrong logits; drop use_cache=False, or pass no cache to run without VisMemo")
-    ctx = context.open_forward(cache, kwargs.get("attention_mask"), adapter)
+    ctx = forward.open_forward(cache, kwargs.get("attention_mask"), adapter)
     try:
         return args, _look_up(ctx, adapter, kwargs)
     except BaseException:
-        context.close_forward(ctx, 0)
+        forward.close_forward(ctx, 0)
         raise
 
 
@@ -182,17 +182,17 @@ def _videos(kwargs, encoded):
 
 def _after(module, args, kwargs, output):
     cache = _cache_of(kwargs)
-    ctx = context.current(cache) if cache is not None else None
+    ctx = forward.current(cache) if cache is not None else None
     if ctx is None:
         return None
     ids = kwargs.get("input_ids")
-    context.close_forward(ctx, ids.shape[1] if ids is not None else kwargs["inputs_embeds"].shape[1])
+    forward.close_forward(ctx, ids.shape[1] if ids is not None else kwargs["inputs_embeds"].shape[1])
     return None
 
 
 def _text_forward(self, *args, **kwargs):
     cache = _cache_of(kwargs)
-    ctx = context.current(cache) if cache is not None else None
+    ctx = forward.current(cache) if cache is not None else None
     if ctx is None:
         return _call_own(self, "forward", *args, **kwargs)
     request = ctx.take_request()

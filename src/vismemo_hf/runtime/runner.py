@@ -20,10 +20,10 @@ from transformers.modeling_outputs import BaseModelOutputWithPast
 from vismemo_hf.core.plan import CacheEvent, HitKind, ImagePlan
 from vismemo_hf.runtime import prefix as prefixes
 from vismemo_hf.runtime.alias import AliasReader, stored_tokens
-from vismemo_hf.runtime.context import ForwardContext
+from vismemo_hf.runtime.forward import ForwardContext
 from vismemo_hf.runtime.lookup import ImageMatch, PrefillRequest
 from vismemo_hf.runtime.rerun import Rerun, Scope
-from vismemo_hf.runtime.schedule import ActiveStates, Layout, Placement, Schedule, causal_mask, padded_on_device
+from vismemo_hf.runtime.schedule import ActiveStates, ImageSpan, Layout, Schedule, causal_mask, padded_on_device
 from vismemo_hf.runtime.signals import SignalCollector
 from vismemo_hf.runtime.verify import Verifier
 from vismemo_hf.runtime.watch import Watch
@@ -54,8 +54,8 @@ class ImageRun:
         assert self.plan is not None, "the image has no plan yet"
         return self.plan
 
-    def placement(self) -> Placement:
-        return Placement(self.match.row, self.match.start, self.match.n_tokens, self.plan)
+    def span(self) -> ImageSpan:
+        return ImageSpan(self.match.row, self.match.start, self.match.n_tokens, self.plan)
 
     def event(self, reader: AliasReader | None, i: int) -> CacheEvent:
         m, plan = self.match, self.planned
@@ -315,7 +315,7 @@ class PrefillRunner:
             self._decide(layer, states)
             if self._t_warm_end is None and all(r.plan is not None for r in self.runs):
                 self._t_warm_end = time.perf_counter()
-            states.narrow(self.schedule.active(layer, [r.placement() for r in self.runs]))
+            states.narrow(self.schedule.active(layer, [r.span() for r in self.runs]))
             reused = self.reader.reused(layer, self._plans(), self.batch)
             reused_columns = None if reused is None else reused[2]
             if self.schedule.is_plain(states.columns, reused_columns):

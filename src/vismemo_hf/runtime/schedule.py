@@ -144,7 +144,7 @@ class Layout:
 
 
 @dataclass(frozen=True)
-class Placement:
+class ImageSpan:
     """Where one image sits and what its plan computes: ``plan`` None means undecided (every token computed)."""
 
     row: int
@@ -236,14 +236,14 @@ class Schedule:
         self._layout: tuple[SlotWriter, Layout] | None = None
         self._valid_h: torch.Tensor | None = None
 
-    def active(self, layer: int, images: list[Placement]) -> torch.Tensor:
+    def active(self, layer: int, images: list[ImageSpan]) -> torch.Tensor:
         """(B, A) request columns computed at ``layer``; -1 pads short rows."""
         key = tuple((id(p.plan), p.plan.computed_count_at(layer)) if p.plan is not None else None for p in images)
         if key != self._active_key or self._active is None:
             self._active_key, self._active = key, self._build_active(layer, images)
         return self._active
 
-    def _build_active(self, layer: int, images: list[Placement]) -> torch.Tensor:
+    def _build_active(self, layer: int, images: list[ImageSpan]) -> torch.Tensor:
         rows = []
         for b in range(self.batch):
             keep = torch.ones(self.length, dtype=torch.bool)

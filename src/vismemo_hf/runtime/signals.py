@@ -12,7 +12,7 @@ import torch
 
 from vismemo_hf.core.plan import HitKind, WarmupSignals, relative_deviation
 from vismemo_hf.runtime.compress import LayerWindowStats, window_stats
-from vismemo_hf.runtime.context import AttentionCapture
+from vismemo_hf.runtime.forward import AttentionCapture
 from vismemo_hf.runtime.schedule import pad_rows, positions_of
 
 OBSERVATION_FALLBACK = 16  # window size when no text follows the last image

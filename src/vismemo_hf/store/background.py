@@ -114,7 +114,7 @@ class Activity:
                         return
 
 
-#: the process's requests in progress (``runtime.context`` enters and leaves it around every enabled forward)
+#: the process's requests in progress (``runtime.forward`` enters and leaves it around every enabled forward)
 ACTIVITY = Activity()
 
 @dataclass(frozen=True)
