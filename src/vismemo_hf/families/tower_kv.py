@@ -70,7 +70,8 @@ def _attention(module, query, key, value, attention_mask=None, **kwargs):
     return run.inner(module, query, key, value, attention_mask=attention_mask, **kwargs)
 
 
-def _register() -> None:
+def register() -> None:
+    """Make ``vismemo_tower`` a transformers attention implementation (once; ``enable`` does it)."""
     from transformers import AttentionInterface
 
     if NAME not in AttentionInterface._global_mapping:
@@ -91,7 +92,7 @@ def can_capture(visual) -> bool:
 
 @contextmanager
 def _running(visual, record=None, extra=None):
-    _register()
+    register()
     view = visual.blocks[0].attn.config
     if not isinstance(view, routing.ConfigView):
         raise RuntimeError("the vision tower is not routed: enable(model) gives its attention modules a ConfigView")

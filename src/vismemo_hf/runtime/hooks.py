@@ -32,7 +32,7 @@ from typing import Any, TypeVar, cast
 import torch
 from transformers import PretrainedConfig
 
-from vismemo_hf.families import ModelAdapter, routing
+from vismemo_hf.families import ModelAdapter, routing, tower_kv
 from vismemo_hf.families.base import execution_device
 from vismemo_hf.runtime import attention, forward, reference
 from vismemo_hf.runtime import gate as gates
@@ -325,6 +325,7 @@ def enable(model: ModelT, *, image_mean: Sequence[float] | None = None,
     for module in {id(m): m for m in (model, base, text)}.values():
         module._vismemo = adapter
     reference.prepare(adapter, _own(base, "get_image_features"))  # the one-time setup, here instead of a request's
+    tower_kv.register()  # what a miss's encode would first import and register
     return model
 
 
