@@ -110,8 +110,8 @@ def write(cache, prefix: PrefixPlan | None, exact_until: int) -> None:
     bounds = (0, *prefix.ends)[first:whole + 1]
     prefixes = cache.store.prefixes
 
-    def gather():  # one copy of the whole span, cut into blocks (few operations: the writer shares the GIL)
-        s, e = bounds[0], bounds[-1]
+    def gather():  # one copy of the whole span to the host, cut into blocks (few operations: the writer's Python
+        s, e = bounds[0], bounds[-1]  # shares the interpreter with the requests)
         span = torch.stack([torch.stack([k[0, :, s:e], v[0, :, s:e]]) for k, v in layers]).cpu()
         sizes = [b - a for a, b in zip(bounds, bounds[1:])]
         prefixes.add(hashes, [block.clone() for block in torch.split(span, sizes, dim=3)])

@@ -23,6 +23,8 @@ def image_kv(layers: list[tuple], match) -> torch.Tensor:
     """(N, L, 2, H, D) K/V of the image's tokens from ``layers`` ((keys, values, columns) of each cache layer; columns
     None: slot i holds column i), on the CPU."""
     cols = match.columns(torch.arange(match.n_tokens))
+    if all(keys.device.type == "cpu" for keys, _, _ in layers):
+        return _host_image_kv(layers, match, cols)
     per_layer = []
     for keys, values, columns in layers:
         slots = cols if columns is None else _slots(columns[match.row], cols)
@@ -33,6 +35,22 @@ def image_kv(layers: list[tuple], match) -> torch.Tensor:
     else:
         stacked = torch.stack([to_host(t) for t in per_layer])
     return stacked.permute(3, 0, 1, 2, 4).contiguous()  # laid out on the host, not in the GPU's memory
+
+
+def _host_image_kv(layers: list[tuple], match, cols: torch.Tensor) -> torch.Tensor:
+    """``image_kv`` of layers on the host, each token's K/V copied once into the entry's layout (the writer shares the
+    machine's memory bandwidth with the request being served)."""
+    keys0 = layers[0][0]
+    n = match.n_tokens
+    out = torch.empty((n, len(layers), 2, keys0.shape[1], keys0.shape[3]), dtype=keys0.dtype)
+    for layer, (keys, values, columns) in enumerate(layers):
+        slots = cols if columns is None else _slots(columns[match.row], cols)
+        first = int(slots[0]) if n else 0
+        span = n and bool((slots == torch.arange(first, first + n)).all())  # consecutive: a view, not a gather
+        for j, t in enumerate((keys, values)):
+            rows = t[match.row]  # (H, S, D)
+            out[:, layer, j].copy_((rows[:, first:first + n] if span else rows.index_select(1, slots)).transpose(0, 1))
+    return out
 
 
 #: the largest pinned buffer a copy from a GPU to the host goes through (bytes)
