@@ -8,29 +8,15 @@ without (the two in alternating order), each request's time to the first token o
 Writes results/perf/keys-ahead.md. Keys are hashed ahead only for pixels on an accelerator (``keys.AHEAD_ON_HOST``).
 """
 
-import argparse
-import copy
-import statistics
 import sys
-from pathlib import Path
 
-from vismemo_hf import VisMemoCache, VisMemoStore, enable
+from vismemo_hf import VisMemoCache, VisMemoStore
 from vismemo_hf.bench import workload as bench
-from vismemo_hf.bench.report import header, machine, write
-from vismemo_hf.eval import workload
 from vismemo_hf.runtime import keys
 
 
 def measure(spec: str, repeats: int, new_tokens: int = 4) -> dict[str, list[float]]:
-    model, processor, tokens = bench.load(spec)
-    plain = copy.deepcopy(model)
-    requests = workload.build("mixed", bench.image_size(spec, model, tokens), 0)[:12]
-    inputs = [bench._inputs(processor, r, model.device) for r in requests]
-    for x in inputs[:3]:
-        bench._generate(plain, x, None, 1)
-    enable(model)
-    for x in inputs[:3]:
-        bench._generate(model, x, VisMemoCache(store=VisMemoStore()), 1)
+    model, plain, inputs = bench.miss_stream(spec)
     store, ratios, n = VisMemoStore(), {"ahead": [], "at the lookup": []}, 0
     before = keys.AHEAD_ON_HOST
     try:
@@ -51,24 +37,12 @@ def measure(spec: str, repeats: int, new_tokens: int = 4) -> dict[str, list[floa
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--models", default="tiny:qwen2_vl,vismemo-docqa-tiny")
-    parser.add_argument("--repeats", type=int, default=6)
-    parser.add_argument("--out", default="results/perf")
-    args = parser.parse_args()
-    cmd = f"python benchmarks/keys_ahead.py --models {args.models} --repeats {args.repeats}"
-    lines = header("Exact keys hashed ahead of the lookup, on the CPU", cmd, machine("cpu")) + [
+    return bench.arms_main(
+        "keys_ahead.py", __doc__, "Exact keys hashed ahead of the lookup, on the CPU",
         "A miss's time to the first token over plain transformers', p50 and mean over the requests (12 new images, "
-        f"{args.repeats} times), with the keys hashed on a key thread from the moment `generate` asks for the encoder "
-        "output and hashed at the lookup; the two in alternating order after each plain request.", "",
-        "| model | keys | requests | p50 | mean |", "| --- | --- | --- | --- | --- |"]
-    for spec in args.models.split(","):
-        for mode, values in measure(spec, args.repeats).items():
-            lines.append(f"| {spec} | {mode} | {len(values)} | {statistics.median(values):.3f} | "
-                         f"{statistics.fmean(values):.3f} |")
-            print(lines[-1], flush=True)
-    write(lines + [""], Path(args.out) / "keys-ahead.md")
-    return 0
+        "{repeats} times), with the keys hashed on a key thread from the moment `generate` asks for the encoder "
+        "output and hashed at the lookup; the two in alternating order after each plain request.",
+        "keys", measure, "keys-ahead.md")
 
 
 if __name__ == "__main__":

@@ -9,30 +9,16 @@ beside the second).
 Writes results/perf/writer-contention.md.
 """
 
-import argparse
-import copy
-import statistics
 import sys
-from pathlib import Path
 
-from vismemo_hf import VisMemoCache, VisMemoStore, enable
+from vismemo_hf import VisMemoCache, VisMemoStore
 from vismemo_hf.bench import workload as bench
-from vismemo_hf.bench.report import header, machine, write
-from vismemo_hf.eval import workload
 
 ARMS = ("drained", "writing")
 
 
 def measure(spec: str, repeats: int, new_tokens: int = 4) -> dict[str, list[float]]:
-    model, processor, tokens = bench.load(spec)
-    plain = copy.deepcopy(model)
-    requests = workload.build("mixed", bench.image_size(spec, model, tokens), 0)[:12]
-    inputs = [bench._inputs(processor, r, model.device) for r in requests]
-    for x in inputs[:3]:
-        bench._generate(plain, x, None, 1)
-    enable(model)
-    for x in inputs[:3]:
-        bench._generate(model, x, VisMemoCache(store=VisMemoStore()), 1)
+    model, plain, inputs = bench.miss_stream(spec)
     store, ratios, n = VisMemoStore(), {arm: [] for arm in ARMS}, 0
     for repeat in range(repeats):
         for i, x in enumerate(inputs):
@@ -51,25 +37,12 @@ def measure(spec: str, repeats: int, new_tokens: int = 4) -> dict[str, list[floa
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--models", default="tiny:qwen2_vl,vismemo-docqa-tiny")
-    parser.add_argument("--repeats", type=int, default=6)
-    parser.add_argument("--out", default="results/perf")
-    args = parser.parse_args()
-    cmd = f"python benchmarks/writer_contention.py --models {args.models} --repeats {args.repeats}"
-    lines = header("The store's writer beside a request", cmd, machine("cpu")) + [
+    return bench.arms_main(
+        "writer_contention.py", __doc__, "The store's writer beside a request",
         "A miss's time to the first token over plain transformers', p50 and mean, right after another miss whose "
-        "entry is still to be written (12 new images, "
-        f"{args.repeats} times, every request in both arms): the writer drained first, or writing the other "
-        "miss's entry beside it.", "",
-        "| model | writer | requests | p50 | mean |", "| --- | --- | --- | --- | --- |"]
-    for spec in args.models.split(","):
-        for arm, values in measure(spec, args.repeats).items():
-            lines.append(f"| {spec} | {arm} | {len(values)} | {statistics.median(values):.3f} | "
-                         f"{statistics.fmean(values):.3f} |")
-            print(lines[-1], flush=True)
-    write(lines + [""], Path(args.out) / "writer-contention.md")
-    return 0
+        "entry is still to be written (12 new images, {repeats} times, every request in both arms): the "
+        "writer drained first, or writing the other miss's entry beside it.",
+        "writer", measure, "writer-contention.md")
 
 
 if __name__ == "__main__":
