@@ -11,12 +11,13 @@ Writes results/perf/keys-ahead.md. Keys are hashed ahead only for pixels on an a
 import sys
 
 from vismemo_hf import VisMemoCache, VisMemoStore
+from vismemo_hf.bench import arms
 from vismemo_hf.bench import workload as bench
 from vismemo_hf.runtime import keys
 
 
 def measure(spec: str, repeats: int, new_tokens: int = 4) -> dict[str, list[float]]:
-    model, plain, inputs = bench.miss_stream(spec)
+    model, plain, inputs = arms.miss_stream(spec)
     store, ratios, n = VisMemoStore(), {"ahead": [], "at the lookup": []}, 0
     before = keys.AHEAD_ON_HOST
     try:
@@ -37,7 +38,7 @@ def measure(spec: str, repeats: int, new_tokens: int = 4) -> dict[str, list[floa
 
 
 def main() -> int:
-    return bench.arms_main(
+    return arms.arms_main(
         "keys_ahead.py", __doc__, "Exact keys hashed ahead of the lookup, on the CPU",
         "A miss's time to the first token over plain transformers', p50 and mean over the requests (12 new images, "
         "{repeats} times), with the keys hashed on a key thread from the moment `generate` asks for the encoder "

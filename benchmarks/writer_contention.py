@@ -12,13 +12,14 @@ Writes results/perf/writer-contention.md.
 import sys
 
 from vismemo_hf import VisMemoCache, VisMemoStore
+from vismemo_hf.bench import arms
 from vismemo_hf.bench import workload as bench
 
 ARMS = ("drained", "writing")
 
 
 def measure(spec: str, repeats: int, new_tokens: int = 4) -> dict[str, list[float]]:
-    model, plain, inputs = bench.miss_stream(spec)
+    model, plain, inputs = arms.miss_stream(spec)
     store, ratios, n = VisMemoStore(), {arm: [] for arm in ARMS}, 0
     for repeat in range(repeats):
         for i, x in enumerate(inputs):
@@ -37,7 +38,7 @@ def measure(spec: str, repeats: int, new_tokens: int = 4) -> dict[str, list[floa
 
 
 def main() -> int:
-    return bench.arms_main(
+    return arms.arms_main(
         "writer_contention.py", __doc__, "The store's writer beside a request",
         "A miss's time to the first token over plain transformers', p50 and mean, right after another miss whose "
         "entry is still to be written (12 new images, {repeats} times, every request in both arms): the "
