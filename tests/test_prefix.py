@@ -199,3 +199,64 @@ def test_a_block_ends_at_every_image_end_so_another_question_reuses_the_page(tin
     assert [e.found_by for e in cache.events] == ["prefix"] and cache.events[0].kind is HitKind.EXACT
     plain_tokens, plain_scores = _plain_without(model, inputs)
     assert torch.equal(tokens, plain_tokens) and (scores - plain_scores).abs().max() <= 1e-4
+
+
+def test_an_agent_keeping_its_last_screens_reuses_them_as_a_prefix(family):
+    """An agent's loop keeping its last three screenshots: once the window slides (a request's first screenshot came
+    after another in an earlier one), the same request without its first screenshot is computed while no request
+    runs and kept as prefix blocks, and the next step reuses its first two screenshots whole. Every answer and
+    first-token score equals plain transformers'."""
+    from vismemo_hf.eval import workload
+    from vismemo_hf.testing import tiny_model
+
+    model, processor = tiny_model(family, seed=2)
+    twin, _ = tiny_model(family, seed=2)
+    vismemo_hf.enable(model)
+    store = vismemo_hf.VisMemoStore()
+    found = []
+    for request in workload.agent((112, 112), 3, seed=1, steps=6):
+        text = processor.apply_chat_template(request.messages, add_generation_prompt=True)
+        inputs = processor(text=[text], images=request.images, return_tensors="pt")
+        cache = vismemo_hf.VisMemoCache(store=store)
+        tokens, scores = generate(model, inputs, cache, 3)
+        plain_tokens, plain_scores = _plain(twin, inputs)
+        assert torch.equal(tokens, plain_tokens)
+        assert (scores - plain_scores).abs().max() <= 1e-4
+        found.append([e.found_by for e in cache.events])
+        store.flush()  # the time an agent takes to act: the speculation runs
+    assert found[4][:2] == ["prefix", "prefix"] and found[5][:2] == ["prefix", "prefix"]
+    assert store.prefixes.speculations["read"] >= 2
+
+
+def test_a_speculation_not_started_is_called_off_by_the_request_that_needs_it():
+    """A request that needs blocks a speculation has not started computing does not wait for it: the speculation is
+    called off (it never runs) and the blocks count as missing; one already running is waited for."""
+    from concurrent.futures import Future
+
+    from vismemo_hf.store.prefixes import PrefixBlocks, Speculation
+
+    blocks, hashes = PrefixBlocks(None), ["a", "b"]
+    blocks.add(["a"], [torch.zeros(1, 2, 1, BLOCK, 4)])
+    waiting, write = Speculation(), Future()
+    blocks.announce(["b"], write, claim=waiting.claim)
+    assert blocks.held(hashes) == 2  # counted as coming by a writer that does not claim it
+    assert blocks.longest(hashes) == 1 and not waiting.start()  # called off: it never runs
+    running, other = Speculation(), Future()
+    blocks.announce(["c"], other, claim=running.claim)
+    assert running.start()
+    assert blocks.longest(["a", "c"]) == 2
+
+
+def test_window_slid_declines_after_speculations_nobody_read():
+    """``PrefixBlocks.window_slid``: a request whose first image came after another image in an earlier request slides;
+    after ``UNREAD`` speculations in a row that no request read it declines, but for one in ``RETRY``."""
+    from vismemo_hf.store import prefixes
+
+    blocks = prefixes.PrefixBlocks(None)
+    assert not blocks.window_slid(["s0", "s1"])
+    assert blocks.window_slid(["s1", "s2"])
+    blocks.speculating("x1")
+    assert blocks.window_slid(["s2", "s3"])  # the first unread
+    blocks.speculating("x2")
+    answers = [blocks.window_slid([f"s{k}", f"s{k + 1}"]) for k in range(3, 3 + prefixes.RETRY)]
+    assert answers.count(True) == 1 and blocks.speculations["declined"] == prefixes.RETRY - 1

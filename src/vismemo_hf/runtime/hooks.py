@@ -199,6 +199,7 @@ def _text_forward(self, *args, **kwargs):
     if request is not None and request.prefix is not None and request.prefix.length:
         out = _after_prefix(self, ctx, request, kwargs)
         finish_native(ctx.adapter, request, ctx, kwargs.get("position_ids"))
+        prefixes.slide_later(ctx.adapter, cache, request.prefix, request.images, kwargs)
         return out
     plans = None
     if request is not None and request.needs_runner:
@@ -206,7 +207,9 @@ def _text_forward(self, *args, **kwargs):
     if request is not None and request.needs_runner and plans is None:
         kwargs = {k: v for k, v in kwargs.items() if k not in ("past_key_values", "cache")}
         with attention.slot_attention(self.layers[0].self_attn.config):
-            return run_prefill(ctx.adapter, request, **{**kwargs, "ctx": ctx})
+            out = run_prefill(ctx.adapter, request, **{**kwargs, "ctx": ctx})
+        prefixes.slide_later(ctx.adapter, cache, request.prefix, request.images, kwargs)
+        return out
     if cache.mapped:  # decoding over a layout with left-out slots: the slot masks
         with attention.slot_attention(self.layers[0].self_attn.config):
             out = _call_own(self, "forward", *args, **kwargs)
@@ -214,6 +217,7 @@ def _text_forward(self, *args, **kwargs):
         out = _call_own(self, "forward", *args, **kwargs)
     if request is not None:  # a prefill the model computed itself: its complete images become entries
         finish_native(ctx.adapter, request, ctx, kwargs.get("position_ids"), plans)
+        prefixes.slide_later(ctx.adapter, cache, request.prefix, request.images, kwargs)
     elif cache.watch is not None:  # an answer after a reuse: computed in full when the model is unsure of it
         if args:
             cache.watch = None

@@ -17,8 +17,9 @@ from dataclasses import dataclass
 
 import torch
 
+from vismemo_hf.runtime.writeback import reused_encoder
 from vismemo_hf.store.faults import store_call
-from vismemo_hf.store.prefixes import block_ends, block_hashes
+from vismemo_hf.store.prefixes import Speculation, block_ends, block_hashes
 
 #: set while a model forward whose caller reads the last position's logits only runs (``generate``'s
 #: ``logits_to_keep=1``): only such a prefill may skip the hidden states of a reused prefix
@@ -35,6 +36,9 @@ class PrefixPlan:
     held: int = 0
     length: int = 0
     blocks: tuple[torch.Tensor, ...] = ()
+    #: the row's token ids and its images' (first column, tokens, exact key), in column order
+    ids: tuple[int, ...] = ()
+    images: tuple[tuple[int, int, str], ...] = ()
 
     def blocks_within(self, column: int) -> int:
         """How many blocks end at or before ``column``."""
@@ -59,13 +63,14 @@ def plan(cache, owner: str, input_ids: torch.Tensor, spans: list[tuple[int, int]
             length = start
     # a prefix is reused when it holds an image: text alone (a system prompt) saves little, and the images after a
     # reused prefix are computed in full, without their own lookup
+    row = (tuple(ids), tuple(images))
     if not eligible or length < 1 or not any(start + n <= length for start, n, _ in images):
-        return PrefixPlan(hashes, ends, held)
+        return PrefixPlan(hashes, ends, held, 0, (), *row)
     needed = bisect.bisect_left(ends, length) + 1  # the blocks up to the one that holds the prefix's last token
     blocks = store_call("prefix", lambda: prefixes.read(hashes[:needed]), None)
     if blocks is None:
-        return PrefixPlan(hashes, ends, held)
-    return PrefixPlan(hashes, ends, held, length, tuple(blocks))
+        return PrefixPlan(hashes, ends, held, 0, (), *row)
+    return PrefixPlan(hashes, ends, held, length, tuple(blocks), *row)
 
 
 def preload(cache, prefix: PrefixPlan, device_of) -> None:
@@ -122,3 +127,125 @@ def write(cache, prefix: PrefixPlan | None, exact_until: int) -> None:
                           lambda: writer.wait_for(key))
 
     store_call("prefix", announce, None)
+
+
+def slide_later(adapter, cache, prefix: PrefixPlan | None, matches, kwargs: dict) -> None:
+    """After a prefill, when its images look like a window sliding over them (an agent keeping its last K
+    screenshots: ``PrefixBlocks.window_slid``): compute, while no request runs, the blocks of the same request without
+    its first image (the text before the first image, then the second image and everything up to the last image's
+    end, at the positions that request gives them) and keep them as prefix blocks, so that the next step, which
+    starts that way, reuses them whole. Exact: the K/V the next step's own prefill computes there, from the images'
+    own encoder output (an image inside a reused prefix: its entry's) over the same text.
+
+    The work is speculative: it starts only while no request is in progress, and a request that needs the blocks
+    before it started calls it off and computes them itself (``store.prefixes.Speculation``). ``matches``: the
+    request's images (``ImageMatch``) in its order; ``kwargs``: the text model's arguments of the prefill."""
+    if prefix is None or len(prefix.images) < 2 or not cache.store_misses or not cache.policy.reuses_prefix():
+        return
+    blocks = getattr(cache.store, "prefixes", None)
+    embeds = kwargs.get("inputs_embeds")
+    if blocks is None or embeds is None or embeds.shape[0] != 1 or embeds.shape[1] != len(prefix.ids):
+        return
+    if any(layer.mapped for layer in cache.layers) or len(cache.layers) != adapter.num_layers:
+        return
+    images = prefix.images
+    by_start = {m.start: m for m in matches}
+    if any(s not in by_start for s, _, _ in images):
+        return  # a video or an image the lookup did not see: not a window of images
+    if not store_call("prefix", lambda: blocks.window_slid([k for _, _, k in images]), False):
+        return
+    (s1, _, _), (s2, _, _) = images[0], images[1]
+    shift = s2 - s1
+    moved = tuple((s - shift, n, k) for s, n, k in images[1:])
+    ids = prefix.ids[:s1] + prefix.ids[s2:]
+    end = moved[-1][0] + moved[-1][1]
+    owner = cache.owner(adapter.fingerprint)
+    ends = [e for e in block_ends(len(ids), moved) if e <= end]
+    hashes = block_hashes(owner, ids, moved)[:len(ends)]
+    held = store_call("prefix", lambda: blocks.held(hashes), len(hashes))
+    if held >= len(hashes):
+        return
+    layers = [(layer.keys, layer.values) for layer in cache.layers]
+    positions = kwargs.get("position_ids")
+    positions = (torch.arange(len(prefix.ids), device=embeds.device)[None] if positions is None else positions)
+    positions = (positions[None].expand(3, -1, -1) if positions.ndim == 2 else positions)[-3:]
+    # the columns from the second image on, at the positions they have once the first image and the text after it
+    # are gone: every one moves back by what separates the two images' first positions
+    after = positions[..., s2:s2 + end - s1] - (positions[..., s2:s2 + 1] - positions[..., s1:s1 + 1])
+    # images whose encoder output is not in ``embeds``: inside a reused prefix (zeros stand for them) or partly
+    # their alias's (a pixel-first hit; an image an approximate hit served is completed as an entry of its own
+    # before this runs, on the same thread: ``writeback.complete_later``)
+    inside = {m.start for m in matches if m.found_by == "prefix" or reused_encoder(m)}
+    visual, deepstack = kwargs.get("visual_pos_masks"), kwargs.get("deepstack_visual_embeds")
+    spec = Speculation()
+    first = held
+
+    def compute():
+        if not spec.start():
+            return
+        try:
+            rank = None
+            if deepstack is not None and visual is not None:  # Qwen3-VL: each image's rows of the deepstack features
+                if int(visual.sum()) != sum(n for _, n, _ in images):
+                    return
+                rank = {s: int(visual[0, :s].sum()) for s, _, _ in images}
+            tail = _slid_kv(adapter, cache, layers, embeds[0, s2:s2 + end - s1], after, s1, s2, images[1:], inside,
+                            deepstack, rank, owner)
+            if tail is None:
+                return
+            lo, bounds = (0, *ends)[first], (0, *ends)[first:]
+            span = torch.stack([torch.stack([k[0, :, lo:end], v[0, :, lo:end]]) for k, v in tail]).cpu()
+            sizes = [b - a for a, b in zip(bounds, bounds[1:])]
+            blocks.add(hashes[first:], [b.clone() for b in torch.split(span, sizes, dim=3)])
+        finally:
+            spec.done()
+
+    def announce():
+        completer, key = cache.store.completer, f"prefix:{hashes[-1]}"
+        future = completer.submit(lambda: store_call("prefix", compute, None), key)
+        blocks.announce(hashes[first:], future, lambda: completer.wait_for(key), claim=spec.claim)
+        blocks.speculating(hashes[-1])
+
+    store_call("prefix", announce, None)
+
+
+@torch.no_grad()
+def _slid_kv(adapter, cache, layers, embeds, positions, s1: int, s2: int, images, inside: set, deepstack, rank,
+             owner: str):
+    """Per layer, (K, V) (1, H, s1 + len(embeds), D): the first ``s1`` columns of ``layers`` and, computed over them
+    by the text model, the columns ``embeds`` (the request's from its column ``s2`` on) at ``positions``. Images of
+    ``images`` ((column in the request, tokens, key)) that started in ``inside`` take their encoder output from
+    their entries; None when one is gone."""
+    from transformers import DynamicCache
+
+    from vismemo_hf.families.base import execution_device
+
+    device = execution_device(adapter.text)
+    embeds = embeds.clone()
+    extra_ds: list[list[torch.Tensor]] = []
+    for s, n, key in images:
+        if s in inside:
+            entry = cache.store.peek(key, owner)
+            if entry is None or entry.embeds is None or rank is not None and entry.deepstack is None:
+                return None
+            embeds[s - s2:s - s2 + n] = entry.embeds.to(embeds.device, embeds.dtype)
+            if rank is not None:
+                extra_ds.append([d.to(device) for d in entry.deepstack])
+        elif rank is not None:
+            extra_ds.append([d[rank[s]:rank[s] + n].to(device) for d in deepstack])
+    before = DynamicCache()
+    for i, (k, v) in enumerate(layers):
+        before.update(k[:, :, :s1], v[:, :, :s1], i)
+    extra = {}
+    if rank is not None:
+        mask = torch.zeros(1, embeds.shape[0], dtype=torch.bool, device=device)
+        for s, n, _ in images:
+            mask[0, s - s2:s - s2 + n] = True
+        extra = {"visual_pos_masks": mask,
+                 "deepstack_visual_embeds": [torch.cat([per[j] for per in extra_ds]).to(device, embeds.dtype)
+                                             for j in range(len(extra_ds[0]))]}
+    positions = positions[0] if adapter.positions_1d else positions
+    dtype = next(adapter.text.parameters()).dtype
+    adapter.text(inputs_embeds=embeds[None].to(device, dtype), position_ids=positions.to(device), cache=before,
+                 use_cache=True, **extra)
+    return [(layer.keys, layer.values) for layer in before.layers]

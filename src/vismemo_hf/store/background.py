@@ -285,7 +285,16 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
+_EXITING = threading.Event()
+
+
+def exiting() -> bool:
+    """Whether the process is exiting (its pending writes being completed): speculative work is no longer started."""
+    return _EXITING.is_set()
+
+
 def _complete_at_exit() -> None:
+    _EXITING.set()
     deadline = time.monotonic() + float(os.environ.get("VISMEMO_EXIT_WRITE_S", EXIT_WRITE_S))
     for writer in list(_WRITERS):
         left = writer.drain(max(0.0, deadline - time.monotonic()))

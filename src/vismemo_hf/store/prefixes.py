@@ -21,10 +21,15 @@ from concurrent.futures import Future
 
 import torch
 
-from vismemo_hf.store.background import ACTIVITY
+from vismemo_hf.store.background import ACTIVITY, exiting
 
 #: tokens per block
 BLOCK = 32
+#: exact keys of images seen after another image that ``PrefixBlocks.window_slid`` remembers
+LATER_KEYS = 512
+#: speculations in a row that no request read after which ``window_slid`` declines, but for one in ``RETRY``
+UNREAD = 2
+RETRY = 8
 
 
 def block_ends(length: int, images: Sequence[tuple[int, int, str]]) -> list[int]:
@@ -53,6 +58,35 @@ def block_hashes(owner: str, ids: Sequence[int], images: Sequence[tuple[int, int
     return out
 
 
+class Speculation:
+    """The state of a speculative write (blocks a request is likely to need, computed while no request runs): it runs
+    only if no reader has given up on it first. ``claim`` (a reader's): whether the blocks come (it has started), or
+    never will (it had not: it is called off, and the reader computes them itself). ``start`` (the job's): whether
+    to run (not called off, and no request in progress)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.state = "waiting"
+
+    def claim(self) -> bool:
+        with self._lock:
+            if self.state == "waiting":
+                self.state = "called off"
+            return self.state in ("running", "done")
+
+    def start(self) -> bool:
+        with self._lock:
+            if self.state != "waiting" or ACTIVITY.active or exiting():
+                self.state = "called off"
+                return False
+            self.state = "running"
+            return True
+
+    def done(self) -> None:
+        with self._lock:
+            self.state = "done"
+
+
 class PrefixBlocks:
     """Blocks' K/V in host memory within a byte budget, least recently used out first. Each block holds
     (layers, 2, KV heads, its tokens, head dim) in the model's dtype. Thread-safe; writes come from the store's writer
@@ -65,7 +99,14 @@ class PrefixBlocks:
         self._lock = threading.Lock()
         self._pending: dict[str, Future] = {}  # blocks being written: held for ``longest``, waited for by ``read``
         self._waits: dict[int, Callable[[], None]] = {}  # id of a pending write -> what waits for it
+        self._claims: dict[int, Callable[[], bool]] = {}  # id of a pending speculative write -> its claim
         self.reused_blocks = 0
+        #: the exact keys of images seen after another image of their request (``window_slid``), newest last
+        self._later: OrderedDict[str, None] = OrderedDict()
+        self._speculated: str | None = None  # the last block a speculation wrote, until a request reads it
+        self._unread = 0  # speculations in a row that no request read
+        self._declined = 0
+        self.speculations = {"started": 0, "read": 0, "declined": 0}
 
     def __len__(self) -> int:
         return len(self._blocks)
@@ -79,20 +120,38 @@ class PrefixBlocks:
         with self._lock:
             n = 0
             for h in hashes:
+                if h not in self._blocks:
+                    write = self._pending.get(h)
+                    claim = self._claims.get(id(write)) if write is not None else None
+                    if write is None or claim is not None and not claim():
+                        break
+                n += 1
+            return n
+
+    def held(self, hashes: Sequence[str]) -> int:
+        """How many of ``hashes``, from the first on, are held or being written (no speculative write is claimed)."""
+        with self._lock:
+            n = 0
+            for h in hashes:
                 if h not in self._blocks and h not in self._pending:
                     break
                 n += 1
             return n
 
-    def announce(self, hashes: Sequence[str], write: Future, wait: Callable[[], None] | None = None) -> None:
+    def announce(self, hashes: Sequence[str], write: Future, wait: Callable[[], None] | None = None,
+                 claim: Callable[[], bool] | None = None) -> None:
         """``write`` (a job on the store's writer thread) is adding ``hashes``: they count as held meanwhile. ``wait``:
         what a reader calls instead of waiting for ``write`` itself (``Writer.wait_for``: a job not started yet runs
-        on the reader's thread, not after the jobs queued before it)."""
+        on the reader's thread, not after the jobs queued before it). ``claim``: a speculative write's (``Speculation``)
+        -> whether a reader may count on it (False: it has not started and never will; the reader computes the
+        blocks itself)."""
         with self._lock:
             for h in hashes:
                 self._pending.setdefault(h, write)
             if wait is not None:
                 self._waits[id(write)] = wait
+            if claim is not None:
+                self._claims[id(write)] = claim
         write.add_done_callback(lambda _: self._written(hashes, write))
 
     def _written(self, hashes: Sequence[str], write: Future) -> None:
@@ -101,6 +160,7 @@ class PrefixBlocks:
                 if self._pending.get(h) is write:
                     del self._pending[h]
             self._waits.pop(id(write), None)
+            self._claims.pop(id(write), None)
 
     def read(self, hashes: Sequence[str]) -> list[torch.Tensor] | None:
         """The blocks of ``hashes`` (each refreshed; a block being written is waited for, its write run here when it
@@ -120,7 +180,41 @@ class PrefixBlocks:
                 self._blocks.move_to_end(h)
                 out.append(block)
             self.reused_blocks += len(out)
+            if self._speculated is not None and self._speculated in hashes:
+                self._speculated, self._unread = None, 0
+                self.speculations["read"] += 1
             return out
+
+    def window_slid(self, keys: Sequence[str]) -> bool:
+        """Whether a request whose images have the exact ``keys`` (in column order, at least two) looks like the next
+        step of a window that slides over images (an agent keeping its last screenshots): its first image came
+        after another image in an earlier request. Then its next step is likely the same request without its first
+        image (``runtime.prefix.slide_later``). Declined, but for one in ``RETRY``, after ``UNREAD`` speculations in
+        a row that no request read (the requests do not slide as guessed)."""
+        with self._lock:
+            slid = keys[0] in self._later
+            for key in keys[1:]:
+                self._later[key] = None
+                self._later.move_to_end(key)
+            while len(self._later) > LATER_KEYS:
+                self._later.popitem(last=False)
+            if not slid:
+                return False
+            if self._speculated is not None:  # the last speculation was never read
+                self._unread += 1
+                self._speculated = None
+            if self._unread >= UNREAD:
+                self._declined += 1
+                if self._declined % RETRY:
+                    self.speculations["declined"] += 1
+                    return False
+            return True
+
+    def speculating(self, last: str) -> None:
+        """A speculation that writes blocks up to ``last`` has been started."""
+        with self._lock:
+            self._speculated = last
+            self.speculations["started"] += 1
 
     def add(self, hashes: Sequence[str], blocks: Sequence[torch.Tensor]) -> None:
         """Keep ``blocks`` under ``hashes`` (a held one is only refreshed); older blocks leave for the budget."""
