@@ -228,23 +228,30 @@ def test_an_agent_keeping_its_last_screens_reuses_them_as_a_prefix(family):
     assert store.prefixes.speculations["read"] >= 2
 
 
-def test_a_speculation_not_started_is_called_off_by_the_request_that_needs_it():
-    """A request that needs blocks a speculation has not started computing does not wait for it: the speculation is
-    called off (it never runs) and the blocks count as missing; one already running is waited for."""
+def test_a_request_never_waits_for_a_speculation():
+    """A request that needs blocks a speculation has not written yet does not wait for it: the speculation is called
+    off (one not started never runs, one running stops at its next layer) and the blocks count as missing; the
+    blocks of one that is done are reused."""
     from concurrent.futures import Future
 
     from vismemo_hf.store.prefixes import PrefixBlocks, Speculation
 
     blocks, hashes = PrefixBlocks(None), ["a", "b"]
     blocks.add(["a"], [torch.zeros(1, 2, 1, BLOCK, 4)])
-    waiting, write = Speculation(), Future()
-    blocks.announce(["b"], write, claim=waiting.claim)
+    waiting = Speculation()
+    blocks.announce(["b"], Future(), claim=waiting.claim)
     assert blocks.held(hashes) == 2  # counted as coming by a writer that does not claim it
     assert blocks.longest(hashes) == 1 and not waiting.start()  # called off: it never runs
-    running, other = Speculation(), Future()
-    blocks.announce(["c"], other, claim=running.claim)
-    assert running.start()
-    assert blocks.longest(["a", "c"]) == 2
+    running = Speculation()
+    blocks.announce(["c"], Future(), claim=running.claim)
+    assert running.start() and running.running
+    assert blocks.longest(["a", "c"]) == 1 and not running.running  # stops at its next layer
+    done = Speculation()
+    blocks.announce(["d"], Future(), claim=done.claim)
+    assert done.start()
+    blocks.add(["d"], [torch.zeros(1, 2, 1, BLOCK, 4)])
+    done.done()
+    assert blocks.longest(["a", "d"]) == 2
 
 
 def test_window_slid_declines_after_speculations_nobody_read():

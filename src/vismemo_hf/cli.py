@@ -568,6 +568,9 @@ def _add_workload(bench_sub) -> None:
     p.add_argument("--rounds", type=positive, default=2, help="rounds of each stream, a fresh store each")
     p.add_argument("--new-tokens", type=positive, default=4, help="greedy tokens of every request")
     p.add_argument("--seed", type=nonnegative, default=0, help="seed of the streams' pages and questions")
+    p.add_argument("--idle-ms", type=nonnegative, default=0,
+                   help="ms between a request's answer and the next request (an agent acting on its answer, a user "
+                        "reading it): 0 sends them back to back")
     _device_options(p)
     _out_option(p, "results/perf")
     p.set_defaults(func=_bench("workload"))

@@ -47,6 +47,8 @@ class Served:
     reused: int
     same_answer: bool
     waited_ms: float
+    #: ms the store spent, after this request, computing the next step's prefix ahead (``runtime.prefix.slide_later``)
+    ahead_ms: float = 0.0
 
 
 @dataclass
@@ -79,7 +81,7 @@ def _reused(event) -> int:
 
 
 def run_stream(model, plain, processor, requests, rounds: int, new_tokens: int, first: bool,
-               store_factory=VisMemoStore) -> StreamResult:
+               store_factory=VisMemoStore, idle_ms: float = 0.0) -> StreamResult:
     """``requests`` back to back, ``rounds`` times with a fresh store each; ``first``: the process's first enabled
     request is this stream's first (reported apart). In each round plain transformers answers the whole stream and
     the enabled model answers it back to back, in alternating order; the store's background work is waited for
@@ -93,18 +95,24 @@ def run_stream(model, plain, processor, requests, rounds: int, new_tokens: int, 
         for phase in (("plain", "enabled") if r % 2 == 0 else ("enabled", "plain")):
             store.writer.drain()
             if phase == "plain":
-                plain_runs = [_generate(plain, x, None, new_tokens) for x in inputs]
+                for x in inputs:
+                    plain_runs.append(_generate(plain, x, None, new_tokens))
+                    time.sleep(idle_ms / 1e3)  # plain transformers idles as long (a machine woken from idle is slower)
                 continue
             for x in inputs:
                 cache = VisMemoCache(store=store)
                 waited = store.writer.wait_ms  # read as it is: stats() would wait for the pending writes first
                 ttft, tokens = _generate(model, x, cache, new_tokens)
-                enabled_runs.append((ttft, tokens, list(cache.events), store.writer.wait_ms - waited))
-        for i, (request, (plain_ms, plain_tokens), (ttft, tokens, events, waited)) in enumerate(
+                ahead = store.prefixes.speculations["ms"] if store.prefixes is not None else 0.0
+                if idle_ms:
+                    time.sleep(idle_ms / 1e3)
+                ahead = (store.prefixes.speculations["ms"] if store.prefixes is not None else 0.0) - ahead
+                enabled_runs.append((ttft, tokens, list(cache.events), store.writer.wait_ms - waited, ahead))
+        for i, (request, (plain_ms, plain_tokens), (ttft, tokens, events, waited, ahead)) in enumerate(
                 zip(requests, plain_runs, enabled_runs)):
             served = Served(request.label, ttft, plain_ms, [str(e.kind) for e in events],
                             sum(e.n_tokens for e in events), sum(_reused(e) for e in events), tokens == plain_tokens,
-                            waited)
+                            waited, ahead)
             if first and r == 0 and i == 0:
                 result.first = served
             else:
@@ -125,7 +133,8 @@ def summary(result: StreamResult) -> dict:
     out = {"requests": len(rows), "ttft_ratio": sum(s.ttft_ms for s in rows) / max(1e-9, sum(s.plain_ms for s in rows)),
            "ttft_ms": sum(s.ttft_ms for s in rows), "plain_ms": sum(s.plain_ms for s in rows),
            "reused_share": sum(s.reused for s in rows) / max(1, sum(s.visual for s in rows)),
-           "waited_ms": sum(s.waited_ms for s in rows), "same_answers": sum(s.same_answer for s in rows),
+           "waited_ms": sum(s.waited_ms for s in rows), "ahead_ms": sum(s.ahead_ms for s in rows),
+           "same_answers": sum(s.same_answer for s in rows),
            "kinds": {k: {"n": len(v), "p50": statistics.median(v), "p99": _p99(v)} for k, v in sorted(by_kind.items())}}
     if result.first is not None:
         out["first"] = {"ttft_ms": result.first.ttft_ms, "plain_ms": result.first.plain_ms}
@@ -167,7 +176,7 @@ def image_size(spec: str, model, tokens: int | None) -> tuple[int, int]:
 
 
 def measure(spec: str, streams: list[str], rounds: int, new_tokens: int, seed: int, dtype=torch.float32,
-            device: str = "cpu") -> dict:
+            device: str = "cpu", idle_ms: float = 0.0) -> dict:
     model, processor, tokens = load(spec, seed, dtype, device)
     plain = copy.deepcopy(model)  # the same weights, never enabled
     size = image_size(spec, model, tokens)
@@ -180,7 +189,7 @@ def measure(spec: str, streams: list[str], rounds: int, new_tokens: int, seed: i
     enable_ms = (time.perf_counter() - t0) * 1e3
     out = {"model": spec, "visual_tokens": tokens, "image_size": list(size), "enable_ms": enable_ms, "streams": {}}
     for k, (name, requests) in enumerate(built.items()):
-        result = run_stream(model, plain, processor, requests, rounds, new_tokens, first=k == 0)
+        result = run_stream(model, plain, processor, requests, rounds, new_tokens, first=k == 0, idle_ms=idle_ms)
         out["streams"][name] = summary(result)
         out["streams"][name]["rows"] = [vars(s) for s in result.requests[:len(requests)]]
     return out
@@ -188,14 +197,14 @@ def measure(spec: str, streams: list[str], rounds: int, new_tokens: int, seed: i
 
 def _table(results: list[dict]) -> list[str]:
     lines = ["| model | stream | requests | TTFT / plain | later half | miss p50 / p99 | exact p50 / p99 | "
-             "approximate p50 / p99 | reused | waited ms | answers = plain |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "approximate p50 / p99 | reused | waited ms | ahead ms | answers = plain |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for res in results:
         for name, s in res["streams"].items():
             kinds = [_kind(s, k) for k in ("miss", "exact", "approximate")]
             lines.append(f"| {res['model']} | {name} | {s['requests']} | {s['ttft_ratio']:.3f} | {s['later_ratio']:.3f} "
                          f"| {' | '.join(kinds)} | {100 * s['reused_share']:.0f} % "
-                         f"| {s['waited_ms']:.1f} | {s['same_answers']} / {s['requests']} |")
+                         f"| {s['waited_ms']:.1f} | {s.get('ahead_ms', 0.0):.0f} | {s['same_answers']} / {s['requests']} |")
     return lines
 
 
@@ -235,25 +244,31 @@ def main(args) -> int:
     results = []
     for spec in models:
         results.append(measure(spec, streams, args.rounds, args.new_tokens, args.seed,
-                               getattr(torch, getattr(args, "dtype", "float32")), getattr(args, "device", "cpu")))
+                               getattr(torch, getattr(args, "dtype", "float32")), getattr(args, "device", "cpu"),
+                               getattr(args, "idle_ms", 0)))
         print(f"{spec}: " + ", ".join(f"{n} {s['ttft_ratio']:.3f}" for n, s in results[-1]["streams"].items()),
               flush=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "workload.json").write_text(json.dumps(results, indent=1, default=str))
     _plot(results, out / "workload.png")
+    idle = getattr(args, "idle_ms", 0)
     cmd = (f"vismemo bench workload --models {args.models} --streams {args.streams} --rounds {args.rounds} "
-           f"--new-tokens {args.new_tokens} --seed {args.seed} --out {args.out}")
+           f"--new-tokens {args.new_tokens} --seed {args.seed}" + (f" --idle-ms {idle}" if idle else "")
+           + f" --out {args.out}")
     if getattr(args, "device", "cpu") != "cpu":
         cmd += f" --dtype {args.dtype} --device {args.device}"
     lines = header("Streams of requests against plain transformers", cmd, machine(getattr(args, "device", "cpu"))) + [
-        "Every stream runs back to back in one process with one store and no flush between requests (a fresh "
+        ("Every stream runs back to back" if not idle else f"Every stream's requests come {idle} ms after the "
+         "answer before them (an agent acting on its answer; untimed),") +
+        " in one process with one store and no flush between requests (a fresh "
         f"store each round, {args.rounds} rounds); plain transformers (a never-enabled copy of the weights) "
         "answers the stream, and the enabled model answers it back to back, the two in alternating order from"
         " round to round. `TTFT / plain`: the stream's summed time to the first token over plain's; `later "
         "half`: the same over the stream's second half (a chat's later turns, an agent's later steps); per "
         "kind, p50 / p99 of each request's ratio (number of requests); `reused`: visual tokens whose K/V were"
-        " not recomputed, of all; `waited ms`: time requests waited on the store; answers: the "
+        " not recomputed, of all; `waited ms`: time requests waited on the store; `ahead ms`: time the store "
+        "spent between requests computing a sliding window's next prefix (`runtime/prefix.slide_later`); answers: the "
         f"{args.new_tokens} greedy tokens equal plain's. The process's first request is reported apart below.",
         "", *_table(results), "", "| model | enable ms | first request ms | plain ms |", "| --- | --- | --- | --- |"]
     for r in results:

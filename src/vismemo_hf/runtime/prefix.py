@@ -12,6 +12,7 @@ prefill still stores its blocks.
 from __future__ import annotations
 
 import bisect
+import time
 from contextvars import ContextVar
 from dataclasses import dataclass
 
@@ -183,6 +184,7 @@ def slide_later(adapter, cache, prefix: PrefixPlan | None, matches, kwargs: dict
     def compute():
         if not spec.start():
             return
+        t0 = time.perf_counter()
         try:
             rank = None
             if deepstack is not None and visual is not None:  # Qwen3-VL: each image's rows of the deepstack features
@@ -190,7 +192,7 @@ def slide_later(adapter, cache, prefix: PrefixPlan | None, matches, kwargs: dict
                     return
                 rank = {s: int(visual[0, :s].sum()) for s, _, _ in images}
             tail = _slid_kv(adapter, cache, layers, embeds[0, s2:s2 + end - s1], after, s1, s2, images[1:], inside,
-                            deepstack, rank, owner)
+                            deepstack, rank, owner, spec)
             if tail is None:
                 return
             lo, bounds = (0, *ends)[first], (0, *ends)[first:]
@@ -199,6 +201,7 @@ def slide_later(adapter, cache, prefix: PrefixPlan | None, matches, kwargs: dict
             blocks.add(hashes[first:], [b.clone() for b in torch.split(span, sizes, dim=3)])
         finally:
             spec.done()
+            blocks.speculated((time.perf_counter() - t0) * 1e3)
 
     def announce():
         completer, key = cache.store.completer, f"prefix:{hashes[-1]}"
@@ -211,7 +214,7 @@ def slide_later(adapter, cache, prefix: PrefixPlan | None, matches, kwargs: dict
 
 @torch.no_grad()
 def _slid_kv(adapter, cache, layers, embeds, positions, s1: int, s2: int, images, inside: set, deepstack, rank,
-             owner: str):
+             owner: str, spec: Speculation):
     """Per layer, (K, V) (1, H, s1 + len(embeds), D): the first ``s1`` columns of ``layers`` and, computed over them
     by the text model, the columns ``embeds`` (the request's from its column ``s2`` on) at ``positions``. Images of
     ``images`` ((column in the request, tokens, key)) that started in ``inside`` take their encoder output from
@@ -219,6 +222,12 @@ def _slid_kv(adapter, cache, layers, embeds, positions, s1: int, s2: int, images
     from transformers import DynamicCache
 
     from vismemo_hf.families.base import execution_device
+
+    class Stoppable(DynamicCache):  # the speculation stops at the next layer once a request needs the machine
+        def update(self, *args, **kwargs):
+            if not spec.running:
+                raise _CalledOff
+            return super().update(*args, **kwargs)
 
     device = execution_device(adapter.text)
     embeds = embeds.clone()
@@ -233,9 +242,9 @@ def _slid_kv(adapter, cache, layers, embeds, positions, s1: int, s2: int, images
                 extra_ds.append([d.to(device) for d in entry.deepstack])
         elif rank is not None:
             extra_ds.append([d[rank[s]:rank[s] + n].to(device) for d in deepstack])
-    before = DynamicCache()
+    before = Stoppable()
     for i, (k, v) in enumerate(layers):
-        before.update(k[:, :, :s1], v[:, :, :s1], i)
+        DynamicCache.update(before, k[:, :, :s1], v[:, :, :s1], i)
     extra = {}
     if rank is not None:
         mask = torch.zeros(1, embeds.shape[0], dtype=torch.bool, device=device)
@@ -246,6 +255,13 @@ def _slid_kv(adapter, cache, layers, embeds, positions, s1: int, s2: int, images
                                              for j in range(len(extra_ds[0]))]}
     positions = positions[0] if adapter.positions_1d else positions
     dtype = next(adapter.text.parameters()).dtype
-    adapter.text(inputs_embeds=embeds[None].to(device, dtype), position_ids=positions.to(device), cache=before,
-                 use_cache=True, **extra)
+    try:
+        adapter.text(inputs_embeds=embeds[None].to(device, dtype), position_ids=positions.to(device), cache=before,
+                     use_cache=True, **extra)
+    except _CalledOff:
+        return None
     return [(layer.keys, layer.values) for layer in before.layers]
+
+
+class _CalledOff(Exception):
+    """A speculation's forward stopped: a request needs the machine, or the blocks, before it was done."""

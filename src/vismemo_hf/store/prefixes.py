@@ -59,10 +59,10 @@ def block_hashes(owner: str, ids: Sequence[int], images: Sequence[tuple[int, int
 
 
 class Speculation:
-    """The state of a speculative write (blocks a request is likely to need, computed while no request runs): it runs
-    only if no reader has given up on it first. ``claim`` (a reader's): whether the blocks come (it has started), or
-    never will (it had not: it is called off, and the reader computes them itself). ``start`` (the job's): whether
-    to run (not called off, and no request in progress)."""
+    """The state of a speculative write (blocks a request is likely to need, computed while no request runs). A
+    request never waits for one: ``claim`` (a reader's) is True once its blocks are written, else it calls the
+    speculation off (one not started never runs, one running stops at its next layer: ``running``) and the reader
+    computes the blocks itself. ``start`` (the job's): whether to run (not called off, no request in progress)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -70,9 +70,9 @@ class Speculation:
 
     def claim(self) -> bool:
         with self._lock:
-            if self.state == "waiting":
+            if self.state in ("waiting", "running"):
                 self.state = "called off"
-            return self.state in ("running", "done")
+            return self.state == "done"
 
     def start(self) -> bool:
         with self._lock:
@@ -82,9 +82,15 @@ class Speculation:
             self.state = "running"
             return True
 
+    @property
+    def running(self) -> bool:
+        """Whether the job goes on (it asks between layers)."""
+        return self.state == "running" and not ACTIVITY.active
+
     def done(self) -> None:
         with self._lock:
-            self.state = "done"
+            if self.state == "running":
+                self.state = "done"
 
 
 class PrefixBlocks:
@@ -106,7 +112,7 @@ class PrefixBlocks:
         self._speculated: str | None = None  # the last block a speculation wrote, until a request reads it
         self._unread = 0  # speculations in a row that no request read
         self._declined = 0
-        self.speculations = {"started": 0, "read": 0, "declined": 0}
+        self.speculations: dict[str, float] = {"submitted": 0, "read": 0, "declined": 0, "ms": 0.0}
 
     def __len__(self) -> int:
         return len(self._blocks)
@@ -210,11 +216,16 @@ class PrefixBlocks:
                     return False
             return True
 
+    def speculated(self, ms: float) -> None:
+        """A speculation took ``ms``."""
+        with self._lock:
+            self.speculations["ms"] += ms
+
     def speculating(self, last: str) -> None:
         """A speculation that writes blocks up to ``last`` has been started."""
         with self._lock:
             self._speculated = last
-            self.speculations["started"] += 1
+            self.speculations["submitted"] += 1
 
     def add(self, hashes: Sequence[str], blocks: Sequence[torch.Tensor]) -> None:
         """Keep ``blocks`` under ``hashes`` (a held one is only refreshed); older blocks leave for the budget."""
