@@ -139,8 +139,9 @@ def test_a_larger_or_unknown_context_change_is_computed_in_full_before_any_layer
 
 def test_a_region_changed_beside_identical_tokens_recomputes_everything_from_its_first_token():
     """An inserted row: the rows above it identical, everything below shifted. Tokens before the first change read
-    nothing that changed; every token after it, changed or not, read the old page."""
-    policy = AttendDeviatePolicy()
+    nothing that changed; every token after it, changed or not, read the old page (more than ``full_ratio`` of the
+    image here: the default computes it in full)."""
+    policy = AttendDeviatePolicy(full_ratio=None)
     n = 16 * 16
     hashes = torch.arange(n)
     alias = ImageFeatures("b", (1, 32, 32), torch.randn(n, 8), torch.zeros(n), hashes)
@@ -150,6 +151,7 @@ def test_a_region_changed_beside_identical_tokens_recomputes_everything_from_its
     image = ImageFeatures("a", (1, 32, 32), torch.randn(n, 8), torch.zeros(n), inserted)
     plan = policy.plan(image, alias, torch.arange(n), _signals(torch.zeros(n), False))
     assert plan.recompute.tolist() == list(range(5 * 16, n)) and plan.reuse.tolist() == list(range(5 * 16))
+    assert AttendDeviatePolicy().plan(image, alias, torch.arange(n), _signals(torch.zeros(n), False)).complete
     noise = ImageFeatures("a", (1, 32, 32), torch.randn(n, 8), torch.zeros(n), -hashes - 1)  # a rescan: all changed
     assert policy.plan(noise, alias, torch.arange(n), _signals(torch.zeros(n), False)).recompute.numel() == 0
 

@@ -287,7 +287,8 @@ def test_other_pages_of_the_layout_are_not_found_by_pixels(qwen2):
 def test_an_inserted_row_is_found_by_its_pixels_and_recomputed_from_its_first_changed_token(qwen2):
     """The region rule at run time: a row inserted into a stored page is found by the pixel-first stage (the
     index's candidates included), and the default recomputes every token from the first changed one; the rows
-    above it are reused."""
+    above it are reused (``full_ratio=None``: a row inserted high up recomputes more than half the image, which the
+    default computes in full instead)."""
     import random
 
     from vismemo_hf.eval.calibrate import _insert_row
@@ -296,7 +297,7 @@ def test_an_inserted_row_is_found_by_its_pixels_and_recomputed_from_its_first_ch
     base = synthetic.page(21, SIZE)
     inserted = _insert_row(base, synthetic.page(22, SIZE), random.Random(3))
     store = stored(model, processor, base)
-    event = _event(model, processor, store, inserted, store_misses=False)
+    event = _event(model, processor, store, inserted, store_misses=False, full_ratio=None)
     assert event.kind is HitKind.APPROXIMATE and event.found_by == "pixels"
     hashes = model._vismemo.patch_hashes(*_image_inputs(processor, inserted))
     first = int(torch.nonzero(hashes != model._vismemo.patch_hashes(*_image_inputs(processor, base)))[0])

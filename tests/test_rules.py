@@ -158,6 +158,26 @@ def test_deviation_outliers_beyond_max_recompute_ratio_are_not_recomputed():
 
 
 
+@pytest.mark.parametrize("pixels, full", [(40, False), (60, True)])
+def test_an_approximate_hit_that_would_recompute_most_of_the_image_is_computed_in_full(pixels, full):
+    """``full_ratio``: a plan that recomputes more than half the image (its changed pixels and what reads them) saves
+    less than half a prefill and reuses K/V next to a change of most of the image: it is computed in full
+    (``fallback="changed"``); ``full_ratio=None`` keeps the plan."""
+    n = 100
+    deviation = torch.zeros(n)
+    signals = WarmupSignals(attention=torch.full((1, 1, 1, n), 1 / n), key_deviation=deviation[None],
+                            value_deviation=torch.zeros(1, n))
+    alias = _hashed(n, torch.arange(n))
+    region = _hashed(n, torch.cat([torch.arange(n - pixels), torch.arange(n - pixels, n) + 1000]))  # the bottom
+    plan = AttendDeviatePolicy(mask_below=0.0, dependents=0).plan(region, alias, torch.arange(n), signals)
+    assert plan.complete is full and plan.fallback == ("changed" if full else None)
+    kept = AttendDeviatePolicy(mask_below=0.0, dependents=0, full_ratio=None).plan(region, alias, torch.arange(n),
+                                                                                   signals)
+    assert not kept.complete and kept.recompute.numel() == pixels
+    with pytest.raises(ValueError, match="full_ratio"):
+        AttendDeviatePolicy(full_ratio=1.5)
+
+
 # 9. an early miss when the page changed everywhere --------------------------------------------------------
 @pytest.mark.parametrize("median, full", [(0.6, True), (0.1, False)])
 def test_an_image_whose_median_deviation_passes_miss_deviation_is_computed_in_full(median, full):

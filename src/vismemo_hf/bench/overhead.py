@@ -122,6 +122,37 @@ def _syncs(case, label: str) -> tuple[SyncCounter, CacheEvent | None]:
     return counter, _check(cache, expected, label)
 
 
+def _launches(func) -> bool:
+    """Whether an aten operator runs a kernel on its device: every operator but the views (whose returns alias an
+    input without writing it: ``view``, ``t``, ``expand``, ``slice``, ``detach``...)."""
+    returns = func._schema.returns
+    return not returns or not all(r.alias_info is not None and not r.alias_info.is_write for r in returns)
+
+
+@torch.no_grad()
+def _operators(case) -> int:
+    """The aten operators one prefill's forward runs on the calling thread that launch a kernel (``_launches``),
+    counted below Python (``TorchDispatchMode``): what a GPU would launch for the request, whatever Python does
+    around them. The store's threads (a miss's entry build, reads ahead) are not the request's and not counted."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if _launches(func):
+                self.n += 1
+            return func(*args, **(kwargs or {}))
+
+    runner, inputs, make, _ = case
+    cache = make()
+    with Count() as count:
+        runner(**inputs, **({"cache": cache} if cache is not None else {}), use_cache=True)
+    if cache is not None:
+        cache.store.flush()
+    return count.n
+
+
 @torch.no_grad()
 def _prefill_ms(case, label: str, repeats: int) -> tuple[float, CacheEvent | None]:
     runner, inputs, make, expected = case
@@ -202,6 +233,7 @@ def measure(args) -> dict:
     lengths = [int(x) for x in args.lengths.split(",")] if isinstance(args.lengths, str) else list(args.lengths)
     policies = args.policies.split(",") if isinstance(args.policies, str) else list(args.policies)
     syncs: dict[str, dict[int, int]] = {}
+    operators: dict[str, dict[int, int]] = {}
     device_syncs: dict[str, dict[int, int]] = {}
     cuda_syncs: dict[str, dict[int, int]] = {}
     cuda_sites: dict[str, dict[int, dict[str, int]]] = {}
@@ -233,6 +265,7 @@ def measure(args) -> dict:
                         if label != "plain":
                             own = [(k, v) for k, v in counter.device_sites.most_common() if "vismemo_hf/" in k]
                             sites.setdefault(label, {})[layers] = dict(own[: args.sites])
+                        operators.setdefault(label, {})[layers] = _operators(case)
                     ms, event = _prefill_ms(case, label, args.repeats)
                     gflop = _flops(model.config, case[1], event)
                     timings.setdefault(label, []).append({"layers": layers, "visual_tokens": n, "gflop": gflop,
@@ -242,8 +275,8 @@ def measure(args) -> dict:
                 bar.update(1)
             del plain, model
     fits = {label: per_layer(rows) for label, rows in timings.items()}
-    return {"syncs": syncs, "device_syncs": device_syncs, "cuda_syncs": cuda_syncs, "cuda_sites": cuda_sites,
-            "sites": sites, "timings": timings,
+    return {"syncs": syncs, "operators": operators, "device_syncs": device_syncs, "cuda_syncs": cuda_syncs,
+            "cuda_sites": cuda_sites, "sites": sites, "timings": timings,
             "fits": fits, "outside_kernels": outside, "depths": depths, "lengths": lengths, "got": got}
 
 
@@ -276,6 +309,21 @@ def _report(data: dict, args, command: str, mach: str) -> list[str]:
     if data["cuda_syncs"]:
         lines += ["", "CUDA's own count (`torch.cuda.set_sync_debug_mode`): " + "; ".join(
             f"{label} " + " / ".join(str(c[d]) for d in depths) for label, c in data["cuda_syncs"].items())]
+    if data.get("operators"):
+        ops = data["operators"]
+        lines += ["", f"## Operators of one prefill ({data['lengths'][0]} visual tokens)", "",
+                  "The aten operators the request's thread runs that launch a kernel (views left out), counted below "
+                  "Python (`TorchDispatchMode`): what a GPU would launch for the prefill, whatever the Python around "
+                  "them costs. `per extra layer`: the slope over the depths; `over plain`: the most above plain "
+                  "transformers' at any depth; `x plain`: at the largest depth.", "",
+                  "| kind | " + " | ".join(f"{d} layers" for d in depths) + " | per extra layer | over plain | x plain |",
+                  "| --- | " + " | ".join("---" for _ in depths) + " | --- | --- | --- |"]
+        base = ops["plain"]
+        for label, counts in ops.items():
+            per = (counts[depths[-1]] - counts[depths[0]]) / max(1, depths[-1] - depths[0])
+            over = max(counts[d] - base[d] for d in depths)
+            lines.append(f"| {label} | " + " | ".join(str(counts[d]) for d in depths) + f" | {per:.1f} | {over:+d} | "
+                         f"{counts[depths[-1]] / max(1, base[depths[-1]]):.2f} |")
     lengths = data["lengths"]
     lines += ["", "## Cost per decoder layer (ms: the slope of the prefill's time over the depths, per length)", "",
               "At the shortest length a layer's arithmetic is small and the slope is the loop's fixed cost per layer; "

@@ -133,6 +133,10 @@ class AttendDeviatePolicy(RoutingPolicy):
     #: its image is encoded whole (``vismemo report context``'s ``select-row`` / ``highlight-row`` classes,
     #: ``results/quality/rows/``)
     lend_row_share: float = 0.67
+    #: an approximate hit whose plan would recompute more than this share of its tokens is computed in full
+    #: (``fallback="changed"``): it saves less than that share of a prefill, and what it reuses sits next to a change
+    #: of most of the image (None: never)
+    full_ratio: float | None = 0.5
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -152,6 +156,8 @@ class AttendDeviatePolicy(RoutingPolicy):
             raise ValueError("local_share must lie in [0, 1]")
         if not 0.0 <= self.min_confidence <= 1.0 or self.watch_tokens < 0:
             raise ValueError("min_confidence must lie in [0, 1], watch_tokens >= 0")
+        if self.full_ratio is not None and not 0.0 <= self.full_ratio <= 1.0:
+            raise ValueError("full_ratio must lie in [0, 1] or be None")
 
     def reuses_encoder(self) -> bool:
         return self.reuse_encoder
@@ -236,6 +242,8 @@ class AttendDeviatePolicy(RoutingPolicy):
             recompute.append(context[0])
             probes = context[1]
         recompute = torch.unique(torch.cat(recompute))
+        if self.full_ratio is not None and recompute.numel() > self.full_ratio * n:
+            return ImagePlan.full(HitKind.APPROXIMATE, n, alias.key, fallback="changed")
         rest = torch.ones(n, dtype=torch.bool)
         rest[recompute] = False
         mask = torch.zeros(0, dtype=torch.long)
