@@ -155,6 +155,8 @@ def slide_later(adapter, cache, prefix: PrefixPlan | None, matches, kwargs: dict
         return  # a video or an image the lookup did not see: not a window of images
     if not store_call("prefix", lambda: blocks.window_slid([k for _, _, k in images]), False):
         return
+    if any(p.device.type == "meta" for p in adapter.text.parameters()):
+        return  # offloaded weights (accelerate): their hooks load a layer's weights for one forward at a time
     (s1, _, _), (s2, _, _) = images[0], images[1]
     shift = s2 - s1
     moved = tuple((s - shift, n, k) for s, n, k in images[1:])
