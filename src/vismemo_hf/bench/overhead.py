@@ -122,9 +122,15 @@ def _syncs(case, label: str) -> tuple[SyncCounter, CacheEvent | None]:
     return counter, _check(cache, expected, label)
 
 
+#: allocations: memory from the caching allocator, no kernel
+_ALLOCATIONS = ("aten::empty", "aten::new_empty", "aten::empty_like", "aten::empty_strided", "aten::new_empty_strided")
+
+
 def _launches(func) -> bool:
     """Whether an aten operator runs a kernel on its device: every operator but the views (whose returns alias an
-    input without writing it: ``view``, ``t``, ``expand``, ``slice``, ``detach``...)."""
+    input without writing it: ``view``, ``t``, ``expand``, ``slice``, ``detach``...) and the allocations."""
+    if func._schema.name in _ALLOCATIONS:
+        return False
     returns = func._schema.returns
     return not returns or not all(r.alias_info is not None and not r.alias_info.is_write for r in returns)
 
@@ -312,7 +318,8 @@ def _report(data: dict, args, command: str, mach: str) -> list[str]:
     if data.get("operators"):
         ops = data["operators"]
         lines += ["", f"## Operators of one prefill ({data['lengths'][0]} visual tokens)", "",
-                  "The aten operators the request's thread runs that launch a kernel (views left out), counted below "
+                  "The aten operators the request's thread runs that launch a kernel (views and allocations left out), "
+                  "counted below "
                   "Python (`TorchDispatchMode`): what a GPU would launch for the prefill, whatever the Python around "
                   "them costs. `per extra layer`: the slope over the depths; `over plain`: the most above plain "
                   "transformers' at any depth; `x plain`: at the largest depth.", "",

@@ -53,17 +53,21 @@ def native_attention(module, query, key, value, attention_mask, scaling=None, **
         module, query, key, value, attention_mask, scaling=scaling, **kwargs)
 
 
-def masked_attention(module, query, key, value, mask, blocks=None, scaling=None, **kwargs):
+def masked_attention(module, query, key, value, mask, blocks=None, scaling=None, layout=None, **kwargs):
     """Attention under a boolean slot mask (B, 1, q, S), None meaning plain causal: the model's eager attention for
-    eager models (an additive mask), else SDPA over query blocks (``blocked_sdpa``)."""
+    eager models (an additive mask), else SDPA over query blocks (``blocked_sdpa``; ``layout``: the
+    ``schedule.Layout`` whose mask it is, which keeps the blocks' additive masks for every layer)."""
     if own_implementation(module.config) == "eager":
+        if layout is not None and layout.mask is mask and mask is not None:
+            return _eager_of(module)(module, query, key, value, layout.additive(query.dtype, eager=True)[0],
+                                     scaling=scaling, **kwargs)
         if mask is None:
             q, s = query.shape[-2], key.shape[-2]
             mask = torch.ones(q, s, dtype=torch.bool, device=query.device).tril(s - q)[None, None]
         additive = torch.zeros(mask.shape, dtype=query.dtype, device=query.device)
         additive.masked_fill_(~mask, torch.finfo(query.dtype).min)
         return _eager_of(module)(module, query, key, value, additive, scaling=scaling, **kwargs)
-    return blocked_sdpa(module, query, key, value, mask, blocks or [], scaling=scaling, **kwargs)
+    return blocked_sdpa(module, query, key, value, mask, blocks or [], scaling=scaling, layout=layout, **kwargs)
 
 
 def window_probabilities(module, query, key, mask, rows, scaling) -> torch.Tensor:
@@ -91,11 +95,15 @@ def window_probabilities(module, query, key, mask, rows, scaling) -> torch.Tenso
 _MASKED_GQA_ON_CPU = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 5)
 
 
-def blocked_sdpa(module, query, key, value, mask, blocks, scaling=None, **kwargs):
+def blocked_sdpa(module, query, key, value, mask, blocks, scaling=None, layout=None, **kwargs):
     """SDPA of each query block over the key prefix its rows can see (``schedule.query_blocks``): exactly SDPA, the
-    keys left out being masked for every row of the block."""
+    keys left out being masked for every row of the block. With ``layout`` (whose ``mask`` and ``blocks`` these are)
+    the blocks' masks are its additive ones, converted once for all layers instead of by SDPA at every call."""
+    additive = layout.additive(query.dtype) if layout is not None and layout.mask is mask and mask is not None \
+        else None
     if len(blocks) <= 1:
-        return sdpa_attention_forward(module, query, key, value, mask, scaling=scaling, **kwargs)
+        return sdpa_attention_forward(module, query, key, value, additive[0] if additive else mask, scaling=scaling,
+                                      **kwargs)
     groups = getattr(module, "num_key_value_groups", 1)
     gqa = {}
     if groups > 1 and query.device.type == "cpu" and _MASKED_GQA_ON_CPU:
@@ -104,9 +112,10 @@ def blocked_sdpa(module, query, key, value, mask, blocks, scaling=None, **kwargs
         key, value = repeat_kv(key, groups), repeat_kv(value, groups)  # CUDA's fused kernels take no masked GQA
     dropout = kwargs.get("dropout", 0.0)
     outs = [torch.nn.functional.scaled_dot_product_attention(
-        query[:, :, r0:r1], key[:, :, :end], value[:, :, :end], attn_mask=mask[:, :, r0:r1, :end], dropout_p=dropout,
-        scale=scaling, **gqa) for r0, r1, end in blocks]
-    return torch.cat(outs, dim=2).transpose(1, 2).contiguous(), None
+        query[:, :, r0:r1], key[:, :, :end], value[:, :, :end],
+        attn_mask=additive[i] if additive else mask[:, :, r0:r1, :end], dropout_p=dropout, scale=scaling,
+        **gqa).transpose(1, 2) for i, (r0, r1, end) in enumerate(blocks)]
+    return torch.cat(outs, dim=1), None  # (B, q, heads, D), laid out by the concatenation itself
 
 
 def vismemo_attention_forward(module, query, key, value, attention_mask, scaling=None, **kwargs):
@@ -119,7 +128,8 @@ def vismemo_attention_forward(module, query, key, value, attention_mask, scaling
     layout = ctx.layout
     if layout is not None:  # a layer the prefill runner runs: its slots in column order, its mask and query blocks
         attention_mask = layout.mask
-        out = masked_attention(module, query, key, value, attention_mask, layout.blocks, scaling=scaling, **kwargs)
+        out = masked_attention(module, query, key, value, attention_mask, layout.blocks, scaling=scaling,
+                               layout=layout, **kwargs)
     elif layer.mapped:  # a later forward over a layer with left-out slots
         attention_mask = layer.attention_mask(query.shape[-2], ctx.valid)
         out = masked_attention(module, query, key, value, attention_mask, scaling=scaling, **kwargs)

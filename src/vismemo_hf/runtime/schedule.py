@@ -14,7 +14,7 @@ arithmetic uses the device ones, and a prefill reads no value of a device tensor
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -141,6 +141,22 @@ class Layout:
     incoming: torch.Tensor | None
     mask: torch.Tensor | None
     blocks: list
+    _additive: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def additive(self, dtype: torch.dtype, eager: bool = False) -> list[torch.Tensor]:
+        """Each query block's part of ``mask`` ((r0, r1, key end) of ``blocks``; the whole mask without blocks) as
+        an additive mask of ``dtype`` (0 where seen, -inf elsewhere: what SDPA turns a boolean mask into at every
+        call), made once and shared by every layer with this layout. ``eager``: the whole mask, with the dtype's
+        lowest value for unseen keys (what the models' eager attention adds)."""
+        assert self.mask is not None
+        masks = self._additive.get((dtype, eager))
+        if masks is None:
+            parts = [self.mask] if eager else [self.mask[:, :, r0:r1, :end] for r0, r1, end in self.blocks] or \
+                [self.mask]
+            fill = torch.finfo(dtype).min if eager else float("-inf")
+            masks = [torch.zeros(m.shape, dtype=dtype, device=m.device).masked_fill_(~m, fill) for m in parts]
+            self._additive[(dtype, eager)] = masks
+        return masks
 
 
 @dataclass(frozen=True)
