@@ -168,7 +168,10 @@ def slide_later(adapter, cache, prefix: PrefixPlan | None, matches, kwargs: dict
     held = store_call("prefix", lambda: blocks.held(hashes), len(hashes))
     if held >= len(hashes):
         return
-    layers = [(layer.keys, layer.values) for layer in cache.layers]
+    # what the work keeps until it runs: the K/V of the text before the first image and the request's embeddings
+    # after it, copied out of the request's tensors (a view would keep the whole cache alive meanwhile)
+    head = [(layer.keys[:, :, :s1].clone(), layer.values[:, :, :s1].clone()) for layer in cache.layers]  # per
+    # layer: a device map puts layers on several devices
     positions = kwargs.get("position_ids")
     positions = (torch.arange(len(prefix.ids), device=embeds.device)[None] if positions is None else positions)
     positions = (positions[None].expand(3, -1, -1) if positions.ndim == 2 else positions)[-3:]
@@ -180,6 +183,7 @@ def slide_later(adapter, cache, prefix: PrefixPlan | None, matches, kwargs: dict
     # before this runs, on the same thread: ``writeback.complete_later``)
     inside = {m.start for m in matches if m.found_by == "prefix" or reused_encoder(m)}
     visual, deepstack = kwargs.get("visual_pos_masks"), kwargs.get("deepstack_visual_embeds")
+    later = embeds[0, s2:s2 + end - s1].clone()
     spec = Speculation()
     first = held
 
@@ -193,7 +197,7 @@ def slide_later(adapter, cache, prefix: PrefixPlan | None, matches, kwargs: dict
                 if int(visual.sum()) != sum(n for _, n, _ in images):
                     return
                 rank = {s: int(visual[0, :s].sum()) for s, _, _ in images}
-            tail = _slid_kv(adapter, cache, layers, embeds[0, s2:s2 + end - s1], after, s1, s2, images[1:], inside,
+            tail = _slid_kv(adapter, cache, head, later, after, s1, s2, images[1:], inside,
                             deepstack, rank, owner, spec)
             if tail is None:
                 return
@@ -215,10 +219,11 @@ def slide_later(adapter, cache, prefix: PrefixPlan | None, matches, kwargs: dict
 
 
 @torch.no_grad()
-def _slid_kv(adapter, cache, layers, embeds, positions, s1: int, s2: int, images, inside: set, deepstack, rank,
+def _slid_kv(adapter, cache, head, embeds, positions, s1: int, s2: int, images, inside: set, deepstack, rank,
              owner: str, spec: Speculation):
-    """Per layer, (K, V) (1, H, s1 + len(embeds), D): the first ``s1`` columns of ``layers`` and, computed over them
-    by the text model, the columns ``embeds`` (the request's from its column ``s2`` on) at ``positions``. Images of
+    """Per layer, (K, V) (1, H, s1 + len(embeds), D): the ``s1`` columns of ``head`` (per layer, (1, H, s1, D) keys
+    and values) and, computed over them by the text model, the columns ``embeds`` (the request's from its column
+    ``s2`` on) at ``positions``. Images of
     ``images`` ((column in the request, tokens, key)) that started in ``inside`` take their encoder output from
     their entries; None when one is gone."""
     from transformers import DynamicCache
@@ -245,8 +250,8 @@ def _slid_kv(adapter, cache, layers, embeds, positions, s1: int, s2: int, images
         elif rank is not None:
             extra_ds.append([d[rank[s]:rank[s] + n].to(device) for d in deepstack])
     before = Stoppable()
-    for i, (k, v) in enumerate(layers):
-        DynamicCache.update(before, k[:, :, :s1], v[:, :, :s1], i)
+    for i, (k, v) in enumerate(head):
+        DynamicCache.update(before, k, v, i)
     extra = {}
     if rank is not None:
         mask = torch.zeros(1, embeds.shape[0], dtype=torch.bool, device=device)
