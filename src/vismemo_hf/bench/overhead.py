@@ -318,11 +318,10 @@ def _report(data: dict, args, command: str, mach: str) -> list[str]:
     if data.get("operators"):
         ops = data["operators"]
         lines += ["", f"## Operators of one prefill ({data['lengths'][0]} visual tokens)", "",
-                  "The aten operators the request's thread runs that launch a kernel (views and allocations left out), "
-                  "counted below "
-                  "Python (`TorchDispatchMode`): what a GPU would launch for the prefill, whatever the Python around "
-                  "them costs. `per extra layer`: the slope over the depths; `over plain`: the most above plain "
-                  "transformers' at any depth; `x plain`: at the largest depth.", "",
+                  "The aten operators the request's thread runs that launch a kernel (views and allocations left "
+                  "out), counted below Python (`TorchDispatchMode`): what a GPU would launch for the prefill, "
+                  "whatever the Python around them costs. `per extra layer`: the slope over the depths; `over "
+                  "plain`: the most above plain transformers' at any depth; `x plain`: at the largest depth.", "",
                   "| kind | " + " | ".join(f"{d} layers" for d in depths) + " | per extra layer | over plain | x plain |",
                   "| --- | " + " | ".join("---" for _ in depths) + " | --- | --- | --- |"]
         base = ops["plain"]
