@@ -267,3 +267,24 @@ def test_window_slid_declines_after_speculations_nobody_read():
     blocks.speculating("x2")
     answers = [blocks.window_slid([f"s{k}", f"s{k + 1}"]) for k in range(3, 3 + prefixes.RETRY)]
     assert answers.count(True) == 1 and blocks.speculations["declined"] == prefixes.RETRY - 1
+
+
+def test_the_workload_benchmark_measures_an_agents_window_reused_between_its_steps():
+    """``bench workload``'s stream runner with time between the requests (``--idle-ms``): an agent keeping its last
+    three screenshots reuses its earlier screenshots from the fifth step on (the speculation ran while it acted,
+    ``ahead_ms``), and every answer equals plain transformers'."""
+    import copy
+
+    from vismemo_hf.bench.workload import run_stream, summary
+    from vismemo_hf.eval import workload
+    from vismemo_hf.testing import tiny_model
+
+    model, processor = tiny_model("qwen2_vl", seed=2)
+    plain = copy.deepcopy(model)
+    vismemo_hf.enable(model)
+    requests = workload.agent((112, 112), 3, seed=1, steps=6)
+    stream = run_stream(model, plain, processor, requests, 1, 2, first=False, idle_ms=100)
+    result = summary(stream)
+    assert result["same_answers"] == result["requests"] == 6 and result["ahead_ms"] > 0
+    for step in stream.requests[4:]:  # three screens, the first two reused whole
+        assert step.reused == 2 * step.visual // 3
