@@ -134,9 +134,10 @@ class AttendDeviatePolicy(RoutingPolicy):
     #: ``results/quality/rows/``)
     lend_row_share: float = 0.67
     #: an approximate hit whose plan would recompute more than this share of its tokens is computed in full
-    #: (``fallback="changed"``): it saves less than that share of a prefill, and what it reuses sits next to a change
-    #: of most of the image (None: never)
-    full_ratio: float | None = 0.5
+    #: (``fallback="changed"``): what it reuses sits next to a large change, and it saves at most the rest of a
+    #: prefill. On the context report's selected (inverted) rows the tiny reader's answers changed under plans of
+    #: 0.35-0.8 of the image (``results/quality/rows/``). None: never
+    full_ratio: float | None = 0.35
 
     def __post_init__(self) -> None:
         super().__post_init__()
