@@ -141,22 +141,10 @@ def slide_later(adapter, cache, prefix: PrefixPlan | None, matches, kwargs: dict
     The work is speculative: it starts only while no request is in progress, and a request that needs the blocks
     before it started calls it off and computes them itself (``store.prefixes.Speculation``). ``matches``: the
     request's images (``ImageMatch``) in its order; ``kwargs``: the text model's arguments of the prefill."""
-    if prefix is None or len(prefix.images) < 2 or not cache.store_misses or not cache.policy.reuses_prefix():
+    blocks = _sliding(adapter, cache, prefix, matches, kwargs)
+    if blocks is None or prefix is None:
         return
-    blocks = getattr(cache.store, "prefixes", None)
-    embeds = kwargs.get("inputs_embeds")
-    if blocks is None or embeds is None or embeds.shape[0] != 1 or embeds.shape[1] != len(prefix.ids):
-        return
-    if any(layer.mapped for layer in cache.layers) or len(cache.layers) != adapter.num_layers:
-        return
-    images = prefix.images
-    by_start = {m.start: m for m in matches}
-    if any(s not in by_start for s, _, _ in images):
-        return  # a video or an image the lookup did not see: not a window of images
-    if not store_call("prefix", lambda: blocks.window_slid([k for _, _, k in images]), False):
-        return
-    if any(p.device.type == "meta" for p in adapter.text.parameters()):
-        return  # offloaded weights (accelerate): their hooks load a layer's weights for one forward at a time
+    images, embeds = prefix.images, kwargs["inputs_embeds"]
     (s1, _, _), (s2, _, _) = images[0], images[1]
     shift = s2 - s1
     moved = tuple((s - shift, n, k) for s, n, k in images[1:])
@@ -199,12 +187,11 @@ def slide_later(adapter, cache, prefix: PrefixPlan | None, matches, kwargs: dict
                 rank = {s: int(visual[0, :s].sum()) for s, _, _ in images}
             tail = _slid_kv(adapter, cache, head, later, after, s1, s2, images[1:], inside,
                             deepstack, rank, owner, spec)
-            if tail is None:
-                return
-            lo, bounds = (0, *ends)[first], (0, *ends)[first:]
-            span = torch.stack([torch.stack([k[0, :, lo:end], v[0, :, lo:end]]) for k, v in tail]).cpu()
-            sizes = [b - a for a, b in zip(bounds, bounds[1:])]
-            blocks.add(hashes[first:], [b.clone() for b in torch.split(span, sizes, dim=3)])
+            if tail is not None:
+                bounds = (0, *ends)[first:]
+                span = torch.stack([torch.stack([k[0, :, bounds[0]:end], v[0, :, bounds[0]:end]]) for k, v in tail])
+                sizes = [b - a for a, b in zip(bounds, bounds[1:])]
+                blocks.add(hashes[first:], [b.clone() for b in torch.split(span.cpu(), sizes, dim=3)])
         finally:
             spec.done()
             blocks.speculated((time.perf_counter() - t0) * 1e3)
@@ -216,6 +203,27 @@ def slide_later(adapter, cache, prefix: PrefixPlan | None, matches, kwargs: dict
         blocks.speculating(hashes[-1])
 
     store_call("prefix", announce, None)
+
+
+def _sliding(adapter, cache, prefix: PrefixPlan | None, matches, kwargs: dict):
+    """The store's prefix blocks when the prefill of ``prefix`` looks like a window sliding over its images and its
+    next step may be computed ahead (``slide_later``), else None."""
+    if prefix is None or len(prefix.images) < 2 or not cache.store_misses or not cache.policy.reuses_prefix():
+        return None
+    blocks = getattr(cache.store, "prefixes", None)
+    embeds = kwargs.get("inputs_embeds")
+    if blocks is None or embeds is None or embeds.shape[0] != 1 or embeds.shape[1] != len(prefix.ids):
+        return None
+    if any(layer.mapped for layer in cache.layers) or len(cache.layers) != adapter.num_layers:
+        return None
+    starts = {m.start for m in matches}
+    if any(s not in starts for s, _, _ in prefix.images):
+        return None  # a video or an image the lookup did not see: not a window of images
+    if not store_call("prefix", lambda: blocks.window_slid([k for _, _, k in prefix.images]), False):
+        return None
+    if any(p.device.type == "meta" for p in adapter.text.parameters()):
+        return None  # offloaded weights (accelerate): their hooks load a layer's weights for one forward at a time
+    return blocks
 
 
 @torch.no_grad()
