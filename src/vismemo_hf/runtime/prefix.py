@@ -139,7 +139,8 @@ def slide_later(adapter, cache, prefix: PrefixPlan | None, matches, kwargs: dict
     own encoder output (an image inside a reused prefix: its entry's) over the same text.
 
     The work is speculative: it starts only while no request is in progress, and a request that needs the blocks
-    before it started calls it off and computes them itself (``store.prefixes.Speculation``). ``matches``: the
+    (or starts at all) before they are written calls it off and computes what it needs itself
+    (``store.prefixes.Speculation``). ``matches``: the
     request's images (``ImageMatch``) in its order; ``kwargs``: the text model's arguments of the prefill."""
     blocks = _sliding(adapter, cache, prefix, matches, kwargs)
     if blocks is None or prefix is None:
