@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Callable
+from contextvars import ContextVar
 from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import Final, Literal
@@ -81,6 +82,8 @@ class ImagePlan:
         if self.reuse_from is None:
             self.reuse_from = torch.full_like(self.reuse, self.warmup_layers)
         self.reuse_from = _index(self.reuse_from)
+        if _BUILT.get():  # ``exact`` and ``full``: sets that partition the tokens by construction
+            return
         if self.reuse_from.shape != self.reuse.shape or bool((self.reuse_from < self.warmup_layers).any()):
             raise ValueError("reuse_from needs one layer per reused token, none below warmup_layers")
         seen = torch.cat([self.recompute, self.reuse, self.mask])
@@ -166,13 +169,26 @@ class ImagePlan:
     @classmethod
     def exact(cls, n_tokens: int, alias: str) -> ImagePlan:
         """Every visual token reused at every layer; only text is computed."""
-        return cls(HitKind.EXACT, n_tokens, 0, _index([]), torch.arange(n_tokens), _index([]), alias)
+        token = _BUILT.set(True)
+        try:
+            return cls(HitKind.EXACT, n_tokens, 0, _index([]), torch.arange(n_tokens), _index([]), alias)
+        finally:
+            _BUILT.reset(token)
 
     @classmethod
     def full(cls, kind: HitKind, n_tokens: int, alias: str | None = None, fallback: str | None = None) -> ImagePlan:
         """Every visual token computed at every layer (a miss, a policy that reuses nothing, or a hit that cannot
         be reused safely: ``fallback`` says why)."""
-        return cls(kind, n_tokens, 0, torch.arange(n_tokens), _index([]), _index([]), alias, fallback=fallback)
+        token = _BUILT.set(True)
+        try:
+            return cls(kind, n_tokens, 0, torch.arange(n_tokens), _index([]), _index([]), alias, fallback=fallback)
+        finally:
+            _BUILT.reset(token)
+
+
+#: set while ``ImagePlan.exact`` / ``ImagePlan.full`` build a plan: its sets are checked by construction (a check of
+#: every plan's partition costs a sort of its tokens, on every miss)
+_BUILT: ContextVar[bool] = ContextVar("vismemo_plan_built", default=False)
 
 
 class _Later(Enum):

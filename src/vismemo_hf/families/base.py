@@ -353,10 +353,11 @@ class ModelAdapter(VisionTower):
         never served. A parameter object replaced by another is seen after ``enable(model)`` again."""
         return self._weights.of(self.model)
 
-    def hold_fingerprint(self, held: bool) -> None:
-        """A forward begins (True) or ends (False): the weights are checked once as it begins, not at each of its
-        lookups, reads and writes (a check reads every parameter's address and version)."""
-        if held:
+    def hold_fingerprint(self, held: bool, check: bool = True) -> None:
+        """A forward begins (True) or ends (False): the weights are checked once as it begins (``check``), not at
+        each of its lookups, reads and writes (a check reads every parameter's address and version). A decoding step
+        looks nothing up and stores nothing: it does not check them (``check=False``)."""
+        if held and check:
             self._weights.of(self.model)
         with _HOLDING:  # forwards of several threads: no count lost (a lost one would hold the value for ever)
             self._weights.held = max(0, self._weights.held + (1 if held else -1))

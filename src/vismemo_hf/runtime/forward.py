@@ -107,7 +107,7 @@ def open_forward(cache: VisMemoCache, attention_mask: torch.Tensor | None,
     ctx = ForwardContext(cache, adapter=adapter, attention_mask=attention_mask, first_event=len(cache.events))
     ACTIVITY.enter()  # the store's writer starts no job meanwhile (``store.background.Activity``)
     if adapter is not None:
-        adapter.hold_fingerprint(True)
+        adapter.hold_fingerprint(True, check=cache.get_seq_length() == 0)  # a prefill, not a decoding step
     ctx.token = _CURRENT.set(ctx)
     return ctx
 

@@ -373,7 +373,7 @@ def lookup_request(adapter, cache, input_ids, pixel_values, grids, get_image_fea
     lendable = {i: replace(f, tiles=tiles[i]) for i, f in firsts.items()
                 if adapter.tile_encoder or _lends(adapter, cache.policy, f, *contexts[originals[i]])}
     partial, encodings, wholes = _encode_request(adapter, cache, get_image_features, lendable, todo,
-                                                 {i: items[originals[i]] for i in todo}, encoded)
+                                                 {i: items[originals[i]] for i in todo}, encoded, approximate)
     encoder_ms = (time.perf_counter() - t0) * 1e3
     images = []
     for j, i in enumerate(source):
@@ -596,12 +596,16 @@ def _lends(adapter, policy, found: PixelAlias, prefix: str, sketch: torch.Tensor
     return policy.lends_encoder(changed, context_change(entry.context, sketch) if changed else None, found.changed, rows)
 
 
-def _encode_request(adapter, cache, get_image_features, firsts: dict, todo: list[int], items: dict, encoded) \
-        -> tuple[dict, dict, dict]:
+def _encode_request(adapter, cache, get_image_features, firsts: dict, todo: list[int], items: dict, encoded,
+                    approximate: bool = True) -> tuple[dict, dict, dict]:
     """(partial, encodings, wholes) of the images without an exact hit (``items``: image -> its (pixels, grid,
     extra)): ``_encode_changed`` for those found by their pixels when the policy reuses the encoder (a failure there
     encodes them whole), one batch through the tower for the rest, keeping the tower's K/V when entries are
-    written (``_encode``); ``wholes``: the ``_whole_encoder`` of each image lent its alias's tower K/V."""
+    written (``_encode``); ``wholes``: the ``_whole_encoder`` of each image lent its alias's tower K/V.
+    ``approximate``: this request looks for approximate hits. When it does not (``runtime.gate``: they do not pay
+    on the model, or ``approximate="never"``) the tower's K/V, which only an approximate hit's partial encode reads,
+    are not kept: the request pays nothing for hits its model does not take (an entry without them is encoded
+    whole when it is an alias)."""
     reusing = encoded is None and (adapter.partial_encoder or adapter.tile_encoder) and cache.policy.reuses_encoder()
     try:
         partial, lent = _encode_changed(adapter, get_image_features, {i: firsts[i] for i in firsts if reusing},
@@ -610,7 +614,7 @@ def _encode_request(adapter, cache, get_image_features, firsts: dict, todo: list
         logger.warning("vismemo: a partial encode failed (%s); encoding the whole images", err)
         partial, lent = {}, set()
     rest = [i for i in todo if i not in partial]
-    capturing = adapter.partial_encoder and cache.policy.reuses_encoder() and cache.store_misses
+    capturing = approximate and adapter.partial_encoder and cache.policy.reuses_encoder() and cache.store_misses
     encodings = {**_encode(adapter, get_image_features, rest, encoded, [items[i] for i in rest], capturing),
                  **{i: (*out[:2], None) for i, out in partial.items()}}
     return partial, encodings, {i: _whole_encoder(adapter, get_image_features, items[i], capturing) for i in lent}
