@@ -459,12 +459,37 @@ def test_context_cases_cover_every_class_with_three_questions_and_a_stale_answer
             if case.cls.startswith("text-"):
                 lo, hi = (int(x) for x in case.cls.split("-")[2:])
                 assert lo <= len(case.asked[0][1]) <= hi and case.asked[0][1] != case.stored[0][1]
-            if case.cls in ("digit-edit", "text-approx-1-10", "image-approx") or (
+            if case.cls in ("digit-edit", "text-approx-1-10", "image-approx", "agent-2", "agent-3") or (
                     case.cls == "key-edit" and pages == "docpage"):
                 assert case.questions[0].stale is not None and case.questions[0].stale not in case.questions[0].answers
     again = context.cases("docpage", 11, 1)
     assert [c.questions for c in again] == [c.questions for c in context.cases("docpage", 11, 1)]
     assert [c.questions for c in again] != [c.questions for c in context.cases("docpage", 12, 1)]
+
+
+def test_multi_image_cases_slide_an_agents_window_or_put_other_pages_first():
+    """``agent-K``: the asked window is the stored one without its first screen, plus a new screen that differs from
+    the one before it (a typed value, asked about first, stale its old value); ``images-K``: the stored page comes
+    after K other pages, each followed by a text."""
+    import numpy as np
+
+    def images(parts):
+        return [np.asarray(x) for kind, x in parts if kind == "image"]
+
+    for pages in ("docpage", "synthdoc"):
+        for k in (2, 3):
+            (case,) = context.cases(pages, 21, 1, (f"agent-{k}",))
+            stored, asked = images(case.stored), images(case.asked)
+            assert len(stored) == len(asked) == k
+            assert all(np.array_equal(a, b) for a, b in zip(stored[1:], asked[:-1]))
+            assert not np.array_equal(asked[-1], asked[-2]) and case.intended == "approximate"
+            assert [x for kind, x in case.asked if kind == "text"] == [context.ACTION.format(i) for i in range(2, k + 1)]
+            assert case.questions[0].stale not in (None, *case.questions[0].answers)
+            (case,) = context.cases(pages, 21, 1, (f"images-{k}",))
+            stored, asked = images(case.stored), images(case.asked)
+            assert len(stored) == 1 and len(asked) == k + 1 and np.array_equal(stored[0], asked[-1])
+            assert not any(np.array_equal(stored[0], a) for a in asked[:-1]) and case.intended == "exact"
+            assert case.asked[-2] == ("text", context.NEXT_PAGE.format(k))
 
 
 def test_a_selected_or_highlighted_row_changes_the_pixels_of_that_row_alone():

@@ -130,6 +130,57 @@ def profile_vlcache(args) -> int:
     return 0
 
 
+def calibrate_context(args) -> int:
+    """``vismemo calibrate --context``: the model's context tolerance into ``configs/context/NAME.yaml``."""
+    import json
+    from pathlib import Path
+
+    import yaml
+
+    from vismemo_hf import presets
+    from vismemo_hf.bench import context as report
+    from vismemo_hf.bench.report import header, machine
+    from vismemo_hf.eval.loading import load_model
+    from vismemo_hf.families.base import model_fingerprint
+    from vismemo_hf.policies import tolerance
+
+    model, _ = load_model(args.model, args.family, seed=args.seed)
+    fingerprint = model_fingerprint(model)
+    del model
+    found = report.calibrate_context(args.model, args.context_pairs, args.context_seed, args.min_agreement,
+                                     family=args.family, weight_seed=args.seed)
+    name = args.name or (Path(args.model).name if args.family is None else f"{Path(args.model).name}-{args.family}")
+    out = Path(args.out) if args.out else presets.write_path(tolerance.KIND, name)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    command = (f"vismemo calibrate --context --model {args.model}" + (f" --family {args.family}" if args.family else "")
+               + f" --context-pairs {args.context_pairs} --context-seed {args.context_seed}"
+               + f" --min-agreement {args.min_agreement}" + (f" --name {args.name}" if args.name else ""))
+    chosen = found["figures"][found["chosen"]]
+    preset = {"fingerprint": fingerprint, "context": found["options"],
+              "calibration": {"model": args.model, "command": command, "routing": found["chosen"],
+                              "worst_agreement": round(chosen["worst_agreement"], 4),
+                              "recomputed": round(chosen["recomputed"], 4), "cases_per_class": args.context_pairs}}
+    out.write_text("# context tolerance of one model (vismemo calibrate --context): any VisMemoCache serving it uses\n"
+                   "# these ContextRouting fields over its routing's default (none: the default)\n"
+                   + yaml.safe_dump(preset, sort_keys=False))
+    tolerance.forget()
+    results = Path(args.report_dir or "results/quality/context-calibration")
+    results.mkdir(parents=True, exist_ok=True)
+    (results / f"{name}.json").write_text(json.dumps({"command": command, **preset, **found}, indent=1))
+    lines = header(f"Context tolerance of {args.model}", command, machine(note="fp32")) + [
+        f"Preset: `{out}` (routing: {found['chosen']}; `context: {found['options']}`). Each candidate routing answers "
+        f"{args.context_pairs} cases of every context class of `vismemo report context` (three questions each: "
+        "another text of 1-300 characters before the page, exact and edited; 1-3 other pages before it; an "
+        "agent's window of 2-3 screenshots slid by one). Agreement: the greedy answer equals plain transformers'; "
+        "recomputed: the mean share of the page's tokens computed (a fallback computes all). The chosen routing is "
+        "the one that recomputes least among those that pass; where none does, every change is computed in full.",
+        ""] + report.calibration_lines(found, args.min_agreement)
+    (results / f"{name}.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    print(f"wrote {out}")
+    return 0
+
+
 def calibrate(args) -> int:
     import json
     from pathlib import Path
@@ -137,6 +188,9 @@ def calibrate(args) -> int:
     import yaml
 
     from vismemo_hf import presets
+
+    if args.context:
+        return calibrate_context(args)
     from vismemo_hf.bench.report import header, machine
     from vismemo_hf.eval.calibrate import calibrate as measure
     from vismemo_hf.eval.docstream import reader_pages
@@ -161,7 +215,7 @@ def calibrate(args) -> int:
                               "sketch_agreement": round(report["sketch_agreement"], 4)}}
     out.write_text("# lookup thresholds for one model: VisMemoCache(thresholds=NAME or PATH)\n"
                    + yaml.safe_dump(preset, sort_keys=False))
-    results = Path(args.report_dir)
+    results = Path(args.report_dir or "results/lookup")
     results.mkdir(parents=True, exist_ok=True)
     (results / f"{name}.json").write_text(json.dumps({"command": command, **preset, **summary,
                                                       "sketch_agreement": report["sketch_agreement"],
@@ -438,7 +492,16 @@ def _add_calibrate(sub) -> None:
     p.add_argument("--pairs-per-kind", type=positive, default=10, help="image pairs per kind of change")
     p.add_argument("--name", default=None, help="preset name (default: the model's)")
     p.add_argument("--out", default=None, help="output YAML (default ./configs/lookup/NAME.yaml)")
-    p.add_argument("--report-dir", default="results/lookup", help="folder for the calibration report")
+    p.add_argument("--report-dir", default=None,
+                   help="folder for the calibration report (default results/lookup; with --context "
+                        "results/quality/context-calibration)")
+    p.add_argument("--context", action="store_true",
+                   help="measure the model's context tolerance instead (how much of a hit after another text, other "
+                        "pages or a slid agent window it lets be reused) and write ./configs/context/NAME.yaml")
+    p.add_argument("--context-pairs", type=positive, default=10, help="--context: cases per context class")
+    p.add_argument("--context-seed", type=int, default=9100, help="--context: the cases' seed")
+    p.add_argument("--min-agreement", type=float, default=0.98,
+                   help="--context: the least agreement with a full prefill on every class")
     p.set_defaults(func=calibrate)
 
 

@@ -14,7 +14,8 @@ from pathlib import Path
 
 #: the kinds of preset, each a folder of ``configs/``
 KINDS = {"models": "model preset", "policies": "policy preset", "store": "store preset",
-         "vlcache": "VL-Cache profile", "lookup": "lookup thresholds preset"}
+         "vlcache": "VL-Cache profile", "lookup": "lookup thresholds preset",
+         "context": "context tolerance preset"}
 
 
 def config_dir() -> Path:

@@ -46,8 +46,20 @@ FRONT = {"small <= 8, larger in full (default)": {},
 #: labels an earlier ``context.json``'s front used for the same options (``--front-from``)
 FRONT_ALIASES = {"small <= 8": "small <= 8, larger checked", "small <= 8 (default)": "small <= 8, larger checked",
                  "small <= 0 (every change checked in full)": "small <= 0, every change checked"}
-FRONT_CLASSES = tuple(c for c in context.CLASSES if c.startswith(("text-", "image-")))
+FRONT_CLASSES = tuple(c for c in context.CLASSES if c.startswith(("text-", "image-", "images-", "agent-")))
 READERS = {"vismemo-docqa-base": "docpage", "vismemo-docqa-tiny": "synthdoc"}
+#: the routings ``vismemo calibrate --context`` chooses from, each with its guards (probes, confidence guard, watch):
+#: the default, small changes of up to 16 or 32 tokens checked, larger changes checked too, every change checked,
+#: and the strictest, every change computed in full (chosen when none of the others agrees on every class). Each is
+#: passed as a ``context`` (no model's calibrated tolerance replaces it while it is measured)
+CANDIDATES: dict[str, dict[str, dict]] = {
+    "small <= 8, larger in full (default)": {"context": {}},
+    "small <= 16, larger in full": {"context": {"small_change": 16}},
+    "small <= 32, larger in full": {"context": {"small_change": 32}},
+    "small <= 8, larger checked": {"context": {"check_large": True}},
+    "small <= 0, every change checked": {"context": {"small_change": 0, "check_large": True}},
+    "every change in full": {"context": {"small_change": 0}}}
+DEFAULT_CANDIDATE, STRICTEST = next(iter(CANDIDATES)), "every change in full"
 
 
 @torch.no_grad()
@@ -117,15 +129,17 @@ def summarise(rows: list[dict]) -> dict:
 
 
 def measure(reader: str, seed: int, per_class: int, policies: dict, classes=context.CLASSES, max_new_tokens: int = 6,
-            desc: str | None = None, quiet: bool = False) -> tuple[list[dict], dict]:
-    """(rows, summary) of ``reader`` on ``per_class`` cases of every class, from ``seed``; a bar (``desc``, default
-    the reader; none when ``quiet``) counts the cases."""
+            desc: str | None = None, quiet: bool = False, family: str | None = None,
+            weight_seed: int = 0) -> tuple[list[dict], dict]:
+    """(rows, summary) of ``reader`` (a reader, a checkpoint, or a preset with ``family`` and ``weight_seed``) on
+    ``per_class`` cases of every class, from ``seed`` (docpage pages for any model but the tiny reader); a bar
+    (``desc``, default the reader; none when ``quiet``) counts the cases."""
     from vismemo_hf.eval.loading import load_model
 
-    model, processor = load_model(reader)
-    plain, _ = load_model(reader)  # never enabled: plain transformers
+    model, processor = load_model(reader, family, seed=weight_seed)
+    plain, _ = load_model(reader, family, seed=weight_seed)  # never enabled: plain transformers
     enable(model)
-    cases = context.cases(READERS[reader], seed, per_class, classes)
+    cases = context.cases(READERS.get(reader, "docpage"), seed, per_class, classes)
     answer(model, processor, cases[0].stored, cases[0].questions[0].question, DynamicCache(), 1)  # warm up
     rows = []
     for case in progress_bar(cases, desc=desc or reader, unit="case", disable=quiet):
@@ -211,6 +225,49 @@ def main(args) -> int:
     (out / "context.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0
+
+
+def choose(summary: dict, classes, min_agreement: float) -> tuple[str, dict]:
+    """(label, figures per candidate) of the ``CANDIDATES`` routing that recomputes least (mean share over the
+    classes; the default on a tie) among those agreeing with a full prefill on at least ``min_agreement`` of every
+    class's answers with no stale answer; ``STRICTEST`` when none does."""
+    figures = {}
+    for label in CANDIDATES:
+        got = [summary[c][label] for c in classes]
+        worst, stale = min(g["agreement"] for g in got), sum(g["stale"] for g in got)
+        figures[label] = {"worst_agreement": worst, "stale": stale,
+                          "recomputed": sum(g["recomputed_share"] for g in got) / len(got),
+                          "passes": worst >= min_agreement and stale == 0}
+    passing = [label for label in CANDIDATES if figures[label]["passes"]]
+    if not passing:
+        return STRICTEST, figures
+    return min(passing, key=lambda label: (round(figures[label]["recomputed"], 3), label != DEFAULT_CANDIDATE)), figures
+
+
+def calibrate_context(model: str, pairs: int, seed: int, min_agreement: float, quiet: bool = False,
+                      family: str | None = None, weight_seed: int = 0) -> dict:
+    """``vismemo calibrate --context``: every ``CANDIDATES`` routing on ``pairs`` cases of each context class
+    (``FRONT_CLASSES``) of ``model`` from ``seed``, and the one chosen (``choose``)."""
+    _, summary = measure(model, seed, pairs, CANDIDATES, FRONT_CLASSES, desc=f"{model} (context)", quiet=quiet,
+                         family=family, weight_seed=weight_seed)
+    chosen, figures = choose(summary, FRONT_CLASSES, min_agreement)
+    return {"chosen": chosen, "options": CANDIDATES[chosen]["context"], "figures": figures, "summary": summary}
+
+
+def calibration_lines(report: dict, min_agreement: float) -> list[str]:
+    """The calibration's table: per candidate, the worst agreement, stale answers, mean recomputed share and each
+    class's agreement / recomputed share; the chosen one marked."""
+    summary = report["summary"]
+    lines = ["| routing | passes | worst agreement | stale | recomputed | " + " | ".join(
+        f"{c}: agreement / recomputed" for c in FRONT_CLASSES) + " |", "| " + " | ".join(
+        ["---"] * (5 + len(FRONT_CLASSES))) + " |"]
+    for label, f in report["figures"].items():
+        cells = [f"{summary[c][label]['agreement']:.3f} / {summary[c][label]['recomputed_share']:.2f}"
+                 for c in FRONT_CLASSES]
+        name = f"**{label} (chosen)**" if label == report["chosen"] else label
+        lines.append(f"| {name} | {'yes' if f['passes'] else 'no'} | {f['worst_agreement']:.3f} | {f['stale']} | "
+                     f"{f['recomputed']:.2f} | " + " | ".join(cells) + " |")
+    return lines + ["", f"Passes: agreement >= {min_agreement} on every class and no stale answer."]
 
 
 def _front(args, readers: list[str]) -> tuple[dict | None, str]:

@@ -14,6 +14,13 @@ Classes (``CLASSES``):
 * ``insert-row`` / ``erase-cell``: a record inserted (the rows below move down a row), a value erased.
 * ``select-row`` / ``highlight-row``: one record's row shown selected (its colours inverted, as a UI selects a row)
   or highlighted (blended with a marker's yellow); the text is unchanged, every token of the row changes.
+* ``images-2`` / ``images-3``: the page (stored alone) asked about after two / three other pages, a short text after
+  each: an exact hit after several other images.
+* ``agent-2`` / ``agent-3``: an agent's window of the last 2 / 3 screenshots, each followed by its action text, then
+  the next step, in which the window slid by one screen: the first screen left, the others moved up one place (each
+  now after other images than it was) and a new screen came last, a small change of the one before it (a value
+  typed, a row highlighted or selected; the last change types the value the first question asks about). Asked about
+  the new screen, an approximate hit after other images.
 
 Each case holds three questions (the first about what changed, where something did), whose answers no instruction
 text chooses. The texts come from three generators (sentences, chat turns, random words with digits) drawn by
@@ -33,7 +40,7 @@ from vismemo_hf.eval import docpage, synthdoc, workload
 LENGTHS = ((1, 10), (11, 40), (41, 120), (121, 300))
 CLASSES = tuple(f"text-{kind}-{lo}-{hi}" for lo, hi in LENGTHS for kind in ("exact", "approx")) + (
     "image-exact", "image-approx", "digit-edit", "key-edit", "rotate", "rescale", "insert-row", "erase-cell",
-    "select-row", "highlight-row")
+    "select-row", "highlight-row", "images-2", "images-3", "agent-2", "agent-3")
 
 _WORDS = ("the a of to and in is for on with as by at from this that page report form screen shows please read look "
           "check total date order number item list below next step user assistant open click file window table row "
@@ -167,10 +174,60 @@ def _three(pages: _Pages, page, rng: random.Random, first: Asked | None = None, 
     return tuple(out)
 
 
+#: the text after each screenshot of an ``agent-*`` case (the step's action) and after each page of ``images-*``
+ACTION = "Action {}: click the next field."
+NEXT_PAGE = "Page {}."
+
+
+def _screens(pages: _Pages, base, count: int, rng: random.Random):
+    """``count`` screenshots of ``base``, each a small change of the one before (a row highlighted or selected, and
+    for the last one a value typed): (the images, the last one's page, the typed cell, the first question: about the
+    typed value, stale its old one)."""
+    page, paints, out = base, {}, [pages.render(base)]
+    cell, first = None, None
+    for step in range(1, count):
+        if step == count - 1:
+            cell = rng.choice(pages.cells(page))
+            before = pages.value(page, *cell)
+            page = pages.edit_value(page, *cell, rng)
+            first = pages.about(page, *cell, before)
+        else:
+            paints = {rng.choice(pages.cells(page))[0]: rng.choice([workload.highlight, ImageOps.invert])}
+        img = pages.render(page)
+        for row, paint in paints.items():  # one row marked at a time
+            img = pages.paint_row(page, img, row, paint)
+        out.append(img)
+    assert cell is not None and first is not None  # count >= 2
+    return out, page, cell, first
+
+
+def _multi_image_case(cls: str, pages: _Pages, base, other, rng: random.Random) -> Case:
+    """An ``images-*`` or ``agent-*`` case (``make_case``)."""
+    kind, count = cls.split("-")
+    n = int(count)
+    if kind == "images":
+        others = [other] + [pages.page(rng.randrange(1 << 30), k) for k in range(1, n)]
+        asked: tuple = ()
+        for k, page in enumerate(others):
+            asked += (("image", pages.render(page)), ("text", NEXT_PAGE.format(k + 1)))
+        return Case(cls, (("image", pages.render(base)),), asked + (("image", pages.render(base)),),
+                    _three(pages, base, rng), "exact")
+    screens, last, cell, first = _screens(pages, base, n + 1, rng)
+    stored: tuple = ()
+    for i, img in enumerate(screens[:n]):
+        stored += (("image", img), ("text", ACTION.format(i + 1)))
+    asked = ()
+    for i, img in enumerate(screens[1:], start=2):
+        asked += (("image", img),) + ((("text", ACTION.format(i)),) if i <= n else ())
+    return Case(cls, stored, asked, _three(pages, last, rng, first, {cell}), "approximate")
+
+
 def make_case(cls: str, pages: _Pages, base, other, rng: random.Random) -> Case | None:
-    """The case of class ``cls`` on page ``base`` (``other``: a page of another layout, for ``image-*``); None when
-    the page does not allow it (no room for another row)."""
+    """The case of class ``cls`` on page ``base`` (``other``: a page of another layout, for ``image-*`` and
+    ``images-*``); None when the page does not allow it (no room for another row)."""
     render = pages.render
+    if cls.startswith(("images-", "agent-")):
+        return _multi_image_case(cls, pages, base, other, rng)
     img = render(base)
     if cls.startswith("text-"):
         _, kind, lo, hi = cls.split("-")

@@ -20,7 +20,7 @@ from vismemo_hf.core.features import checked_namespace, scoped
 from vismemo_hf.core.plan import CacheEvent
 from vismemo_hf.core.thresholds import LookupThresholds
 from vismemo_hf.defaults import DEFAULT_POLICY
-from vismemo_hf.policies import RoutingPolicy, get_policy
+from vismemo_hf.policies import RoutingPolicy, get_policy, tolerance
 from vismemo_hf.runtime import forward
 from vismemo_hf.runtime.compress import VLCacheCompression
 from vismemo_hf.runtime.gate import MODES as APPROXIMATE_MODES
@@ -320,6 +320,10 @@ class VisMemoCache(DynamicCache):
         shared = {"warmup_layers": warmup_layers, "recompute_ratio": recompute_ratio, "reuse_ratio": reuse_ratio}
         given = {k: v for k, v in shared.items() if v is not None}
         self.policy = get_policy(policy, **given, **policy_options)
+        #: the policy as given; ``policy`` is it as it serves the model of the last prefill (``serve``)
+        self.given_policy = self.policy
+        self._served: str | None = None
+        self._context_given = "context" in policy_options  # a context routing passed is kept as it is
         if isinstance(thresholds, (str, os.PathLike)):
             thresholds = LookupThresholds.load(os.fspath(thresholds))
         if thresholds is not None and not isinstance(thresholds, LookupThresholds):
@@ -361,6 +365,14 @@ class VisMemoCache(DynamicCache):
     def owner(self, fingerprint: str) -> str:
         """Whose entries this cache reads and writes for a model (``core/features.py`` ``scoped``)."""
         return scoped(fingerprint, self.namespace)
+
+    def serve(self, fingerprint: str) -> None:
+        """A prefill of the model ``fingerprint`` names begins: ``policy`` becomes the given policy with that model's
+        calibrated context tolerance, where it has one, no ``context`` was passed and the policy checks contexts with
+        its own default routing (``policies.tolerance``, written by ``vismemo calibrate --context``)."""
+        if self._served != fingerprint:
+            self.policy = tolerance.for_model(self.given_policy, fingerprint, self._context_given)
+            self._served = fingerprint
 
     def lookup_thresholds(self, fingerprint: str) -> LookupThresholds:
         """The thresholds for a model: this cache's, else the store's calibration for that model, else the defaults;

@@ -154,6 +154,7 @@ def _look_up(ctx, adapter, kwargs):
         # resolves on first use, generate's expansion of it included)
         return kwargs
     cache = ctx.cache
+    cache.serve(adapter.fingerprint)  # the policy with the model's calibrated context tolerance, where it has one
     gate = gates.gate_for(adapter, repr(cache.policy)) if cache.approximate == "auto" else None
     looks = cache.approximate != "never" and (gate is None or gate.looks())
     request, outputs = lookup_request(adapter, cache, ids, pixels, grids, _own(adapter.base, "get_image_features"),
