@@ -88,3 +88,26 @@ def test_the_calibration_keeps_the_routing_that_recomputes_least_among_those_tha
     assert report.choose(_summary({}, same), ("a", "b"), 0.98)[0] == report.DEFAULT_CANDIDATE, "the default on a tie"
     nobody = {label: 0.5 for label in labels}
     assert report.choose(_summary(nobody, same), ("a", "b"), 0.98)[0] == report.STRICTEST
+
+
+def test_a_routing_that_fails_on_held_out_seeds_is_left_out(monkeypatch):
+    """The calibration seed's choice is checked on held-out case seeds; one that fails there is replaced by the
+    next, itself checked (the strictest routing agrees by construction)."""
+    labels = list(report.CANDIDATES)
+    recomputed = {label: 1.0 - 0.1 * i for i, label in enumerate(labels)}
+    recomputed[report.STRICTEST] = 1.0
+    lucky = labels[len(labels) - 2]  # the least recomputed: passes on the calibration seed alone
+    calls = []
+
+    def measure(model, seed, pairs, policies, classes, **_):
+        calls.append((seed, tuple(policies)))
+        bad = {lucky: 0.7} if seed != 100 else {}
+        return [], {cls: {label: {"agreement": bad.get(label, 1.0), "recomputed_share": recomputed[label], "stale": 0}
+                          for label in policies} for cls in classes}
+
+    monkeypatch.setattr(report, "measure", measure)
+    found = report.calibrate_context("m", 3, 100, 0.98, heldout=2)
+    assert found["chosen"] == labels[len(labels) - 3] and found["options"] == report.CANDIDATES[found["chosen"]]["context"]
+    assert not found["heldout"][lucky]["passes"] and found["heldout"][found["chosen"]]["passes"]
+    assert calls == [(100, tuple(labels)), (101, (lucky,)), (102, (lucky,)), (101, (found["chosen"],)),
+                     (102, (found["chosen"],))]

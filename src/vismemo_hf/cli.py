@@ -148,18 +148,21 @@ def calibrate_context(args) -> int:
     fingerprint = model_fingerprint(model)
     del model
     found = report.calibrate_context(args.model, args.context_pairs, args.context_seed, args.min_agreement,
-                                     family=args.family, weight_seed=args.seed)
+                                     family=args.family, weight_seed=args.seed, heldout=args.heldout_seeds)
     name = args.name or (Path(args.model).name if args.family is None else f"{Path(args.model).name}-{args.family}")
     out = Path(args.out) if args.out else presets.write_path(tolerance.KIND, name)
     out.parent.mkdir(parents=True, exist_ok=True)
     command = (f"vismemo calibrate --context --model {args.model}" + (f" --family {args.family}" if args.family else "")
                + f" --context-pairs {args.context_pairs} --context-seed {args.context_seed}"
-               + f" --min-agreement {args.min_agreement}" + (f" --name {args.name}" if args.name else ""))
+               + f" --min-agreement {args.min_agreement} --heldout-seeds {args.heldout_seeds}"
+               + (f" --name {args.name}" if args.name else ""))
     chosen = found["figures"][found["chosen"]]
     preset = {"fingerprint": fingerprint, "context": found["options"],
               "calibration": {"model": args.model, "command": command, "routing": found["chosen"],
                               "worst_agreement": round(chosen["worst_agreement"], 4),
-                              "recomputed": round(chosen["recomputed"], 4), "cases_per_class": args.context_pairs}}
+                              "recomputed": round(chosen["recomputed"], 4), "cases_per_class": args.context_pairs,
+                              **({"heldout_worst_agreement": round(found["heldout"][found["chosen"]]["worst_agreement"], 4)}
+                                 if found["chosen"] in found["heldout"] else {})}}
     out.write_text("# context tolerance of one model (vismemo calibrate --context): any VisMemoCache serving it uses\n"
                    "# these ContextRouting fields over its routing's default (none: the default)\n"
                    + yaml.safe_dump(preset, sort_keys=False))
@@ -173,7 +176,8 @@ def calibrate_context(args) -> int:
         "another text of 1-300 characters before the page, exact and edited; 1-3 other pages before it; an "
         "agent's window of 2-3 screenshots slid by one). Agreement: the greedy answer equals plain transformers'; "
         "recomputed: the mean share of the page's tokens computed (a fallback computes all). The chosen routing is "
-        "the one that recomputes least among those that pass; where none does, every change is computed in full.",
+        "the one that recomputes least among those that pass, on this seed and on the held-out seeds; where none "
+        "does, every change is computed in full.",
         ""] + report.calibration_lines(found, args.min_agreement)
     (results / f"{name}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
@@ -502,6 +506,8 @@ def _add_calibrate(sub) -> None:
     p.add_argument("--context-seed", type=int, default=9100, help="--context: the cases' seed")
     p.add_argument("--min-agreement", type=float, default=0.98,
                    help="--context: the least agreement with a full prefill on every class")
+    p.add_argument("--heldout-seeds", type=int, default=2,
+                   help="--context: other case seeds the chosen routing must pass too (else the next is chosen)")
     p.set_defaults(func=calibrate)
 
 
