@@ -350,6 +350,14 @@ def test_a_read_waits_for_the_write_of_its_own_entry_only(qwen2, pages):
     assert store.lookup_section(stored_key, entry.fingerprint) is not None
     found = store.candidates(entry.fingerprint, entry.grid, entry.descriptors, -1.0, 5)
     assert time.perf_counter() - t0 < 5 and twin.key in {k for k, _ in found}
+    # the fine stage scores the held entry from its announcement: its encoder output and thumbnail, no wait
+    thumb = torch.zeros(4, 4, dtype=torch.uint8)
+    store.put_later(build, Announced("ann" + stored_key[3:], twin.fingerprint, twin.grid, twin.descriptors,
+                                     twin.patch_hashes, embeds=twin.embeds, thumbnail=lambda: thumb))
+    t0 = time.perf_counter()
+    descriptors, sketch, thumbnail = store.lookup_section("ann" + stored_key[3:], twin.fingerprint)
+    assert time.perf_counter() - t0 < 5 and thumbnail is thumb
+    assert torch.equal(descriptors, twin.descriptors) and torch.equal(sketch, twin.token_sketches)
     threading.Timer(0.3, release.set).start()
     got = store.get(twin.key, twin.fingerprint)
     assert got is not None and torch.equal(got.kv, twin.kv)

@@ -18,6 +18,7 @@ presets' search path (``presets.search_path``), by fingerprint, once per model a
 from __future__ import annotations
 
 import dataclasses
+import logging
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -25,6 +26,8 @@ from typing import cast
 
 from vismemo_hf import presets
 from vismemo_hf.policies.base import ContextRouting, RoutingPolicy
+
+logger = logging.getLogger(__name__)
 
 KIND = "context"
 _KEYS = {"fingerprint", "context", "calibration"}
@@ -78,7 +81,8 @@ def calibrated(fingerprint: str) -> Tolerance | None:
     for _, path, _ in presets.listing(KIND):
         try:
             tolerance = load(path)
-        except ValueError:  # a broken preset of some other model must not stop this one: it is reported when loaded
+        except ValueError as err:  # a broken preset must not stop the model's requests: said, and passed over
+            logger.warning("vismemo: context preset skipped: %s", err)
             continue
         if tolerance.fingerprint == fingerprint:
             found = tolerance

@@ -127,7 +127,7 @@ def write_entries(adapter, cache, done: list[tuple], importance=lambda i: None) 
 
         announced = Announced(key, fingerprint, tuple(match.features.grid), match.descriptors,
                               _hashes_of(match.features), match.prefix, match.context, match.embeds.detach(),
-                              match.deepstack, gather, offset) if match.descriptors is not None else None
+                              match.deepstack, gather, offset, match.thumbnail) if match.descriptors is not None else None
         store_call("write", lambda b=build, a=announced: cache.store.put_later(b, a), None)
 
 

@@ -140,6 +140,9 @@ class Announced:
     #: first token they were computed at: an exact hit reads them without waiting for the write
     kv: Callable[[], torch.Tensor] | None = None
     offset: int = 0
+    #: what gives its (H, W) uint8 thumbnail: with ``embeds``, the fine stage scores it as a candidate without
+    #: waiting for the write (a miss never waits for another image's entry)
+    thumbnail: Callable[[], torch.Tensor] | None = None
 
 
 class Writer:

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from vismemo_hf.core.features import checked_namespace
+from vismemo_hf.core.features import checked_namespace, token_sketch
 from vismemo_hf.presets import find, load
 from vismemo_hf.store import blob
 from vismemo_hf.store.background import Writer
@@ -374,7 +374,14 @@ class VisMemoStore(Roles, PendingWrites):
             return kv
 
     def lookup_section(self, key: str, fingerprint: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
-        """Fine stage: a candidate's (descriptors, token sketches, thumbnail or None), its lookup section alone."""
+        """Fine stage: a candidate's (descriptors, token sketches, thumbnail or None), its lookup section alone. A
+        candidate still being written is scored from its announcement, without waiting for its write: most
+        candidates turn out not to be the alias, and a miss then waited for another image's entry (an alias's K/V
+        are read later, ``get_tokens``, and wait then)."""
+        pending = self.pending_image(key)
+        if pending is not None and pending.fingerprint == fingerprint and pending.embeds is not None:
+            thumb = pending.thumbnail() if pending.thumbnail is not None else None
+            return pending.descriptors, token_sketch(pending.embeds), thumb
         self._wait_for(key)
         with self._lock:
             out = self._read(key, fingerprint, "lookup")[0]
