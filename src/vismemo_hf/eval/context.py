@@ -222,12 +222,9 @@ def _multi_image_case(cls: str, pages: _Pages, base, other, rng: random.Random) 
     return Case(cls, stored, asked, _three(pages, last, rng, first, {cell}), "approximate")
 
 
-def make_case(cls: str, pages: _Pages, base, other, rng: random.Random) -> Case | None:
-    """The case of class ``cls`` on page ``base`` (``other``: a page of another layout, for ``image-*`` and
-    ``images-*``); None when the page does not allow it (no room for another row)."""
+def _context_case(cls: str, pages: _Pages, base, other, rng: random.Random) -> Case:
+    """A ``text-*`` or ``image-*`` case (``make_case``)."""
     render = pages.render
-    if cls.startswith(("images-", "agent-")):
-        return _multi_image_case(cls, pages, base, other, rng)
     img = render(base)
     if cls.startswith("text-"):
         _, kind, lo, hi = cls.split("-")
@@ -243,16 +240,27 @@ def make_case(cls: str, pages: _Pages, base, other, rng: random.Random) -> Case 
         first = pages.about(page, row, col, pages.value(base, row, col))
         return Case(cls, (("text", old), ("image", img)), (("text", new), ("image", render(page))),
                     _three(pages, page, rng, first, {(row, col)}), "approximate")
-    if cls.startswith("image-"):
-        if cls == "image-exact":
-            return Case(cls, (("image", img),), (("image", render(other)), ("image", img)), _three(pages, base, rng),
-                        "exact")
-        row, col = rng.choice(pages.cells(base))
-        page = pages.edit_value(base, row, col, rng)
-        first = pages.about(page, row, col, pages.value(base, row, col))
-        return Case(cls, (("image", img),), (("image", render(other)), ("image", render(page))),
-                    _three(pages, page, rng, first, {(row, col)}), "approximate")
+    if cls == "image-exact":
+        return Case(cls, (("image", img),), (("image", render(other)), ("image", img)), _three(pages, base, rng),
+                    "exact")
+    row, col = rng.choice(pages.cells(base))  # image-approx
+    page = pages.edit_value(base, row, col, rng)
+    first = pages.about(page, row, col, pages.value(base, row, col))
+    return Case(cls, (("image", img),), (("image", render(other)), ("image", render(page))),
+                _three(pages, page, rng, first, {(row, col)}), "approximate")
+
+
+def make_case(cls: str, pages: _Pages, base, other, rng: random.Random) -> Case | None:
+    """The case of class ``cls`` on page ``base`` (``other``: a page of another layout, for ``image-*`` and
+    ``images-*``); None when the page does not allow it (no room for another row)."""
+    render = pages.render
+    if cls.startswith(("images-", "agent-")):
+        return _multi_image_case(cls, pages, base, other, rng)
+    img = render(base)
+    if cls.startswith(("text-", "image-")):
+        return _context_case(cls, pages, base, other, rng)
     row, col = rng.choice(pages.cells(base))
+    page: docpage.DocPage | synthdoc.FormPage
     if cls == "digit-edit":
         if pages.kind == "docpage":
             page = docpage.edit_char(base, row, col, rng)

@@ -354,9 +354,8 @@ class ModelAdapter(VisionTower):
         return self._weights.of(self.model)
 
     def hold_fingerprint(self, held: bool, check: bool = True) -> None:
-        """A forward begins (True) or ends (False): the weights are checked once as it begins (``check``), not at
-        each of its lookups, reads and writes (a check reads every parameter's address and version). A decoding step
-        looks nothing up and stores nothing: it does not check them (``check=False``)."""
+        """A forward begins (True) or ends (False): a prefill checks the weights once as it begins (``check``; a
+        check reads every parameter's address and version), a decoding step, which looks nothing up, does not."""
         if held and check:
             self._weights.of(self.model)
         with _HOLDING:  # forwards of several threads: no count lost (a lost one would hold the value for ever)
