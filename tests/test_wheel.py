@@ -143,6 +143,13 @@ def test_the_wheel_imports_from_its_venv_not_the_source_tree(wheel_env, tmp_path
     assert not source, source
     tasks = _bash("vismemo tasks-path", work, env)
     assert tasks.returncode == 0 and Path(tasks.stdout.strip()).is_relative_to(venv), _said(tasks)
+    # every kind of preset ships, the readers' context tolerance among them (found by fingerprint from any directory)
+    kinds = subprocess.run([str(python), "-c", "from vismemo_hf import presets\n"
+                            "for k in presets.KINDS: print(k, len(presets.available(k)))"],
+                           cwd=work, env=env, capture_output=True, text=True)
+    assert kinds.returncode == 0, _said(kinds)
+    counts = dict(line.split() for line in kinds.stdout.splitlines())
+    assert all(int(n) > 0 for n in counts.values()) and int(counts["context"]) >= 2, counts
 
 
 def test_readme_cli_commands_from_a_wheel(wheel_env, tmp_path):
