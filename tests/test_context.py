@@ -524,6 +524,21 @@ def test_the_context_report_compares_each_answer_with_plain_transformers(base_re
     assert summary["encoded_share"] == sum(r["encoded_share"] for r in rows) / 3
 
 
+def test_pages_after_other_pages_and_a_slid_agent_window_are_computed_in_full_by_default(base_reader):
+    """On the base reader (whose calibrated tolerance is the default): an exact hit after other pages and an agent's
+    new screen after the screens before it are computed in full, counted as context fallbacks, the exact hit still
+    without its vision tower; every answer is plain transformers'."""
+    from vismemo_hf.bench import context as report
+
+    model, plain, processor = base_reader
+    for cls, kind, encoded in (("images-2", "exact", 0.0), ("agent-2", "approximate", None)):
+        (case,) = context.cases("docpage", 17, 1, (cls,))
+        rows = report.run_case(model, plain, processor, case, {"default": {}}, max_new_tokens=6)
+        assert all(r["agree"] and r["kind"] == kind and r["fallback"] == "context" for r in rows), rows
+        assert all(r["recomputed_share"] == 1.0 and r["prefix_changed"] for r in rows)
+        assert encoded is None or all(r["encoded_share"] == encoded for r in rows)
+
+
 @pytest.mark.parametrize("beams", [1, 2])
 def test_an_unsure_answer_after_a_reuse_is_computed_in_full_at_that_token(base_reader, monkeypatch, beams):
     """The prefill's reuse passes its checks (forced here), but the model is unsure of a later token: the sequence so
