@@ -34,7 +34,7 @@ ALL = ("default", "cacheblend", "vismemo")
 #: the front of the context check (``--front``): the size of a small context change (``ContextRouting.small_change``,
 #: tokens) swept, larger changes checked instead of computed in full (``check_large``), the default with its
 #: confidence guard off, the check layer alone (no probes, no guard) and every token computed
-FRONT = {"small <= 8, larger in full (default)": {},
+FRONT: dict[str, dict] = {"small <= 8, larger in full (default)": {},
          "small <= 16, larger in full": {"context": {"small_change": 16}},
          "small <= 32, larger in full": {"context": {"small_change": 32}},
          "small <= 8, larger checked": {"context": {"check_large": True}},
@@ -48,16 +48,14 @@ FRONT_ALIASES = {"small <= 8": "small <= 8, larger checked", "small <= 8 (defaul
                  "small <= 0 (every change checked in full)": "small <= 0, every change checked"}
 FRONT_CLASSES = tuple(c for c in context.CLASSES if c.startswith(("text-", "image-", "images-", "agent-")))
 READERS = {"vismemo-docqa-base": "docpage", "vismemo-docqa-tiny": "synthdoc"}
-#: the routings ``vismemo calibrate --context`` chooses from, each with its guards (probes, confidence guard, watch):
-#: the default, small changes of up to 16 or 32 tokens checked, larger changes checked too, every change checked,
-#: and the strictest, every change computed in full (chosen when none of the others agrees on every class). Each is
-#: passed as a ``context`` (no model's calibrated tolerance replaces it while it is measured)
+#: the routings ``vismemo calibrate --context`` chooses from: the front's context routings that keep their guards
+#: (probes, confidence guard, watch) and the strictest, every change computed in full (chosen when none of the others
+#: agrees on every class). Each is passed as a ``context``, the default's empty: no model's calibrated tolerance
+#: replaces it while it is measured
 CANDIDATES: dict[str, dict[str, dict]] = {
-    "small <= 8, larger in full (default)": {"context": {}},
-    "small <= 16, larger in full": {"context": {"small_change": 16}},
-    "small <= 32, larger in full": {"context": {"small_change": 32}},
-    "small <= 8, larger checked": {"context": {"check_large": True}},
-    "small <= 0, every change checked": {"context": {"small_change": 0, "check_large": True}},
+    **{label: {"context": FRONT[label].get("context", {})} for label in (
+        "small <= 8, larger in full (default)", "small <= 16, larger in full", "small <= 32, larger in full",
+        "small <= 8, larger checked", "small <= 0, every change checked")},
     "every change in full": {"context": {"small_change": 0}}}
 DEFAULT_CANDIDATE, STRICTEST = next(iter(CANDIDATES)), "every change in full"
 

@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Callable
-from contextvars import ContextVar
-from dataclasses import dataclass, field, replace
+from dataclasses import InitVar, dataclass, field, replace
 from enum import Enum
 from typing import Final, Literal
 
@@ -75,14 +74,17 @@ class ImagePlan:
     #: and the first this many generated tokens are watched too (``runtime/watch.py``): a step whose top probability
     #: is below ``verify_confidence`` has the whole sequence computed again in full first
     verify_watch: int = 0
+    #: False: the sets partition the tokens by construction (``exact``, ``full``), not checked again (the check sorts
+    #: every token of the image, on every miss)
+    checked: InitVar[bool] = True
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, checked: bool = True) -> None:
         self.kind = HitKind(self.kind)
         self.recompute, self.reuse, self.mask = (_index(x) for x in (self.recompute, self.reuse, self.mask))
         if self.reuse_from is None:
             self.reuse_from = torch.full_like(self.reuse, self.warmup_layers)
         self.reuse_from = _index(self.reuse_from)
-        if _BUILT.get():  # ``exact`` and ``full``: sets that partition the tokens by construction
+        if not checked:
             return
         if self.reuse_from.shape != self.reuse.shape or bool((self.reuse_from < self.warmup_layers).any()):
             raise ValueError("reuse_from needs one layer per reused token, none below warmup_layers")
@@ -169,26 +171,14 @@ class ImagePlan:
     @classmethod
     def exact(cls, n_tokens: int, alias: str) -> ImagePlan:
         """Every visual token reused at every layer; only text is computed."""
-        token = _BUILT.set(True)
-        try:
-            return cls(HitKind.EXACT, n_tokens, 0, _index([]), torch.arange(n_tokens), _index([]), alias)
-        finally:
-            _BUILT.reset(token)
+        return cls(HitKind.EXACT, n_tokens, 0, _index([]), torch.arange(n_tokens), _index([]), alias, checked=False)
 
     @classmethod
     def full(cls, kind: HitKind, n_tokens: int, alias: str | None = None, fallback: str | None = None) -> ImagePlan:
         """Every visual token computed at every layer (a miss, a policy that reuses nothing, or a hit that cannot
         be reused safely: ``fallback`` says why)."""
-        token = _BUILT.set(True)
-        try:
-            return cls(kind, n_tokens, 0, torch.arange(n_tokens), _index([]), _index([]), alias, fallback=fallback)
-        finally:
-            _BUILT.reset(token)
-
-
-#: set while ``ImagePlan.exact`` / ``ImagePlan.full`` build a plan: its sets are checked by construction (a check of
-#: every plan's partition costs a sort of its tokens, on every miss)
-_BUILT: ContextVar[bool] = ContextVar("vismemo_plan_built", default=False)
+        return cls(kind, n_tokens, 0, torch.arange(n_tokens), _index([]), _index([]), alias, fallback=fallback,
+                   checked=False)
 
 
 class _Later(Enum):
